@@ -1,0 +1,5 @@
+import sys
+
+from octavo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""`octavo` command line. Each subcommand lives in octavo/commands/<name>.py and exposes
+`HELP: str`, `add_arguments(parser)` and `run(args) -> int`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from octavo.errors import OctavoError
+
+COMMANDS = ["export", "build", "generate", "chat", "serve", "bench", "trace", "demo", "triton"]
+
+
+def _load(name: str):  # noqa: ANN202
+    return importlib.import_module(f"octavo.commands.{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="octavo", description="LLM serving with a paged KV cache and continuous batching")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ERROR)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            mod = _load(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == f"octavo.commands.{name}":
+                continue  # command not part of this build
+            raise
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args._run(args) or 0)
+    except OctavoError as exc:
+        print(f"octavo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""octavo.json: the versioned manifest written next to model.onnx (magic + format version)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from octavo.errors import ModelFormatError
+
+MAGIC = "octavo-model"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "octavo.json"
+
+
+@dataclass(slots=True)
+class Manifest:
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int  # max_position_embeddings
+    rope_theta: float
+    dtype: str = "float32"  # dtype of the KV pool / activations in the graph
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    onnx_file: str = "model.onnx"
+    weights_file: str = "model.onnx.data"
+    tokenizer_file: str = "tokenizer.json"
+    chat_template_file: str | None = "chat_template.jinja"
+    source: str = ""  # where it was exported from (informational)
+    magic: str = MAGIC
+    format_version: int = FORMAT_VERSION
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block takes over all layers (key + value)."""
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / MANIFEST_NAME
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "Manifest":
+        path = Path(folder) / MANIFEST_NAME
+        if not path.is_file():
+            raise ModelFormatError(
+                f"{folder} is not an octavo model folder: {MANIFEST_NAME} is missing "
+                f"(export one with `octavo export SRC OUT`)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelFormatError(f"{path} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict) or data.get("magic") != MAGIC:
+            raise ModelFormatError(f"{path} is not an octavo manifest (magic {MAGIC!r} missing)")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            newer = isinstance(version, int) and version > FORMAT_VERSION
+            raise ModelFormatError(
+                f"{path} has format version {version!r}; this octavo reads version {FORMAT_VERSION}. "
+                + ("Upgrade octavo to load it." if newer else "Re-export the model with this octavo.")
+            )
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ModelFormatError(f"{path} has unknown fields {sorted(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ModelFormatError(f"{path} is incomplete: {exc}") from exc

@@ -1,0 +1,34 @@
+"""EngineArgs: every knob of the engine in one place (shared by LLM, AsyncEngine, CLI, server, Triton)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from octavo.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str  # export folder, HF folder or .gguf (the latter two are exported into a cache dir)
+    block_size: int = 16
+    num_blocks: int | None = None  # wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default: enough for max_num_seqs full contexts, capped
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the manifest's max_context
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # backend intra-op threads; None = all cores
+    backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt"
+    seed: int = 0  # default seed for requests without one
+    trace_path: str | None = None  # write one JSON line per step here
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.backend not in ("onnxruntime", "tensorrt"):
+            raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")

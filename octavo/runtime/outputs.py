@@ -1,0 +1,49 @@
+"""What a request returns: RequestOutput with CompletionOutputs and metrics (vLLM's shape)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    decoded: str = ""
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: top-k + the chosen one
+    error: str | None = None  # message when finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,85 @@
+"""SamplingParams: what a request asks of the sampler and the stop logic (vLLM's names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from octavo.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16  # None = until the context is full
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {self.n!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k!r}")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2 <= v <= 2:
+                raise bad(f"{name} must be in [-2, 2], got {v!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop must be a non-empty string or a list of non-empty strings")
+        if self.logit_bias is not None:
+            for k, v in self.logit_bias.items():
+                if not isinstance(k, int) or not _finite(v) or not -100 <= v <= 100:
+                    raise bad(f"logit_bias maps token ids to values in [-100, 100], got {k!r}: {v!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+__all__ = ["SamplingParams", "field"]

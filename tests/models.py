@@ -1,0 +1,104 @@
+"""Small random-weight HF checkpoints (made with transformers from a config, no downloads) for tests.
+
+DESIGN.md: give test models a large initializer_range (0.3-0.6) so outputs depend on the context and the
+top-1/top-2 logit margin stays clear of fp32 noise; otherwise exact-match tests prove little.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the capital. "
+    "Translate to French: good morning, how are you today? Solve: if x + 3 = 7 then x = 4. "
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    "Write an essay about the history of computing, memory, paging and operating systems. "
+    "Once upon a time there was a small engine that served many requests at once. 0123456789 "
+    "Héllo wörld, naïve café — ünïcödé 日本語 テスト 😀 emoji. "
+) * 4
+
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# name -> (transformers config class name, overrides)
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
+    "llama3rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=24)),
+    "tied": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+}
+
+
+def make_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    return tok
+
+
+def make_random_model(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write config.json, model.safetensors and tokenizer files of a tiny random model to PATH."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer()
+    cls_name, arch_over = ARCHS[arch]
+    cfg = dict(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
+        initializer_range=0.4, bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"),
+        tie_word_embeddings=False,
+    )
+    cfg.update(arch_over)
+    cfg.update(overrides)
+    config = getattr(transformers, cls_name)(**cfg)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE, "add_bos_token": False,
+    }, indent=1))
+    (path / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return path
+
+
+def load_hf(path: str | Path):
+    """(model, tokenizer) from transformers for the reference side of a test."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    return model, tok
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers (no EOS stop), the reference for exact-match tests."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(prompt_ids):].tolist()
