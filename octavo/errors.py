@@ -47,3 +47,7 @@ class EngineDeadError(OctavoError):
 
 class StepFailedError(OctavoError):
     """The backend failed during a step; only the requests of that step are ended with this error."""
+
+
+class TraceFormatError(OctavoError):
+    """A trace file (one JSON row per engine step) is missing, unreadable or has malformed rows."""
