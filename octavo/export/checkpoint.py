@@ -1,0 +1,177 @@
+"""The neutral checkpoint both front ends (HF safetensors folder, GGUF file) hand to the graph builder.
+
+A `Checkpoint` is an HF-style config dict, a lazy tensor getter over HF tensor names and layouts, the
+tokenizer as HF `tokenizers` JSON and the chat template. `ModelSpec` is what the graph builder needs from
+the config, validated: only architectures octavo can build pass `spec_from_config`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+
+# HF `architectures` entry -> manifest architecture name
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A model as read from disk, independent of its file format."""
+
+    config: dict[str, Any]
+    tensor_names: frozenset[str]
+    get_tensor: Callable[[str], np.ndarray]  # HF name -> float32 array in HF layout ([out, in] for linears)
+    tokenizer_json: str
+    chat_template: str | None
+    source: str
+    extra_eos_token_ids: list[int] = field(default_factory=list)  # e.g. from generation_config.json
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self.tensor_names:
+            raise ModelFormatError(f"{self.source}: tensor {name!r} is missing from the checkpoint")
+        return self.get_tensor(name)
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """The shape of the transformer, taken from the config and checked."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    sliding_windows: list[int]  # per layer, 0 = full attention
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+
+
+def _supported_list() -> str:
+    return ", ".join(f"{hf} ({name})" for hf, name in SUPPORTED_ARCHITECTURES.items())
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    named = ", ".join(map(str, archs)) or f"model_type {config.get('model_type')!r}"
+    raise UnsupportedArchitectureError(
+        f"architecture {named} is not supported; octavo exports {_supported_list()}"
+    )
+
+
+def _required_int(config: dict[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelFormatError(f"config.json: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict with 'rope_type' or None) from either the transformers 4 or 5 layout."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:  # transformers >= 5
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(config.get("rope_theta", 10000.0))
+        scaling = dict(config.get("rope_scaling") or {})
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedArchitectureError(
+            f"rope type {rope_type!r} is not supported; octavo supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    needed = ["factor"] + (
+        ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"] if rope_type == "llama3" else []
+    )
+    missing = [k for k in needed if k not in scaling]
+    if missing:
+        raise ModelFormatError(f"config.json: rope scaling {rope_type!r} lacks {missing}")
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+def _sliding_windows(config: dict[str, Any], architecture: str, num_layers: int) -> list[int]:
+    window = config.get("sliding_window")
+    if not window:
+        return [0] * num_layers
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == num_layers:
+        return [int(window) if t == "sliding_attention" else 0 for t in layer_types]
+    if architecture == "qwen2":  # transformers 4 layout
+        if not config.get("use_sliding_window", False):
+            return [0] * num_layers
+        first = int(config.get("max_window_layers", num_layers))
+        return [int(window) if i >= first else 0 for i in range(num_layers)]
+    return [int(window)] * num_layers
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] = ()) -> ModelSpec:
+    """Validate an HF-style config and derive the model shape. Raises UnsupportedArchitectureError."""
+    architecture = _architecture(config)
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise UnsupportedArchitectureError(f"hidden_act {config.get('hidden_act')!r} is not supported (silu only)")
+    num_layers = _required_int(config, "num_hidden_layers")
+    hidden = _required_int(config, "hidden_size")
+    heads = _required_int(config, "num_attention_heads")
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelFormatError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if head_dim % 2:
+        raise ModelFormatError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
+    theta, scaling = _rope(config)
+    eos = _token_ids(config.get("eos_token_id"))
+    for extra in extra_eos_token_ids:
+        if extra not in eos:
+            eos.append(int(extra))
+    return ModelSpec(
+        architecture=architecture,
+        num_layers=num_layers,
+        hidden_size=hidden,
+        intermediate_size=_required_int(config, "intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_required_int(config, "vocab_size"),
+        max_context=int(config.get("max_position_embeddings") or 2048),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        sliding_windows=_sliding_windows(config, architecture, num_layers),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id") if isinstance(config.get("bos_token_id"), int) else None,
+        eos_token_ids=eos,
+        pad_token_id=config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else None,
+    )

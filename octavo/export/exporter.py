@@ -1,0 +1,148 @@
+"""`export_model(src, out)`: HF safetensors folder or GGUF file -> an octavo model folder.
+
+OUT receives model.onnx, model.onnx.data (all weights, raw bytes), octavo.json (the Manifest),
+tokenizer.json and chat_template.jinja (when the checkpoint has one). The folder is assembled under a
+temporary name next to OUT and renamed into place at the end, so a crashed export never leaves a
+half-written model behind that looks complete.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from octavo.errors import ModelFormatError
+from octavo.export.checkpoint import Checkpoint, ModelSpec, spec_from_config
+from octavo.export.graph import build_model
+from octavo.export.hf_reader import PICKLE_SUFFIXES, read_hf_folder
+from octavo.export.manifest import MANIFEST_NAME, Manifest
+from octavo.export.weights_file import WeightsFile
+
+log = logging.getLogger(__name__)
+
+ONNX_NAME = "model.onnx"
+WEIGHTS_NAME = "model.onnx.data"
+TOKENIZER_NAME = "tokenizer.json"
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
+
+
+def _read_gguf(path: Path) -> Checkpoint:
+    """Adapt the GGUF reader's result (owner: gguf) to the neutral Checkpoint."""
+    from octavo.export.gguf_reader import read_gguf
+
+    gguf = read_gguf(path)
+    tensors = gguf.tensors
+    return Checkpoint(
+        config=dict(gguf.config),
+        tensor_names=frozenset(tensors),
+        get_tensor=tensors.__getitem__,
+        tokenizer_json=gguf.tokenizer_json,
+        chat_template=gguf.chat_template,
+        source=str(path),
+    )
+
+
+def read_checkpoint(src: str | Path) -> Checkpoint:
+    """Open SRC (an HF folder or a .gguf file) as a Checkpoint; pickle files are refused unopened."""
+    src = Path(src)
+    if not src.exists():
+        raise ModelFormatError(f"{src} does not exist (expected an HF model folder or a .gguf file)")
+    if src.is_dir():
+        if (src / MANIFEST_NAME).is_file() and not (src / "config.json").is_file():
+            raise ModelFormatError(f"{src} is already an exported octavo model folder; nothing to export")
+        return read_hf_folder(src)
+    if src.suffix.lower() == ".gguf":
+        return _read_gguf(src)
+    if src.suffix.lower() in PICKLE_SUFFIXES:
+        raise ModelFormatError(
+            f"{src} is a pickle checkpoint; octavo refuses it because loading pickle can run arbitrary "
+            f"code. Convert it to safetensors in a trusted environment, or use a GGUF file"
+        )
+    raise ModelFormatError(f"{src}: expected an HF model folder (config.json + *.safetensors) or a .gguf file")
+
+
+def _manifest(spec: ModelSpec, has_template: bool, source: str) -> Manifest:
+    windows = {w for w in spec.sliding_windows if w}
+    return Manifest(
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        hidden_size=spec.hidden_size,
+        vocab_size=spec.vocab_size,
+        max_context=spec.max_context,
+        rope_theta=spec.rope_theta,
+        rope_scaling=spec.rope_scaling,
+        sliding_window=max(windows) if windows else None,
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=spec.bos_token_id,
+        eos_token_ids=list(spec.eos_token_ids),
+        pad_token_id=spec.pad_token_id,
+        onnx_file=ONNX_NAME,
+        weights_file=WEIGHTS_NAME,
+        tokenizer_file=TOKENIZER_NAME,
+        chat_template_file=CHAT_TEMPLATE_NAME if has_template else None,
+        source=source,
+    )
+
+
+def _write_folder(checkpoint: Checkpoint, spec: ModelSpec, folder: Path, progress: bool) -> Manifest:
+    with tqdm(total=spec.num_layers + 2, desc="export", unit="layer", disable=not progress) as bar:
+        with WeightsFile(folder / WEIGHTS_NAME) as weights:
+            model = build_model(spec, checkpoint, weights, on_layer=lambda layer: bar.update(1))
+        (folder / ONNX_NAME).write_bytes(model.SerializeToString())
+    (folder / TOKENIZER_NAME).write_text(checkpoint.tokenizer_json, encoding="utf-8")
+    if checkpoint.chat_template:
+        (folder / CHAT_TEMPLATE_NAME).write_text(checkpoint.chat_template, encoding="utf-8")
+    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source)
+    manifest.save(folder)
+    return manifest
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """OUT may be missing or empty; with OVERWRITE it may also be a previously exported model."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if overwrite and out.is_dir() and (out / MANIFEST_NAME).is_file():
+        return
+    raise ModelFormatError(
+        f"{out} already exists and is not empty; "
+        + ("it is not an octavo model folder, so it is not replaced" if overwrite
+           else "pass overwrite=True (`octavo export --force`) to replace an exported model")
+    )
+
+
+def _place(tmp: Path, out: Path, overwrite: bool) -> None:
+    _check_out(out, overwrite)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    elif out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def export_model(src: str | Path, out: str | Path, *, progress: bool = True, overwrite: bool = False) -> Manifest:
+    """Export SRC (HF folder or .gguf file) into the folder OUT; returns the written Manifest."""
+    started = time.perf_counter()
+    out = Path(out)
+    checkpoint = read_checkpoint(src)
+    spec = spec_from_config(checkpoint.config, checkpoint.extra_eos_token_ids)
+    _check_out(out, overwrite)  # fail before any work
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        manifest = _write_folder(checkpoint, spec, tmp, progress)
+        _place(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s -> %s in %.1f s", src, out, time.perf_counter() - started)
+    return manifest

@@ -1,0 +1,209 @@
+"""Build the ONNX graph of a Llama-family decoder directly from its weights (no tracing).
+
+Per layer: RMSNorm -> fused qkv Gemm (+ optional bias) -> RoPE (rotate_half, as HF) -> ONE
+`octavo.PagedAttention` node (which writes the new K/V into that layer's pool in place) -> o_proj ->
+residual -> RMSNorm -> fused gate/up Gemm -> SiLU(gate) * up -> down_proj -> residual. After the last
+layer only the rows in `logits_indices` are gathered, then final norm + lm_head, so a prefill of T
+tokens pays the vocabulary projection only for the rows that need a next token.
+
+Linear weights stay in HF's [out, in] layout and run as Gemm(transB=1): the bytes are copied straight
+from the checkpoint, and q/k/v (and gate/up) are written back to back as one fused tensor.
+The graph contract (names, dtypes, order) is DESIGN.md's "The ONNX contract".
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from octavo.errors import ModelFormatError
+from octavo.export.checkpoint import Checkpoint, ModelSpec
+from octavo.export.rope import inv_freq
+from octavo.export.weights_file import WeightsFile
+
+OPSET = 17
+OP_DOMAIN = "octavo"
+OP_TYPE = "PagedAttention"
+
+# graph inputs in contract order: (name, elem type, shape); caches follow per layer
+STEP_INPUTS: list[tuple[str, int, list[str | int]]] = [
+    ("input_ids", TensorProto.INT64, ["num_tokens"]),
+    ("position_ids", TensorProto.INT64, ["num_tokens"]),
+    ("cumulative_sequence_length", TensorProto.INT32, ["batch_plus_one"]),
+    ("past_seqlens", TensorProto.INT32, ["batch"]),
+    ("block_table", TensorProto.INT32, ["batch", "max_blocks"]),
+    ("slot_mapping", TensorProto.INT64, ["num_tokens"]),
+    ("logits_indices", TensorProto.INT64, ["num_logits"]),
+]
+
+
+def cache_input_names(num_layers: int) -> list[str]:
+    """key_cache.0, value_cache.0, key_cache.1, ... (the order of the graph inputs)."""
+    return [f"{kind}.{layer}" for layer in range(num_layers) for kind in ("key_cache", "value_cache")]
+
+
+@dataclass(slots=True)
+class _Graph:
+    """Nodes and initializers being collected; small constants inline, weights to the data file."""
+
+    weights: WeightsFile
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: list[TensorProto] = field(default_factory=list)
+    _count: int = 0
+
+    def op(self, op_type: str, inputs: list[str], num_outputs: int = 1, domain: str = "", **attrs: object) -> list[str]:
+        self._count += 1
+        base = f"{op_type.lower()}_{self._count}"
+        outputs = [f"{base}:{i}" for i in range(num_outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=base, domain=domain, **attrs))
+        return outputs
+
+    def op1(self, op_type: str, inputs: list[str], **attrs: object) -> str:
+        return self.op(op_type, inputs, **attrs)[0]
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(onnx.numpy_helper.from_array(array, name))
+        return name
+
+    def weight(self, name: str, parts: list[np.ndarray]) -> str:
+        self.initializers.append(self.weights.add(name, parts))
+        return name
+
+
+@dataclass(slots=True)
+class _Weights:
+    """Fetches checkpoint tensors and checks their shapes against the spec."""
+
+    checkpoint: Checkpoint
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        array = self.checkpoint.tensor(name)
+        if tuple(array.shape) != shape:
+            raise ModelFormatError(
+                f"{self.checkpoint.source}: tensor {name!r} has shape {tuple(array.shape)}, the config implies {shape}"
+            )
+        return array
+
+    def bias(self, name: str, size: int) -> np.ndarray | None:
+        return self.get(name, (size,)) if name in self.checkpoint.tensor_names else None
+
+
+def _rms_norm(g: _Graph, x: str, weight: str, eps: str) -> str:
+    """HF RMSNorm: x / sqrt(mean(x^2) + eps) * weight (the pattern ORT fuses)."""
+    two = "const.two"
+    mean = g.op1("ReduceMean", [g.op1("Pow", [x, two])], axes=[-1], keepdims=1)
+    return g.op1("Mul", [g.op1("Div", [x, g.op1("Sqrt", [g.op1("Add", [mean, eps])])]), weight])
+
+
+def _linear(g: _Graph, x: str, weight: str, bias: str | None) -> str:
+    return g.op1("Gemm", [x, weight] + ([bias] if bias else []), transB=1)
+
+
+def _rope(g: _Graph, x: str, heads: int, head_dim: int, cos: str, sin: str) -> str:
+    """x * cos + rotate_half(x) * sin over [T, heads, head_dim]; rotate_half(x) = [-x2, x1]."""
+    shaped = g.op1("Reshape", [x, f"const.heads_shape_{heads}"])
+    x1, x2 = g.op("Split", [shaped, "const.half_split"], num_outputs=2, axis=2)
+    rotated = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=2)
+    out = g.op1("Add", [g.op1("Mul", [shaped, cos]), g.op1("Mul", [rotated, sin])])
+    return g.op1("Reshape", [out, "const.flat_shape"])
+
+
+def build_model(
+    spec: ModelSpec,
+    checkpoint: Checkpoint,
+    weights: WeightsFile,
+    on_layer: Callable[[int], None] = lambda layer: None,
+) -> onnx.ModelProto:
+    """The ONNX model; weights are appended to WEIGHTS as they are visited (one layer at a time)."""
+    g = _Graph(weights)
+    w = _Weights(checkpoint)
+    H, D, I, V = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size
+    nq, nkv = spec.num_heads, spec.num_kv_heads
+
+    g.const("const.two", np.array(2.0, np.float32))
+    eps = g.const("const.eps", np.array(spec.rms_norm_eps, np.float32))
+    g.const("const.half_split", np.array([D // 2, D // 2], np.int64))
+    g.const("const.flat_shape", np.array([0, -1], np.int64))
+    for heads in sorted({nq, nkv}):
+        g.const(f"const.heads_shape_{heads}", np.array([-1, heads, D], np.int64))
+
+    embed = g.weight("model.embed_tokens.weight", [w.get("model.embed_tokens.weight", (V, H))])
+    x = g.op1("Gather", [embed, "input_ids"], axis=0)
+
+    # rotary tables for this step's positions: angle = position * inv_freq (float32, as HF)
+    freq = g.const("rope.inv_freq", inv_freq(spec.rope_theta, D, spec.rope_scaling))
+    positions = g.op1("Unsqueeze", [g.op1("Cast", ["position_ids"], to=TensorProto.FLOAT), g.const("const.axis1", np.array([1], np.int64))])
+    half = g.op1("Mul", [positions, freq])  # [T, D/2]
+    angles = g.op1("Unsqueeze", [g.op1("Concat", [half, half], axis=1), "const.axis1"])  # [T, 1, D]
+    cos, sin = g.op1("Cos", [angles]), g.op1("Sin", [angles])
+    on_layer(-1)
+
+    split_qkv = g.const("const.split_qkv", np.array([nq * D, nkv * D, nkv * D], np.int64))
+    split_mlp = g.const("const.split_mlp", np.array([I, I], np.int64))
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        h = _rms_norm(g, x, g.weight(p + "input_layernorm.weight", [w.get(p + "input_layernorm.weight", (H,))]), eps)
+
+        qkv_w = g.weight(a + "qkv_proj.weight", [
+            w.get(a + "q_proj.weight", (nq * D, H)),
+            w.get(a + "k_proj.weight", (nkv * D, H)),
+            w.get(a + "v_proj.weight", (nkv * D, H)),
+        ])
+        biases = [w.bias(a + f"{n}_proj.bias", size) for n, size in (("q", nq * D), ("k", nkv * D), ("v", nkv * D))]
+        qkv_b = None
+        if any(b is not None for b in biases):
+            sizes = (nq * D, nkv * D, nkv * D)
+            qkv_b = g.weight(a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
+        q, k, v = g.op("Split", [_linear(g, h, qkv_w, qkv_b), split_qkv], num_outputs=3, axis=1)
+        q, k = _rope(g, q, nq, D, cos, sin), _rope(g, k, nkv, D, cos, sin)
+
+        attn = g.op(
+            OP_TYPE,
+            [q, k, v, f"key_cache.{layer}", f"value_cache.{layer}",
+             "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping"],
+            num_outputs=3, domain=OP_DOMAIN,
+            num_heads=nq, kv_num_heads=nkv, scale=1.0 / math.sqrt(D),
+            sliding_window=spec.sliding_windows[layer], softcap=0.0,
+        )[0]
+        o_w = g.weight(a + "o_proj.weight", [w.get(a + "o_proj.weight", (H, nq * D))])
+        o_b = w.bias(a + "o_proj.bias", H)
+        x = g.op1("Add", [x, _linear(g, attn, o_w, g.weight(a + "o_proj.bias", [o_b]) if o_b is not None else None)])
+
+        m = p + "mlp."
+        h = _rms_norm(g, x, g.weight(p + "post_attention_layernorm.weight", [w.get(p + "post_attention_layernorm.weight", (H,))]), eps)
+        gu_w = g.weight(m + "gate_up_proj.weight", [w.get(m + "gate_proj.weight", (I, H)), w.get(m + "up_proj.weight", (I, H))])
+        gb, ub = w.bias(m + "gate_proj.bias", I), w.bias(m + "up_proj.bias", I)
+        gu_b = None
+        if gb is not None or ub is not None:
+            gu_b = g.weight(m + "gate_up_proj.bias", [b if b is not None else np.zeros(I, np.float32) for b in (gb, ub)])
+        gate, up = g.op("Split", [_linear(g, h, gu_w, gu_b), split_mlp], num_outputs=2, axis=1)
+        act = g.op1("Mul", [g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]), up])
+        d_w = g.weight(m + "down_proj.weight", [w.get(m + "down_proj.weight", (H, I))])
+        d_b = w.bias(m + "down_proj.bias", H)
+        x = g.op1("Add", [x, _linear(g, act, d_w, g.weight(m + "down_proj.bias", [d_b]) if d_b is not None else None)])
+        on_layer(layer)
+
+    rows = g.op1("Gather", [x, "logits_indices"], axis=0)
+    normed = _rms_norm(g, rows, g.weight("model.norm.weight", [w.get("model.norm.weight", (H,))]), eps)
+    tied = spec.tie_word_embeddings or "lm_head.weight" not in checkpoint.tensor_names
+    head = embed if tied else g.weight("lm_head.weight", [w.get("lm_head.weight", (V, H))])
+    g.nodes.append(helper.make_node("Gemm", [normed, head], ["logits"], name="lm_head", transB=1))
+    on_layer(spec.num_layers)
+
+    cache_shape: list[str | int] = ["num_blocks", "block_size", nkv, D]
+    inputs = [helper.make_tensor_value_info(n, t, s) for n, t, s in STEP_INPUTS]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in cache_input_names(spec.num_layers)]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", V])]
+    graph = helper.make_graph(g.nodes, "octavo_decoder", inputs, outputs, initializer=g.initializers)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(OP_DOMAIN, 1)],
+        producer_name="octavo",
+    )
+    model.ir_version = 8
+    return model
