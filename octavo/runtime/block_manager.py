@@ -1,0 +1,136 @@
+"""BlockManager: a fixed pool of KV blocks, per-request block tables and automatic prefix caching.
+
+- Every block has a reference count. A request's block table grows on demand (`allocate`).
+- A FULL block is identified by a chained hash of its tokens (hash of the previous block's hash and
+  this block's token ids), so equal prefixes map to equal hashes. `hash_to_block` finds them.
+- Free blocks (refcount 0) sit in an LRU `free` list (OrderedDict: O(1) touch and evict). A free
+  block keeps its hash until it is evicted, i.e. reused for new tokens, so a later request with the
+  same prefix gets it back for free. Evict from the front; a finished request frees its blocks
+  last-first so that its tail is evicted before its (more shareable) head.
+- Invariant (checked by `check`): free + in use == total; a block is free iff its refcount is 0.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from octavo.runtime.request import Request
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """Chained hash of one full block (blake2b: a crafted prompt cannot collide into another's cache)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------------
+    def update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend req.block_hashes to cover the full blocks among its first num_tokens tokens."""
+        bs = self.block_size
+        for i in range(len(req.block_hashes), num_tokens // bs):
+            parent = req.block_hashes[i - 1] if i else b""
+            req.block_hashes.append(block_hash(parent, req.tokens(i * bs, (i + 1) * bs)))
+
+    def find_cached(self, req: Request) -> list[int]:
+        """Blocks holding a cached prefix of req (never its last token: that one must be computed)."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = (req.num_tokens - 1) // self.block_size
+        self.update_hashes(req, limit * self.block_size)
+        blocks: list[int] = []
+        for h in req.block_hashes[:limit]:
+            b = self.hash_to_block.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the full blocks whose K/V are now computed so that other requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
+        self.update_hashes(req, n_full * self.block_size)
+        for i in range(n_full):
+            b, h = req.block_table[i], req.block_hashes[i]
+            if self.hash_of[b] is None and h not in self.hash_to_block:
+                self.hash_of[b] = h
+                self.hash_to_block[h] = b
+
+    # -- allocation ---------------------------------------------------------------------------------
+    def can_admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
+        """Would admitting req (with its cached prefix blocks) plus num_new_tokens fit right now?"""
+        revived = sum(1 for b in cached if self.ref_count[b] == 0)  # cached but in the free list
+        new = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        return revived + new <= len(self.free)
+
+    def admit(self, req: Request, cached: list[int]) -> None:
+        """Give req its cached prefix blocks (touching them out of the free list)."""
+        for b in cached:
+            if self.ref_count[b] == 0:
+                del self.free[b]
+            self.ref_count[b] += 1
+        req.block_table = list(cached)
+        req.num_computed_tokens = len(cached) * self.block_size
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Grow req's block table to hold num_new_tokens more tokens; False (nothing done) if no room."""
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            b, _ = self.free.popitem(last=False)  # least recently freed: evict its cached hash
+            h = self.hash_of[b]
+            if h is not None:
+                self.hash_of[b] = None
+                if self.hash_to_block.get(h) == b:
+                    del self.hash_to_block[h]
+            self.ref_count[b] = 1
+            req.block_table.append(b)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Drop req's references, last block first; unreferenced blocks join the free list."""
+        for b in reversed(req.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
+                if self.hash_of[b] is None:
+                    self.free.move_to_end(b, last=False)  # nothing cached in it: reuse it first
+        req.block_table = []
+        req.num_computed_tokens = 0
+
+    def check(self, tables: list[list[int]]) -> None:
+        """Assert the pool's invariants given every live block table (used by tests)."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for b in table:
+                counts[b] += 1
+        assert counts == self.ref_count, "refcounts disagree with the block tables"
+        in_use = sum(1 for c in counts if c)
+        assert in_use + len(self.free) == self.num_blocks, "free + used != total"
+        assert all(self.ref_count[b] == 0 for b in self.free), "a referenced block is in the free list"
+        for h, b in self.hash_to_block.items():
+            assert self.hash_of[b] == h, "hash map out of sync"

@@ -1,0 +1,79 @@
+"""Request: one sequence the engine generates (a prompt, its sampled tokens and its KV bookkeeping).
+
+A request with SamplingParams.n > 1 becomes n Requests ("children") that share the prompt; the prefix
+cache lets them share the prompt's full KV blocks. The engine groups them back into one RequestOutput.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from octavo.runtime.outputs import Logprob, RequestMetrics
+from octavo.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.runtime.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its KV blocks were freed: recompute later)
+    RUNNING = "running"  # holds KV blocks; scheduled every step (prefill chunks, then decode)
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)  # identity equality/hash: requests are dict keys
+class Request:
+    request_id: str  # unique inside the engine ("id" or "id#i" for the i-th of n children)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: np.random.Generator  # per-request RNG: same seed -> same tokens whatever the batch
+    max_tokens: int  # params.max_tokens, capped so that prompt + output fits the context / pool
+    arrival_order: int  # FCFS tie-break (monotonic counter)
+    priority: int = 0  # lower value = served first (vLLM's convention)
+    parent_id: str = ""  # the user's request id
+    index: int = 0  # which of the n completions
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    block_table: list[int] = field(default_factory=list)  # physical block ids, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each FULL block so far
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    detokenizer: "IncrementalDetokenizer | None" = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    admitted: bool = False  # admitted at least once (num_cached_tokens is set then)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token(self, position: int) -> int:
+        """Token at absolute position (prompt first, then output)."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
