@@ -1,0 +1,123 @@
+"""CPU backend: ONNX Runtime + the octavo.PagedAttention custom-op library.
+
+The KV pools are plain numpy arrays [num_blocks, block_size, kv_heads, head_dim] float32, one key and
+one value pool per layer. They are bound ONCE through IOBinding as OrtValues that wrap the numpy
+memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
+inputs and the logits output are bound.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from octavo.errors import ModelFormatError
+from octavo.export.graph import STEP_INPUTS, cache_input_names
+from octavo.export.manifest import Manifest
+from octavo.runtime.backends.base import StepInputs
+from octavo.runtime.backends.oplib import library_path
+
+log = logging.getLogger(__name__)
+
+_NUMPY_DTYPE = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32}
+
+
+class OnnxRuntimeBackend:
+    """Runs an exported octavo model on the CPU; owns the paged KV pools."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        manifest: Manifest,
+        num_blocks: int,
+        block_size: int,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.model_dir = Path(model_dir)
+        self.manifest = manifest
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = manifest.vocab_size
+
+        options = ort.SessionOptions()
+        if num_threads is not None:
+            options.intra_op_num_threads = num_threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.register_custom_ops_library(str(library_path()))
+        onnx_path = self.model_dir / manifest.onnx_file
+        if not onnx_path.is_file():
+            raise ModelFormatError(f"{onnx_path} is missing; re-export the model with `octavo export`")
+        try:
+            self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ModelFormatError(f"ONNX Runtime cannot load {onnx_path}: {exc}") from exc
+        self._input_dtypes = self._validate()
+
+        pool_shape = (num_blocks, block_size, manifest.num_kv_heads, manifest.head_dim)
+        self.key_caches = [np.zeros(pool_shape, np.float32) for _ in range(manifest.num_layers)]
+        self.value_caches = [np.zeros(pool_shape, np.float32) for _ in range(manifest.num_layers)]
+        self._binding = self.session.io_binding()
+        self._pool_values: list[ort.OrtValue] = []  # keep the wrappers alive as long as the binding
+        pools = [p for pair in zip(self.key_caches, self.value_caches) for p in pair]
+        for name, pool in zip(cache_input_names(manifest.num_layers), pools):
+            value = ort.OrtValue.ortvalue_from_numpy(pool)
+            self._binding.bind_ortvalue_input(name, value)
+            self._pool_values.append(value)
+        log.info(
+            "onnxruntime backend: %s, %d blocks x %d slots, %.1f MiB KV", onnx_path, num_blocks, block_size,
+            2 * manifest.num_layers * self.key_caches[0].nbytes / 2**20,
+        )
+
+    def _validate(self) -> dict[str, type]:
+        """Check the ONNX graph's inputs/outputs against the manifest and the contract."""
+        m = self.manifest
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        expected = [name for name, _, _ in STEP_INPUTS] + cache_input_names(m.num_layers)
+        names = [i.name for i in self.session.get_inputs()]
+        if names != expected:
+            raise ModelFormatError(
+                f"{self.model_dir}: model.onnx inputs do not match octavo.json ({m.num_layers} layers); "
+                f"expected {expected[:9]}..., found {names[:9]}...; re-export the model"
+            )
+        for name in cache_input_names(m.num_layers):
+            shape = inputs[name].shape
+            if len(shape) != 4 or shape[2:] != [m.num_kv_heads, m.head_dim]:
+                raise ModelFormatError(
+                    f"{self.model_dir}: input {name} has shape {shape}, octavo.json says "
+                    f"[num_blocks, block_size, {m.num_kv_heads}, {m.head_dim}]; re-export the model"
+                )
+        outputs = self.session.get_outputs()
+        if [o.name for o in outputs] != ["logits"] or outputs[0].shape[-1] != m.vocab_size:
+            raise ModelFormatError(
+                f"{self.model_dir}: model.onnx must have one output logits [N, {m.vocab_size}], "
+                f"found {[(o.name, o.shape) for o in outputs]}; re-export the model"
+            )
+        return {name: _NUMPY_DTYPE[inputs[name].type] for name, _, _ in STEP_INPUTS}
+
+    def run(self, inputs: StepInputs) -> np.ndarray:
+        """One step: writes the new tokens' K/V into the pools, returns float32 logits [N, vocab]."""
+        keep = []  # the bound arrays must outlive run_with_iobinding
+        for name, dtype in self._input_dtypes.items():
+            array = np.ascontiguousarray(getattr(inputs, name), dtype=dtype)
+            keep.append(array)
+            self._binding.bind_cpu_input(name, array)
+        self._binding.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(self._binding)
+        logits = self._binding.get_outputs()[0].numpy()
+        self._binding.clear_binding_outputs()
+        del keep
+        return logits
+
+    def close(self) -> None:
+        """Drop the session and the pools (their memory is freed once nobody else references it)."""
+        self._binding = None  # type: ignore[assignment]
+        self._pool_values = []
+        self.session = None  # type: ignore[assignment]
+        self.key_caches = []
+        self.value_caches = []
