@@ -1,0 +1,90 @@
+"""LLM: the offline facade (vLLM's names). `LLM(model).generate(prompts, params)` runs to completion."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from octavo.errors import InvalidRequestError
+from octavo.runtime.backends.base import Backend
+from octavo.runtime.engine import LLMEngine, Prompt
+from octavo.runtime.engine_args import EngineArgs
+from octavo.runtime.outputs import RequestOutput
+from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.tokenizer import Tokenizer
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, *, backend: Backend | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), backend)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order. A bad prompt raises before any runs."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: a string, a dict or a list of token ids
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequestError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        batch = uuid.uuid4().hex[:8]
+        ids = [f"{batch}-{i}" for i in range(len(prompts))]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            self.engine.step()  # collect the aborted outputs
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt), add_special_tokens=False)}
+            for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        wanted = set(ids)
+        start = self.engine.stats().generation_tokens_total
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            toks = self.engine.stats().generation_tokens_total - start
+                            bar.set_postfix_str(f"{toks / max(time.perf_counter() - t0, 1e-9):.1f} tok/s")
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def close(self) -> None:
+        self.engine.close()
