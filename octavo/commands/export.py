@@ -1,0 +1,30 @@
+"""`octavo export SRC OUT`: HF safetensors folder or GGUF file -> octavo model folder (ONNX + manifest)."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+HELP = "export an HF model folder (safetensors) or a .gguf file to ONNX with one PagedAttention node per layer"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="HF model folder (config.json + *.safetensors + tokenizer.json) or a .gguf file")
+    parser.add_argument("out", help="output folder (created; must be empty or missing unless --force)")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it is an earlier octavo export")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from octavo.export.exporter import export_model
+
+    started = time.perf_counter()
+    manifest = export_model(args.src, args.out, progress=not args.no_progress, overwrite=args.force)
+    out = Path(args.out)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(
+        f"exported {manifest.architecture} ({manifest.num_layers} layers, hidden {manifest.hidden_size}, "
+        f"{manifest.num_heads}/{manifest.num_kv_heads} heads, vocab {manifest.vocab_size}) "
+        f"to {out} ({size / 2**20:.1f} MiB) in {time.perf_counter() - started:.1f} s"
+    )
+    return 0

@@ -1,0 +1,95 @@
+"""`resolve_model(path)`: whatever the user named -> an exported octavo model folder.
+
+An export folder (octavo.json present) is returned as is, after its manifest is validated. An HF
+folder or a .gguf file is exported once into the cache, `$OCTAVO_CACHE` (default
+~/.cache/octavo/models), as `<name>-<fingerprint>`, and that folder is returned; later calls find it.
+The fingerprint hashes the octavo format version and the source files' names, sizes and contents
+(files over 64 MiB: their first and last 16 MiB), so an edited checkpoint gets a fresh export without
+rereading gigabytes on every start. A file lock keeps two processes from exporting the same model at once.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+
+from octavo.errors import ModelFormatError
+from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+
+log = logging.getLogger(__name__)
+
+_FULL_HASH_LIMIT = 64 * 2**20
+_EDGE = 16 * 2**20
+# bump when the graph the exporter writes changes in a way old cached exports should not be reused
+GRAPH_REVISION = 1
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OCTAVO_CACHE") or Path.home() / ".cache" / "octavo" / "models").expanduser()
+
+
+def _hash_file(digest: "hashlib._Hash", path: Path) -> None:
+    size = path.stat().st_size
+    digest.update(f"{path.name}\0{size}\0".encode())
+    with path.open("rb") as f:
+        if size <= _FULL_HASH_LIMIT:
+            for chunk in iter(lambda: f.read(2**20), b""):
+                digest.update(chunk)
+        else:
+            digest.update(f.read(_EDGE))
+            f.seek(size - _EDGE)
+            digest.update(f.read(_EDGE))
+
+
+def fingerprint(source: Path) -> str:
+    """A short content hash of an HF folder or a GGUF file (see the module docstring)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"octavo-format-{FORMAT_VERSION}-graph-{GRAPH_REVISION}\0".encode())
+    files = sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith(".")) if source.is_dir() else [source]
+    for path in files:
+        _hash_file(digest, path)
+    return digest.hexdigest()
+
+
+def _cache_name(source: Path) -> str:
+    stem = source.name if source.is_dir() else source.stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._") or "model"
+
+
+def _is_export_folder(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST_NAME).is_file()
+
+
+def resolve_model(path: str | Path, *, progress: bool = True) -> Path:
+    """An octavo export folder for PATH (an export folder, an HF folder or a .gguf file)."""
+    source = Path(path).expanduser()
+    if _is_export_folder(source) and not (source / "config.json").is_file():
+        Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
+        return source
+    is_hf = source.is_dir() and (source / "config.json").is_file()
+    is_gguf = source.is_file() and source.suffix.lower() == ".gguf"
+    if not (is_hf or is_gguf):
+        raise ModelFormatError(
+            f"{source} is not a model: expected an octavo export folder (octavo.json), an HF model "
+            f"folder (config.json + *.safetensors) or a .gguf file"
+        )
+    from octavo.export.exporter import export_model
+
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"{_cache_name(source)}-{fingerprint(source)}"
+    with (root / f".{target.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_export_folder(target):
+            try:
+                Manifest.load(target)
+                log.info("using cached export %s for %s", target, source)
+                return target
+            except ModelFormatError as exc:
+                log.warning("cached export %s is unusable (%s); exporting again", target, exc)
+        log.info("exporting %s into the cache at %s", source, target)
+        export_model(source, target, progress=progress, overwrite=True)
+    return target
