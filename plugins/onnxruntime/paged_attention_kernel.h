@@ -1,0 +1,69 @@
+// octavo.PagedAttention — the attention math, independent of ONNX Runtime.
+//
+// Layout (row-major, float32):
+//   query  [T, num_heads * head_dim]        key/value [T, kv_num_heads * head_dim]
+//   pools  [num_blocks, block_size, kv_num_heads, head_dim]  (slot s = block * block_size + offset)
+//   cumulative_sequence_length int32 [B+1], past_seqlens int32 [B],
+//   block_table int32 [B, max_blocks], slot_mapping int64 [T]
+// Token i of sequence b has absolute position past_seqlens[b] + i and attends causally over
+// positions 0..itself (limited to the last `sliding_window` positions when that is > 0).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace octavo {
+
+struct AttentionParams {
+  int64_t num_heads = 0;
+  int64_t kv_num_heads = 0;
+  float scale = 1.0f;
+  int64_t sliding_window = 0;  // 0: unlimited
+  float softcap = 0.0f;        // 0: none; else scores = softcap * tanh(scores / softcap)
+};
+
+// Borrowed pointers to one call's tensors plus their sizes.
+struct StepTensors {
+  const float* query = nullptr;
+  const float* key = nullptr;
+  const float* value = nullptr;
+  float* key_cache = nullptr;
+  float* value_cache = nullptr;
+  const int32_t* cumulative_sequence_length = nullptr;
+  const int32_t* past_seqlens = nullptr;
+  const int32_t* block_table = nullptr;
+  const int64_t* slot_mapping = nullptr;
+  float* output = nullptr;
+
+  int64_t num_tokens = 0;
+  int64_t num_seqs = 0;
+  int64_t head_dim = 0;
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;
+  int64_t max_blocks = 0;
+};
+
+// One unit of parallel work: query tokens [token_begin, token_end) (packed indices, all in
+// sequence `seq`) against kv head `kv_head`, for all query heads of that kv head's group.
+struct WorkItem {
+  int32_t seq;
+  int32_t kv_head;
+  int32_t token_begin;
+  int32_t token_end;
+};
+
+// Checks the index tensors against each other and the pool; returns "" when consistent, else a
+// message naming the first problem. Reads only; must pass before anything is written.
+std::string validate_indices(const StepTensors& t);
+
+// Copies the new tokens' K/V rows into the pools at slot_mapping (negative slots are skipped).
+void write_new_kv(const StepTensors& t, const AttentionParams& p);
+
+// Splits the step into independent work items (balanced for a thread pool).
+std::vector<WorkItem> plan_work(const StepTensors& t, const AttentionParams& p);
+
+// Computes the output rows of one work item (reads the pools; writes only its output rows).
+void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item);
+
+}  // namespace octavo

@@ -1,0 +1,358 @@
+// ONNX Runtime glue for octavo.PagedAttention: the OrtCustomOp schema (with the pool inputs aliased
+// to the pool outputs, so the caller's KV pool is written in place and never copied), input checks
+// that turn bad shapes into an ORT error status, and the thread-pool fan-out of the work items.
+// Uses only the C API (no link against libonnxruntime): the OrtApi comes from RegisterCustomOps.
+#include <onnxruntime_c_api.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "paged_attention_kernel.h"
+
+namespace {
+
+constexpr const char* kDomain = "octavo";
+constexpr const char* kOpName = "PagedAttention";
+constexpr const char* kPrefix = "octavo.PagedAttention: ";
+
+enum Input : size_t {
+  kQuery, kKey, kValue, kKeyCache, kValueCache, kCuSeqlens, kPastSeqlens, kBlockTable, kSlotMapping, kNumInputs
+};
+enum Output : size_t { kOutput, kKeyCacheOut, kValueCacheOut, kNumOutputs };
+
+const char* const kInputNames[kNumInputs] = {"query", "key", "value", "key_cache", "value_cache",
+                                             "cumulative_sequence_length", "past_seqlens", "block_table",
+                                             "slot_mapping"};
+
+ONNXTensorElementDataType input_type(size_t index) {
+  switch (index) {
+    case kCuSeqlens:
+    case kPastSeqlens:
+    case kBlockTable:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    case kSlotMapping:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    default:
+      return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+}
+
+// Thrown inside the kernel, turned into an OrtStatus at the C boundary.
+struct OpError {
+  OrtErrorCode code;
+  std::string message;
+};
+
+[[noreturn]] void fail(const std::string& message, OrtErrorCode code = ORT_INVALID_ARGUMENT) {
+  throw OpError{code, message};
+}
+
+void check(const OrtApi* api, OrtStatus* status) {
+  if (status == nullptr) return;
+  std::string message = api->GetErrorMessage(status);
+  OrtErrorCode code = api->GetErrorCode(status);
+  api->ReleaseStatus(status);
+  fail(message, code);
+}
+
+struct TensorInfo {
+  ONNXTensorElementDataType type;
+  std::vector<int64_t> dims;
+};
+
+TensorInfo describe(const OrtApi* api, const OrtValue* value) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(api, api->GetTensorTypeAndShape(value, &info));
+  TensorInfo out{};
+  size_t rank = 0;
+  OrtStatus* status = api->GetTensorElementType(info, &out.type);
+  if (status == nullptr) status = api->GetDimensionsCount(info, &rank);
+  if (status == nullptr) {
+    out.dims.resize(rank);
+    status = api->GetDimensions(info, out.dims.data(), rank);
+  }
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  check(api, status);
+  return out;
+}
+
+std::string shape_string(const std::vector<int64_t>& dims) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
+  s << "]";
+  return s.str();
+}
+
+void expect_rank(const TensorInfo& info, size_t index, size_t rank) {
+  if (info.dims.size() != rank) {
+    fail(std::string(kInputNames[index]) + " must have rank " + std::to_string(rank) + ", got shape " +
+         shape_string(info.dims));
+  }
+}
+
+void expect_dim(const TensorInfo& info, size_t index, size_t axis, int64_t expected, const char* why) {
+  if (info.dims[axis] != expected) {
+    fail(std::string(kInputNames[index]) + " has shape " + shape_string(info.dims) + " but dimension " +
+         std::to_string(axis) + " must be " + std::to_string(expected) + " (" + why + ")");
+  }
+}
+
+template <typename T>
+T* data_of(const OrtApi* api, const OrtValue* value) {
+  void* ptr = nullptr;
+  check(api, api->GetTensorMutableData(const_cast<OrtValue*>(value), &ptr));
+  return static_cast<T*>(ptr);
+}
+
+struct ParallelJob {
+  const octavo::StepTensors* tensors;
+  const octavo::AttentionParams* params;
+  const std::vector<octavo::WorkItem>* items;
+};
+
+void run_one(void* user_data, size_t index) {
+  const auto* job = static_cast<const ParallelJob*>(user_data);
+  octavo::run_work_item(*job->tensors, *job->params, (*job->items)[index]);
+}
+
+struct PagedAttentionKernel {
+  const OrtApi* api;
+  octavo::AttentionParams params;
+
+  void compute(OrtKernelContext* context) const {
+    size_t input_count = 0;
+    check(api, api->KernelContext_GetInputCount(context, &input_count));
+    if (input_count != kNumInputs) {
+      fail("expects " + std::to_string(kNumInputs) + " inputs, got " + std::to_string(input_count));
+    }
+    const OrtValue* inputs[kNumInputs];
+    TensorInfo infos[kNumInputs];
+    for (size_t i = 0; i < kNumInputs; ++i) {
+      check(api, api->KernelContext_GetInput(context, i, &inputs[i]));
+      if (inputs[i] == nullptr) fail(std::string("input ") + kInputNames[i] + " is missing");
+      infos[i] = describe(api, inputs[i]);
+      if (infos[i].type != input_type(i)) {
+        fail(std::string(kInputNames[i]) + " has element type " + std::to_string(infos[i].type) +
+             ", expected " + std::to_string(input_type(i)) + " (1=float32, 6=int32, 7=int64)");
+      }
+    }
+
+    // Shapes: pools fix head_dim and kv heads; everything else must agree with them.
+    expect_rank(infos[kKeyCache], kKeyCache, 4);
+    const int64_t num_blocks = infos[kKeyCache].dims[0];
+    const int64_t block_size = infos[kKeyCache].dims[1];
+    const int64_t head_dim = infos[kKeyCache].dims[3];
+    expect_dim(infos[kKeyCache], kKeyCache, 2, params.kv_num_heads, "kv_num_heads attribute");
+    if (block_size <= 0 || head_dim <= 0) fail("key_cache has an empty dimension: " + shape_string(infos[kKeyCache].dims));
+    if (infos[kValueCache].dims != infos[kKeyCache].dims) {
+      fail("value_cache shape " + shape_string(infos[kValueCache].dims) + " differs from key_cache shape " +
+           shape_string(infos[kKeyCache].dims));
+    }
+    expect_rank(infos[kQuery], kQuery, 2);
+    const int64_t num_tokens = infos[kQuery].dims[0];
+    expect_dim(infos[kQuery], kQuery, 1, params.num_heads * head_dim, "num_heads * head_dim");
+    for (size_t i : {kKey, kValue}) {
+      expect_rank(infos[i], i, 2);
+      expect_dim(infos[i], i, 0, num_tokens, "tokens, as in query");
+      expect_dim(infos[i], i, 1, params.kv_num_heads * head_dim, "kv_num_heads * head_dim");
+    }
+    expect_rank(infos[kCuSeqlens], kCuSeqlens, 1);
+    const int64_t num_seqs = infos[kCuSeqlens].dims[0] - 1;
+    if (num_seqs < 0) fail("cumulative_sequence_length must hold at least one element (B+1)");
+    expect_rank(infos[kPastSeqlens], kPastSeqlens, 1);
+    expect_dim(infos[kPastSeqlens], kPastSeqlens, 0, num_seqs, "B = len(cumulative_sequence_length) - 1");
+    expect_rank(infos[kBlockTable], kBlockTable, 2);
+    expect_dim(infos[kBlockTable], kBlockTable, 0, num_seqs, "B = len(cumulative_sequence_length) - 1");
+    expect_rank(infos[kSlotMapping], kSlotMapping, 1);
+    expect_dim(infos[kSlotMapping], kSlotMapping, 0, num_tokens, "tokens, as in query");
+
+    octavo::StepTensors t;
+    t.num_tokens = num_tokens;
+    t.num_seqs = num_seqs;
+    t.head_dim = head_dim;
+    t.num_blocks = num_blocks;
+    t.block_size = block_size;
+    t.max_blocks = infos[kBlockTable].dims[1];
+    t.query = data_of<const float>(api, inputs[kQuery]);
+    t.key = data_of<const float>(api, inputs[kKey]);
+    t.value = data_of<const float>(api, inputs[kValue]);
+    t.key_cache = data_of<float>(api, inputs[kKeyCache]);
+    t.value_cache = data_of<float>(api, inputs[kValueCache]);
+    t.cumulative_sequence_length = data_of<const int32_t>(api, inputs[kCuSeqlens]);
+    t.past_seqlens = data_of<const int32_t>(api, inputs[kPastSeqlens]);
+    t.block_table = data_of<const int32_t>(api, inputs[kBlockTable]);
+    t.slot_mapping = data_of<const int64_t>(api, inputs[kSlotMapping]);
+
+    const std::string problem = octavo::validate_indices(t);
+    if (!problem.empty()) fail(problem);
+
+    // Outputs. The pool outputs are declared aliases of the pool inputs, so ORT hands back the
+    // input buffers; should it ever hand out fresh buffers, they receive a copy after the write.
+    const int64_t out_dims[2] = {num_tokens, params.num_heads * head_dim};
+    OrtValue* out = nullptr;
+    check(api, api->KernelContext_GetOutput(context, kOutput, out_dims, 2, &out));
+    OrtValue* key_out = nullptr;
+    OrtValue* value_out = nullptr;
+    const std::vector<int64_t>& pool_dims = infos[kKeyCache].dims;
+    check(api, api->KernelContext_GetOutput(context, kKeyCacheOut, pool_dims.data(), pool_dims.size(), &key_out));
+    check(api, api->KernelContext_GetOutput(context, kValueCacheOut, pool_dims.data(), pool_dims.size(), &value_out));
+    t.output = data_of<float>(api, out);
+
+    octavo::write_new_kv(t, params);
+    if (num_tokens > 0) {
+      const std::vector<octavo::WorkItem> items = octavo::plan_work(t, params);
+      ParallelJob job{&t, &params, &items};
+      OrtStatus* status = api->KernelContext_ParallelFor(context, run_one, items.size(), 0, &job);
+      if (status != nullptr) {  // no thread pool available: run serially
+        api->ReleaseStatus(status);
+        for (size_t i = 0; i < items.size(); ++i) run_one(&job, i);
+      }
+    }
+
+    const size_t pool_bytes = sizeof(float) * static_cast<size_t>(num_blocks * block_size * params.kv_num_heads * head_dim);
+    float* key_out_data = data_of<float>(api, key_out);
+    float* value_out_data = data_of<float>(api, value_out);
+    if (key_out_data != t.key_cache && pool_bytes) std::memcpy(key_out_data, t.key_cache, pool_bytes);
+    if (value_out_data != t.value_cache && pool_bytes) std::memcpy(value_out_data, t.value_cache, pool_bytes);
+  }
+};
+
+OrtStatus* to_status(const OrtApi* api, const OpError& e) {
+  return api->CreateStatus(e.code, (std::string(kPrefix) + e.message).c_str());
+}
+
+bool read_int_attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t* out) {
+  OrtStatus* status = api->KernelInfoGetAttribute_int64(info, name, out);
+  if (status == nullptr) return true;
+  api->ReleaseStatus(status);
+  return false;
+}
+
+bool read_float_attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name, float* out) {
+  OrtStatus* status = api->KernelInfoGetAttribute_float(info, name, out);
+  if (status == nullptr) return true;
+  api->ReleaseStatus(status);
+  return false;
+}
+
+octavo::AttentionParams read_params(const OrtApi* api, const OrtKernelInfo* info) {
+  octavo::AttentionParams p;
+  if (!read_int_attribute(api, info, "num_heads", &p.num_heads)) fail("attribute num_heads (int) is required");
+  if (!read_int_attribute(api, info, "kv_num_heads", &p.kv_num_heads)) {
+    fail("attribute kv_num_heads (int) is required");
+  }
+  if (!read_float_attribute(api, info, "scale", &p.scale)) fail("attribute scale (float) is required");
+  read_int_attribute(api, info, "sliding_window", &p.sliding_window);
+  read_float_attribute(api, info, "softcap", &p.softcap);
+  if (p.num_heads <= 0 || p.kv_num_heads <= 0 || p.num_heads % p.kv_num_heads != 0) {
+    fail("num_heads (" + std::to_string(p.num_heads) + ") must be a positive multiple of kv_num_heads (" +
+         std::to_string(p.kv_num_heads) + ")");
+  }
+  if (p.sliding_window < 0) fail("sliding_window must be >= 0 (0 = no window)");
+  if (p.softcap < 0.0f) fail("softcap must be >= 0 (0 = no softcap)");
+  return p;
+}
+
+// The custom-op schema. All callbacks are plain functions; the struct itself is immutable.
+struct PagedAttentionOp : OrtCustomOp {
+  PagedAttentionOp() : OrtCustomOp{} {
+    version = ORT_API_VERSION;
+    CreateKernel = nullptr;
+    KernelCompute = nullptr;
+    GetName = [](const OrtCustomOp*) { return kOpName; };
+    GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return kNumInputs; };
+    GetInputType = [](const OrtCustomOp*, size_t i) { return input_type(i); };
+    GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return kNumOutputs; };
+    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
+      try {
+        *kernel = new PagedAttentionKernel{api, read_params(api, info)};
+        return nullptr;
+      } catch (const OpError& e) {
+        return to_status(api, e);
+      } catch (const std::exception& e) {
+        return api->CreateStatus(ORT_FAIL, (std::string(kPrefix) + e.what()).c_str());
+      }
+    };
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
+      auto* k = static_cast<PagedAttentionKernel*>(kernel);
+      try {
+        k->compute(context);
+        return nullptr;
+      } catch (const OpError& e) {
+        return to_status(k->api, e);
+      } catch (const std::exception& e) {
+        return k->api->CreateStatus(ORT_FAIL, (std::string(kPrefix) + e.what()).c_str());
+      }
+    };
+    KernelDestroy = [](void* kernel) { delete static_cast<PagedAttentionKernel*>(kernel); };
+    InferOutputShapeFn = nullptr;
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
+    GetMayInplace = [](int** input_index, int** output_index) -> size_t {
+      *input_index = nullptr;
+      *output_index = nullptr;
+      return 0;
+    };
+    ReleaseMayInplace = [](int*, int*) {};
+    // key_cache (input 3) -> key_cache_out (output 1), value_cache (4) -> value_cache_out (2).
+    GetAliasMap = [](int** input_index, int** output_index) -> size_t {
+      *input_index = new int[2]{static_cast<int>(kKeyCache), static_cast<int>(kValueCache)};
+      *output_index = new int[2]{static_cast<int>(kKeyCacheOut), static_cast<int>(kValueCacheOut)};
+      return 2;
+    };
+    ReleaseAliasMap = [](int* input_index, int* output_index) {
+      delete[] input_index;
+      delete[] output_index;
+    };
+  }
+};
+
+const PagedAttentionOp& op_schema() {
+  static const PagedAttentionOp op;
+  return op;
+}
+
+// Domains must outlive every session that uses them; they are released when the library unloads.
+struct DomainRegistry {
+  std::mutex mutex;
+  std::vector<std::pair<const OrtApi*, OrtCustomOpDomain*>> domains;
+  ~DomainRegistry() {
+    for (auto& entry : domains) entry.first->ReleaseCustomOpDomain(entry.second);
+  }
+};
+
+DomainRegistry& registry() {
+  static DomainRegistry r;
+  return r;
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // cannot even build a status; ORT logs the missing op later
+  OrtCustomOpDomain* domain = nullptr;
+  if (OrtStatus* status = api->CreateCustomOpDomain(kDomain, &domain)) return status;
+  {
+    DomainRegistry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.domains.emplace_back(api, domain);
+  }
+  if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op_schema())) return status;
+  return api->AddCustomOpDomain(options, domain);
+}

@@ -1,0 +1,89 @@
+"""Random paged-attention steps and one-node ONNX models for the op tests and the op benchmark."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import ModelProto, TensorProto, helper
+
+INPUTS = (
+    ("query", TensorProto.FLOAT), ("key", TensorProto.FLOAT), ("value", TensorProto.FLOAT),
+    ("key_cache", TensorProto.FLOAT), ("value_cache", TensorProto.FLOAT),
+    ("cumulative_sequence_length", TensorProto.INT32), ("past_seqlens", TensorProto.INT32),
+    ("block_table", TensorProto.INT32), ("slot_mapping", TensorProto.INT64),
+)
+OUTPUTS = ("output", "key_cache_out", "value_cache_out")
+
+
+def paged_attention_model(
+    *, num_heads: int, kv_num_heads: int, scale: float, sliding_window: int = 0, softcap: float = 0.0,
+    cache_outputs: bool = True,
+) -> ModelProto:
+    """One octavo.PagedAttention node. cache_outputs=False leaves the pool outputs dangling, as in the
+    exported models (only `output` is a graph output)."""
+    inputs = [helper.make_tensor_value_info(name, dtype, None) for name, dtype in INPUTS]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+               for name in (OUTPUTS if cache_outputs else OUTPUTS[:1])]
+    node = helper.make_node(
+        "PagedAttention", [name for name, _ in INPUTS], list(OUTPUTS), domain="octavo",
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    graph = helper.make_graph([node], "paged_attention", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)],
+                             ir_version=9)
+
+
+@dataclass(slots=True)
+class Step:
+    """Inputs of one step; pools hold random garbage wherever no token was written."""
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    key_cache: np.ndarray
+    value_cache: np.ndarray
+    cumulative_sequence_length: np.ndarray
+    past_seqlens: np.ndarray
+    block_table: np.ndarray
+    slot_mapping: np.ndarray
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        """Fresh copies of every input (ORT may use feed buffers in place)."""
+        return {name: getattr(self, name).copy() for name, _ in INPUTS}
+
+
+def random_step(
+    rng: np.random.Generator, seqs: list[tuple[int, int]], *, num_heads: int, kv_num_heads: int, head_dim: int,
+    block_size: int, spare_blocks: int = 3,
+) -> Step:
+    """seqs: (past, new) per sequence. Blocks are handed out in shuffled order (non-contiguous tables)."""
+    blocks_per_seq = [-(-(past + new) // block_size) for past, new in seqs]
+    max_blocks = max(max(blocks_per_seq), 1) + 1  # a spare, unused column
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = rng.permutation(num_blocks)
+    block_table = np.full((len(seqs), max_blocks), -1, dtype=np.int32)
+    used = 0
+    for b, count in enumerate(blocks_per_seq):
+        block_table[b, :count] = physical[used:used + count]
+        used += count
+    block_table[block_table < 0] = physical[-1]  # unused columns may hold anything valid
+
+    num_tokens = sum(new for _, new in seqs)
+    slots = []
+    for b, (past, new) in enumerate(seqs):
+        positions = np.arange(past, past + new)
+        slots.extend(block_table[b, positions // block_size].astype(np.int64) * block_size + positions % block_size)
+    cu = np.concatenate([[0], np.cumsum([new for _, new in seqs])]).astype(np.int32)
+    pool_shape = (num_blocks, block_size, kv_num_heads, head_dim)
+    f32 = np.float32
+    return Step(
+        query=rng.standard_normal((num_tokens, num_heads * head_dim)).astype(f32),
+        key=rng.standard_normal((num_tokens, kv_num_heads * head_dim)).astype(f32),
+        value=rng.standard_normal((num_tokens, kv_num_heads * head_dim)).astype(f32),
+        key_cache=rng.standard_normal(pool_shape).astype(f32),
+        value_cache=rng.standard_normal(pool_shape).astype(f32),
+        cumulative_sequence_length=cu,
+        past_seqlens=np.array([past for past, _ in seqs], dtype=np.int32),
+        block_table=block_table,
+        slot_mapping=np.array(slots, dtype=np.int64).reshape(num_tokens),
+    )

@@ -1,0 +1,171 @@
+"""octavo.PagedAttention custom op (C++, ONNX Runtime CPU EP) against the numpy reference."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from op_cases import paged_attention_model, random_step
+
+from octavo.kernels.reference import paged_attention_ref
+from octavo.runtime.backends import build_op, oplib
+
+
+@pytest.fixture(scope="module")
+def library() -> str:
+    """Builds the library if the sources changed (no-op otherwise), so the tests see the current code."""
+    build_op.build_library()
+    return str(oplib.library_path())
+
+
+def make_session(library: str, **attrs: object) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    options.intra_op_num_threads = 2
+    model = paged_attention_model(**attrs)  # type: ignore[arg-type]
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+CASES = {
+    # name: (seqs as (past, new), num_heads, kv_num_heads, head_dim, block_size, sliding_window, softcap)
+    "prefill_packed_gqa4": ([(0, 37), (0, 5), (0, 64)], 8, 2, 64, 16, 0, 0.0),
+    "chunked_and_decode_block1_mha_hd40": ([(13, 9), (0, 0), (40, 1), (7, 30)], 4, 4, 40, 1, 0, 0.0),
+    "block256_gqa2": ([(300, 20), (0, 3), (255, 1)], 4, 2, 64, 256, 0, 0.0),
+    "decode_batch_gqa4": ([(past, 1) for past in (0, 1, 15, 16, 17, 31, 100, 200, 63)], 8, 2, 64, 16, 0, 0.0),
+    "sliding_window": ([(50, 20), (0, 33), (10, 1), (3, 4)], 4, 2, 64, 16, 7, 0.0),
+    "softcap_gqa2": ([(20, 12), (0, 17), (33, 1)], 4, 2, 64, 16, 0, 5.0),
+    "window_softcap_hd40_block1": ([(30, 6), (0, 9), (5, 1)], 8, 4, 40, 1, 5, 3.0),
+    "long_chunk_tiles": ([(70, 130)], 2, 1, 64, 16, 0, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_matches_reference(library: str, name: str) -> None:
+    seqs, heads, kv_heads, head_dim, block_size, window, cap = CASES[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    step = random_step(rng, seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=1 / math.sqrt(head_dim), sliding_window=window,
+                 softcap=cap)
+    ref_inputs = step.feeds()
+    expected = paged_attention_ref(*ref_inputs.values(), **attrs)  # updates ref_inputs' pools in place
+
+    session = make_session(library, **attrs)
+    feeds = step.feeds()
+    output, key_cache_out, value_cache_out = session.run(None, feeds)
+    np.testing.assert_allclose(output, expected, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(key_cache_out, ref_inputs["key_cache"])
+    np.testing.assert_array_equal(value_cache_out, ref_inputs["value_cache"])
+    # The pool was also written in place, in the buffer the op was given.
+    np.testing.assert_array_equal(feeds["key_cache"], ref_inputs["key_cache"])
+    np.testing.assert_array_equal(feeds["value_cache"], ref_inputs["value_cache"])
+
+
+def test_iobinding_writes_callers_pool_zero_copy(library: str) -> None:
+    """As the runtime uses it: pools bound once as OrtValues over numpy, cache outputs dangling. Two steps
+    (prefill, then decode) must leave the new K/V in the caller's own arrays and read them back."""
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.125)
+    session = make_session(library, cache_outputs=False, **attrs)
+    rng = np.random.default_rng(7)
+    prefill = random_step(rng, [(0, 20), (0, 3)], num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                          block_size=block_size)
+    key_pool, value_pool = prefill.key_cache.copy(), prefill.value_cache.copy()
+    ref_key, ref_value = key_pool.copy(), value_pool.copy()
+    binding = session.io_binding()
+    key_value = ort.OrtValue.ortvalue_from_numpy(key_pool)
+    value_value = ort.OrtValue.ortvalue_from_numpy(value_pool)
+    assert key_value.data_ptr() == key_pool.ctypes.data
+    binding.bind_ortvalue_input("key_cache", key_value)
+    binding.bind_ortvalue_input("value_cache", value_value)
+
+    decode = random_step(rng, [(20, 1), (3, 1)], num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                         block_size=block_size)
+    decode.block_table = prefill.block_table  # same sequences, same blocks: next position of each
+    decode.slot_mapping = np.array([prefill.block_table[b, pos // block_size] * block_size + pos % block_size
+                                    for b, pos in enumerate((20, 3))], dtype=np.int64)
+    for step in (prefill, decode):
+        feeds = step.feeds()
+        expected = paged_attention_ref(
+            feeds["query"], feeds["key"], feeds["value"], ref_key, ref_value, feeds["cumulative_sequence_length"],
+            feeds["past_seqlens"], feeds["block_table"], feeds["slot_mapping"], **attrs)
+        for name in ("query", "key", "value", "cumulative_sequence_length", "past_seqlens", "block_table",
+                     "slot_mapping"):
+            binding.bind_cpu_input(name, feeds[name])
+        binding.bind_output("output")
+        session.run_with_iobinding(binding)
+        np.testing.assert_allclose(binding.get_outputs()[0].numpy(), expected, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(key_pool, ref_key)
+        np.testing.assert_array_equal(value_pool, ref_value)
+
+
+def test_cache_outputs_bound_to_the_pool_share_its_buffer(library: str) -> None:
+    """With the cache outputs as graph outputs bound to the pool's own OrtValue, ORT hands the op that
+    same buffer: the output OrtValue points at the caller's array."""
+    heads, kv_heads, head_dim = 2, 1, 64
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.125)
+    session = make_session(library, **attrs)
+    step = random_step(np.random.default_rng(3), [(5, 4)], num_heads=heads, kv_num_heads=kv_heads,
+                       head_dim=head_dim, block_size=4)
+    feeds = step.feeds()
+    ref_key, ref_value = feeds["key_cache"].copy(), feeds["value_cache"].copy()
+    expected = paged_attention_ref(feeds["query"], feeds["key"], feeds["value"], ref_key, ref_value,
+                                   *[feeds[n] for n in ("cumulative_sequence_length", "past_seqlens", "block_table",
+                                                        "slot_mapping")], **attrs)
+    binding = session.io_binding()
+    pools = {name: ort.OrtValue.ortvalue_from_numpy(feeds[name]) for name in ("key_cache", "value_cache")}
+    for name, array in feeds.items():
+        if name in pools:
+            binding.bind_ortvalue_input(name, pools[name])
+        else:
+            binding.bind_cpu_input(name, array)
+    binding.bind_output("output")
+    binding.bind_ortvalue_output("key_cache_out", pools["key_cache"])
+    binding.bind_ortvalue_output("value_cache_out", pools["value_cache"])
+    session.run_with_iobinding(binding)
+    outputs = binding.get_outputs()
+    np.testing.assert_allclose(outputs[0].numpy(), expected, atol=1e-5, rtol=0)
+    assert outputs[1].data_ptr() == feeds["key_cache"].ctypes.data
+    np.testing.assert_array_equal(feeds["key_cache"], ref_key)
+    np.testing.assert_array_equal(feeds["value_cache"], ref_value)
+
+
+BAD_INPUTS = {
+    "query width": (lambda f: f.update(query=f["query"][:, :-1].copy()), "query has shape"),
+    "key rows": (lambda f: f.update(key=f["key"][:-1].copy()), "key has shape"),
+    "pool mismatch": (lambda f: f.update(value_cache=f["value_cache"][:-1].copy()), "differs from key_cache"),
+    "block out of pool": (lambda f: f["block_table"].__setitem__((0, 0), 10_000), "outside the pool"),
+    "cu total": (lambda f: f["cumulative_sequence_length"].__setitem__(-1, 5), "must equal the number"),
+    "slot out of pool": (lambda f: f["slot_mapping"].__setitem__(0, 10**9), r"slot_mapping\[0\]=1000000000 is outside"),
+    "past too long": (lambda f: f["past_seqlens"].__setitem__(0, 10_000), "columns"),
+    "negative past": (lambda f: f["past_seqlens"].__setitem__(0, -2), "negative"),
+    "pool rank": (lambda f: f.update(key_cache=f["key_cache"][0].copy(), value_cache=f["value_cache"][0].copy()),
+                  "rank 4"),
+}
+
+
+def test_bad_inputs_give_clear_errors_and_session_survives(library: str) -> None:
+    attrs = dict(num_heads=4, kv_num_heads=2, scale=0.125)
+    session = make_session(library, **attrs)
+    step = random_step(np.random.default_rng(1), [(3, 4), (0, 2)], num_heads=4, kv_num_heads=2, head_dim=16,
+                       block_size=4)
+    for name, (corrupt, message) in BAD_INPUTS.items():
+        feeds = step.feeds()
+        corrupt(feeds)
+        with pytest.raises(Exception, match=message) as info:
+            session.run(None, feeds)
+        assert "octavo.PagedAttention" in str(info.value), name
+    session.run(None, step.feeds())  # still usable
+
+
+def test_bad_attributes_fail_at_session_creation(library: str) -> None:
+    with pytest.raises(Exception, match="multiple of kv_num_heads"):
+        make_session(library, num_heads=6, kv_num_heads=4, scale=0.1)
+
+
+def test_library_path_names_the_fix_when_missing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    from octavo.errors import OpLibraryError
+
+    monkeypatch.setattr(oplib, "library_dir", lambda: tmp_path)
+    with pytest.raises(OpLibraryError, match="make op"):
+        oplib.library_path()
