@@ -1,0 +1,235 @@
+"""Read a GGUF file (llama.cpp's format) into a neutral checkpoint: HF-style config, lazy HF-layout
+tensors, a rebuilt HF `tokenizers` tokenizer.json, and the chat template.
+
+    ckpt = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ckpt.config["num_hidden_layers"], ckpt.tensors["model.layers.0.self_attn.q_proj.weight"].shape
+
+Metadata keys used (llama.cpp's names): general.architecture, general.name, <arch>.block_count,
+.embedding_length, .feed_forward_length, .context_length, .attention.head_count, .attention.head_count_kv,
+.attention.key_length, .attention.layer_norm_rms_epsilon, .attention.sliding_window, .rope.freq_base,
+.rope.scaling.type/.factor/.original_context_length, .vocab_size, and tokenizer.* (see gguf_tokenizer).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export.gguf_rope import rope_scaling_from_gguf
+from octavo.export.gguf_tensors import GGUFTensors, index_tensors
+from octavo.export.gguf_tokenizer import build_tokenizer_json
+
+log = logging.getLogger(__name__)
+
+# GGUF general.architecture -> (HF model_type, HF architectures entry, q/k rows permuted by llama.cpp)
+ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "mistral": ("mistral", "MistralForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+}
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(slots=True)
+class GGUFCheckpoint:
+    """Everything the exporter needs from a GGUF file, in HF terms."""
+
+    config: dict[str, Any]  # HF-style config.json content
+    tensors: Mapping[str, np.ndarray]  # HF name -> float32, HF layout; dequantized lazily per lookup
+    tokenizer_json: str  # HF `tokenizers` tokenizer.json text
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+    source: str  # general.name (or the file name)
+    metadata: dict[str, Any]  # every scalar GGUF metadata field (arrays left out), for reports
+
+
+def read_gguf(path: str | Path) -> GGUFCheckpoint:
+    """Open PATH and describe it as a HF-style checkpoint; ModelFormatError if it is not a usable GGUF."""
+    path = Path(path)
+    reader = _open(path)
+    meta = _metadata(reader, path)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{path.name}: GGUF architecture {arch!r} is not supported; octavo reads "
+            f"{', '.join(sorted(ARCHITECTURES))} (Llama-family) GGUF files"
+        )
+    config = _config(meta, reader, arch, path)
+    tensors: GGUFTensors = index_tensors(
+        reader, num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
+        permuted_qk=ARCHITECTURES[arch][2],
+    )
+    config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
+    if arch == "qwen2" and not config["attention_bias"]:
+        raise ModelFormatError(f"{path.name}: a qwen2 GGUF must have q/k/v biases (blk.0.attn_q.bias is missing)")
+    _check_tensors(tensors, config, path)
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    tokenizer_json = build_tokenizer_json(meta, path.name)
+    eos_ids = _eos_ids(meta)
+    return GGUFCheckpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer_json=tokenizer_json,
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=_opt_int(meta.get("tokenizer.ggml.padding_token_id")),
+        source=str(meta.get("general.name") or path.name),
+        metadata={k: v for k, v in meta.items() if not isinstance(v, list)},
+    )
+
+
+def _open(path: Path) -> Any:
+    """A gguf.GGUFReader over PATH, with every failure turned into a ModelFormatError."""
+    if not path.is_file():
+        raise ModelFormatError(f"GGUF file {path} does not exist")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFormatError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:  # noqa: BLE001 - the gguf package raises assorted types on bad input
+        raise ModelFormatError(
+            f"{path} is not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}"
+        ) from exc
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != int(tensor.n_bytes):
+            raise ModelFormatError(
+                f"{path} is truncated: tensor {tensor.name!r} needs bytes up to {end} but the file has {size}"
+            )
+    return reader
+
+
+def _metadata(reader: Any, path: Path) -> dict[str, Any]:
+    """GGUF key/value fields as plain Python values (str, int, float, bool, lists of those)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            value = field.contents()
+        except Exception as exc:  # noqa: BLE001
+            raise ModelFormatError(f"{path}: metadata field {key!r} cannot be decoded: {exc}") from exc
+        meta[key] = value
+    return meta
+
+
+def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[str, Any]:
+    """The HF config.json dict of the model."""
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ModelFormatError(f"{path.name}: GGUF metadata {full!r} is missing")
+        return meta[full]
+
+    model_type, hf_arch, _ = ARCHITECTURES[arch]
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens else None
+    if vocab is None:
+        raise ModelFormatError(f"{path.name}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocab size")
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "rms_norm_eps": _f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": _opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+    }
+    eos = _eos_ids(meta)
+    config["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ModelFormatError(
+            f"{path.name}: partial rotary embedding ({arch}.rope.dimension_count={rope_dims} < head_dim "
+            f"{head_dim}) is not supported"
+        )
+    scaling = rope_scaling_from_gguf(meta, reader, arch, head_dim, config["rope_theta"], path.name)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
+        if arch == "llama":  # llama.cpp writes Mistral models as "llama"; the window is what tells them apart
+            config["model_type"], config["architectures"] = "mistral", ["MistralForCausalLM"]
+    return config
+
+
+def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> None:
+    """Every tensor a Llama-family model needs is present with the shape the config implies."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    q_out = config["num_attention_heads"] * config["head_dim"]
+    kv_out = config["num_key_value_heads"] * config["head_dim"]
+    ffn = config["intermediate_size"]
+    expected: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        expected |= {
+            p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        }
+        if config["attention_bias"]:
+            expected |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                         p + "self_attn.v_proj.bias": (kv_out,)}
+    if "lm_head.weight" in tensors:
+        expected["lm_head.weight"] = (config["vocab_size"], h)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ModelFormatError(f"{path.name}: tensor for {name!r} is missing from the GGUF file")
+        got = tensors.shape(name)  # type: ignore[attr-defined]
+        if got != shape:
+            raise ModelFormatError(f"{path.name}: tensor {name!r} has shape {got}, the metadata implies {shape}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        log.warning("%s: ignoring GGUF tensors with no use in the model: %s", path.name, extra[:5])
+
+
+def _eos_ids(meta: dict[str, Any]) -> list[int]:
+    """EOS first, then end-of-turn / end-of-message ids when the file names different ones."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = _opt_int(meta.get(key))
+        if value is not None and value not in ids:
+            ids.append(value)
+    return ids
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)

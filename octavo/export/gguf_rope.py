@@ -1,0 +1,66 @@
+"""RoPE scaling of a GGUF file as a HF `rope_scaling` dict.
+
+GGUF facts: `<arch>.rope.scaling.type` ("none" | "linear" | "yarn"), `.rope.scaling.factor`,
+`.rope.scaling.original_context_length` (older files: `.rope.scale_linear`). Llama 3.1-style scaling is not
+stored as metadata: llama.cpp's converter writes the per-frequency divisors as a tensor `rope_freqs.weight`
+(head_dim/2 values). We recover the HF "llama3" parameters by finding the (factor, low_freq_factor,
+high_freq_factor, original_max_position_embeddings) whose divisors reproduce that tensor.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+
+from octavo.errors import ModelFormatError
+
+
+def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """The divisor HF's "llama3" rope applies to each inverse frequency (1 = unchanged)."""
+    inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original / low, original / high
+    smooth = (original / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, mid))
+
+
+def rope_scaling_from_gguf(meta: dict[str, Any], reader: Any, arch: str, head_dim: int, theta: float,
+                           name: str) -> dict[str, Any] | None:
+    """HF rope_scaling for the file, or None when it has none."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        return _fit_llama3(np.asarray(freqs.data, dtype=np.float64).reshape(-1), head_dim, theta, name)
+    if kind in (None, "none") and factor in (None, 1.0):
+        return None
+    if kind in (None, "linear"):
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    raise ModelFormatError(f"{name}: rope scaling type {kind!r} is not supported (supported: linear, yarn, llama3)")
+
+
+def _fit_llama3(divisors: np.ndarray, head_dim: int, theta: float, name: str) -> dict[str, Any]:
+    if divisors.shape != (head_dim // 2,):
+        raise ModelFormatError(f"{name}: rope_freqs.weight has {divisors.size} values, expected {head_dim // 2}")
+    factor = float(divisors.max())
+    originals = [2 ** k for k in range(4, 21)]
+    for low, high, original in itertools.product((1.0, 2.0), (4.0, 8.0, 2.0), originals):
+        if high <= low:
+            continue
+        want = llama3_divisors(head_dim, theta, factor, low, high, original)
+        if np.allclose(want, divisors, rtol=1e-4, atol=1e-5):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise ModelFormatError(
+        f"{name}: rope_freqs.weight holds per-frequency RoPE factors that match no Llama-3 rope_scaling; "
+        "octavo cannot express them"
+    )

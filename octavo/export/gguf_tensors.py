@@ -1,0 +1,145 @@
+"""The tensors of a GGUF file as a lazy mapping of HF names -> float32 numpy arrays in HF layout.
+
+GGUF facts this module relies on (llama.cpp's converter and the `gguf` package):
+- names: `token_embd.weight`, `output_norm.weight`, `output.weight`, `blk.{i}.attn_q|attn_k|attn_v|
+  attn_output|ffn_gate|ffn_up|ffn_down|attn_norm|ffn_norm.weight` (+ `.bias` on attn_q/k/v for qwen2);
+- GGUF lists dimensions innermost first, so a HF Linear weight [out, in] is stored with shape (in, out);
+  `gguf.GGUFReader` already gives `tensor.data` in numpy order (rows = out), quantised rows as bytes;
+- for llama-arch models llama.cpp permutes the rows of q_proj / k_proj (weight and bias) per head from
+  HF's rotate-half RoPE layout to the interleaved (GPT-J) layout: HF row (head, half, i) is stored at
+  (head, i, half). `unpermute_qk` undoes that. qwen2 files are stored unpermuted (NeoX RoPE in llama.cpp).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from octavo.errors import ModelFormatError
+
+# GGML types this reader dequantizes (all through gguf.quants.dequantize).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+# Tensors a GGUF may carry that have no HF tensor (their content goes into the config instead).
+NON_HF_TENSORS = ("rope_freqs.weight",)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF state-dict name of a GGUF tensor name, or None when it has none."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """HF (rotate-half) rows -> llama.cpp (interleaved) rows, as llama.cpp's converter does."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `permute_qk`: llama.cpp (interleaved) rows -> HF (rotate-half) rows."""
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ModelFormatError(f"q/k tensor with {rows} rows cannot be split into {n_head} heads of even size")
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def dequantize(tensor: object, name: str) -> np.ndarray:
+    """A `gguf.ReaderTensor` as a new float32 array in numpy order (outermost dimension first)."""
+    from gguf import quants
+
+    type_name = tensor.tensor_type.name  # type: ignore[attr-defined]
+    if type_name not in SUPPORTED_TYPES:
+        raise ModelFormatError(
+            f"GGUF tensor {name!r} has type {type_name}, which octavo does not read; supported types: "
+            f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the model to one of them (e.g. llama-quantize ... Q8_0)."
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # type: ignore[attr-defined]
+    try:
+        values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)  # type: ignore[attr-defined]
+        return np.array(values, dtype=np.float32, copy=True).reshape(shape)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise ModelFormatError(f"GGUF tensor {name!r} ({type_name}, shape {shape}) cannot be decoded: {exc}") from exc
+
+
+@dataclass(slots=True, eq=False)
+class GGUFTensors(Mapping[str, np.ndarray]):
+    """HF name -> float32 array, dequantized (and un-permuted) each time it is looked up; nothing cached."""
+
+    reader: object  # gguf.GGUFReader (memory-maps the file)
+    by_hf_name: dict[str, object]  # HF name -> gguf.ReaderTensor
+    gguf_names: dict[str, str]  # HF name -> GGUF name
+    num_heads: int
+    num_kv_heads: int
+    permuted_qk: bool  # True for llama-arch files (llama.cpp permuted q/k rows)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        tensor = self.by_hf_name[key]  # KeyError for unknown names, as a Mapping should
+        values = dequantize(tensor, self.gguf_names[key])
+        if self.permuted_qk and ".self_attn.q_proj." in key:
+            values = unpermute_qk(values, self.num_heads)
+        elif self.permuted_qk and ".self_attn.k_proj." in key:
+            values = unpermute_qk(values, self.num_kv_heads)
+        return values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.by_hf_name)
+
+    def __len__(self) -> int:
+        return len(self.by_hf_name)
+
+    def ggml_type(self, key: str) -> str:
+        """The GGML storage type of a tensor (e.g. "Q4_1"), for reports."""
+        return self.by_hf_name[key].tensor_type.name  # type: ignore[attr-defined]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The HF (numpy-order) shape of a tensor without dequantizing it."""
+        return tuple(int(d) for d in reversed(self.by_hf_name[key].shape.tolist()))  # type: ignore[attr-defined]
+
+
+def index_tensors(reader: object, *, num_heads: int, num_kv_heads: int, permuted_qk: bool) -> GGUFTensors:
+    """Map every GGUF tensor of the file to its HF name; refuse unknown names and unreadable types."""
+    by_hf: dict[str, object] = {}
+    names: dict[str, str] = {}
+    for tensor in reader.tensors:  # type: ignore[attr-defined]
+        name = str(tensor.name)
+        if name in NON_HF_TENSORS:
+            continue
+        target = hf_name(name)
+        if target is None:
+            raise ModelFormatError(
+                f"GGUF tensor {name!r} has no counterpart in a Llama-family HF checkpoint; "
+                "this file is not a plain llama/mistral/qwen2 model"
+            )
+        if tensor.tensor_type.name not in SUPPORTED_TYPES:
+            raise ModelFormatError(
+                f"GGUF tensor {name!r} has type {tensor.tensor_type.name}, which octavo does not read; "
+                f"supported types: {', '.join(SUPPORTED_TYPES)}"
+            )
+        by_hf[target] = tensor
+        names[target] = name
+    return GGUFTensors(reader, by_hf, names, num_heads, num_kv_heads, permuted_qk)

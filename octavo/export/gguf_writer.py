@@ -1,0 +1,186 @@
+"""Write a HF Llama-family checkpoint folder as a GGUF file the way llama.cpp's converter lays it out.
+
+Used to make small GGUF files for tests (tiny random models, any supported tensor type) and as the
+other half of the GGUF round trip: q/k rows of llama-arch models are permuted into llama.cpp's
+interleaved RoPE layout, dimensions are stored innermost first, the tokenizer goes into tokenizer.ggml.*.
+
+    write_gguf(hf_dir, "tiny.gguf", tensor_type="Q8_0")
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export.gguf_rope import llama3_divisors
+from octavo.export.gguf_tensors import permute_qk
+from octavo.export.gguf_tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
+
+_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_BLOCK_PARTS = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def gguf_tensor_name(hf: str) -> str:
+    """HF state-dict name -> llama.cpp tensor name."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf in fixed:
+        return fixed[hf]
+    parts = hf.split(".")
+    middle = ".".join(parts[3:-1])
+    if parts[:2] != ["model", "layers"] or middle not in _BLOCK_PARTS:
+        raise ModelFormatError(f"tensor {hf!r} has no GGUF name")
+    return f"blk.{parts[2]}.{_BLOCK_PARTS[middle]}.{parts[-1]}"
+
+
+def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32", arch: str | None = None,
+               name: str | None = None) -> Path:
+    """Write HF_DIR (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) to OUT.
+
+    tensor_type: F32, F16, Q8_0, Q4_0 or Q4_1 for 2-D weights (norms and biases stay F32, as llama.cpp
+    keeps them); arch: the GGUF general.architecture to write (default: llama for llama/mistral configs,
+    qwen2 for qwen2)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = arch or _ARCH_BY_MODEL_TYPE.get(config.get("model_type", ""))
+    if arch is None:
+        raise UnsupportedArchitectureError(f"cannot write model_type {config.get('model_type')!r} as GGUF")
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(name or hf_dir.name)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(theta)
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("sliding_window") and config.get("model_type") == "mistral":
+        writer.add_sliding_window(int(config["sliding_window"]))
+    _write_rope_scaling(writer, config, head_dim, theta)
+    _write_tokenizer(writer, hf_dir, config)
+
+    permuted = arch == "llama"
+    for hf, tensor in weights.items():
+        if hf == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        data = np.asarray(tensor, dtype=np.float32)
+        if permuted and (".q_proj." in hf or ".k_proj." in hf):
+            data = permute_qk(data, heads if ".q_proj." in hf else kv_heads)
+        _add_tensor(writer, gguf_tensor_name(hf), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_rope_scaling(writer: Any, config: dict[str, Any], head_dim: int, theta: float) -> None:
+    """linear / yarn as metadata; llama3 as the rope_freqs.weight divisors tensor (llama.cpp's way)."""
+    import gguf
+
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return
+    if kind == "llama3":
+        divisors = llama3_divisors(head_dim, theta, scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
+                                   scaling["original_max_position_embeddings"])
+        writer.add_tensor("rope_freqs.weight", divisors.astype(np.float32))
+    elif kind in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        if "original_max_position_embeddings" in scaling:
+            writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    else:
+        raise ModelFormatError(f"rope scaling {kind!r} cannot be written to GGUF")
+
+
+def _add_tensor(writer: Any, name: str, data: np.ndarray, qtype: Any) -> None:
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, np.ascontiguousarray(data))
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _write_tokenizer(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
+    """tokenizer.json (BPE) -> tokenizer.ggml.*: byte_fallback vocabularies as SentencePiece ("llama",
+    scores = -id, no merges, like llama.cpp's SentencePiece files), others as byte-level ("gpt2")."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg_path = hf_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    model = tok["model"]
+    if model.get("type") != "BPE":
+        raise ModelFormatError(f"only BPE tokenizers can be written to GGUF, not {model.get('type')!r}")
+    vocab: dict[str, int] = dict(model["vocab"])
+    for added in tok.get("added_tokens", []):
+        vocab.setdefault(added["content"], added["id"])
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    user = {a["content"] for a in tok.get("added_tokens", []) if not a.get("special")}
+    unk = model.get("unk_token")
+    sentencepiece = bool(model.get("byte_fallback"))
+
+    def kind(t: str) -> int:
+        if t == unk:
+            return UNKNOWN
+        if t in special:
+            return CONTROL
+        if t in user:
+            return USER_DEFINED
+        if sentencepiece and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            return BYTE
+        return NORMAL
+
+    types = [kind(t) for t in tokens]
+    if sentencepiece:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([float(-i) if k == NORMAL else 0.0 for i, k in enumerate(types)])
+        writer.add_add_space_prefix(True)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        writer.add_token_merges(merges)
+    writer.add_token_types(types)
+    for key, setter in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                        ("pad_token_id", writer.add_pad_token_id)):
+        value = config.get(key)
+        if isinstance(value, list):
+            value = value[0]
+        if value is not None:
+            setter(int(value))
+    if unk is not None and unk in vocab:
+        writer.add_unk_token_id(vocab[unk])
+    writer.add_add_bos_token(bool(tok_cfg.get("add_bos_token", sentencepiece)))
+    if tok_cfg.get("chat_template"):
+        writer.add_chat_template(tok_cfg["chat_template"])
