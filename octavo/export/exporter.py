@@ -44,6 +44,7 @@ def _read_gguf(path: Path) -> Checkpoint:
         tokenizer_json=gguf.tokenizer_json,
         chat_template=gguf.chat_template,
         source=str(path),
+        extra_eos_token_ids=list(getattr(gguf, "eos_token_ids", None) or []),
     )
 
 
