@@ -1,0 +1,393 @@
+"""The aiohttp application: OpenAI-compatible routes over one shared AsyncEngine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE), GET /v1/models,
+/health, /version, /metrics. Errors leave in OpenAI's JSON shape. Every route except /health needs the
+API key when one is set. While the model loads (or the server drains) the API answers 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+import octavo
+from octavo.errors import EngineDeadError, InvalidRequestError, OctavoError
+from octavo.serving import responses as R
+from octavo.serving import sse
+from octavo.serving.api_error import ApiError, bad_request, error_body
+from octavo.serving.generation import ChoiceUpdate, Generation
+from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
+from octavo.serving.protocol import ChatRequest, CompletionRequest, Limits, check_model, parse_chat, parse_completion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...]  # the first is the name responses carry
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    max_tokens_cap: int | None = None
+    max_n: int = 16
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the routes share. `engine` is set once the model is loaded and started."""
+
+    config: ServerConfig
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    engine: Any | None = None  # octavo.AsyncEngine
+    tokenizer: Any | None = None
+    limits: Limits | None = None
+    max_model_len: int | None = None
+    load_error: str | None = None
+    draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def ready_engine(self) -> Any:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.load_error is not None:
+            raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+        if self.engine is None:
+            raise ApiError(503, "the model is still loading; retry when /health returns 200", code="loading")
+        return self.engine
+
+
+STATE = web.AppKey("octavo_state", ServerState)
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=state.config.max_body_bytes)
+    app[STATE] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------
+# middlewares
+
+
+def _json_error(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return _json_error(err)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].config.max_body_bytes
+        return _json_error(ApiError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                                         "(--max-body-bytes)", code="request_too_large"))
+    except web.HTTPException as exc:  # unknown route, wrong method, ...
+        if exc.status < 400:
+            raise
+        return _json_error(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                                    code=exc.status))
+    except Exception as exc:  # noqa: BLE001 - a bug must still answer in the API's error shape
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _json_error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    key = request.app[STATE].config.api_key
+    if key is not None and request.path != "/health":
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    return await handler(request)
+
+
+# ---------------------------------------------------------------------------------------------------
+# small routes
+
+
+async def health(request: web.Request) -> web.Response:
+    request.app[STATE].ready_engine()
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": octavo.__version__})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = await asyncio.to_thread(request.app[STATE].metrics.render)  # stats() waits for the step lock
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.json_response(R.model_list(st.config.served_model_names, st.created, st.max_model_len))
+
+
+# ---------------------------------------------------------------------------------------------------
+# completions
+
+
+async def _read_json(request: web.Request) -> Any:
+    limit = request.app[STATE].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _engine_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):  # includes PromptTooLongError
+        return ApiError(400, str(exc), code=type(exc).__name__)
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, OctavoError):  # StepFailedError and the like
+        return ApiError(500, f"generation failed: {exc}", code=type(exc).__name__)
+    log.exception("unexpected engine error", exc_info=exc)
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    engine = st.ready_engine()
+    assert st.limits is not None
+    req = parse_completion(await _read_json(request), st.limits)
+    check_model(req.model, st.config.served_model_names)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("'echo' together with 'logprobs' is not supported", "echo")
+    rid = R.new_id("cmpl")
+    gen = Generation(engine, st.metrics, req.prompts, req.params, rid)
+    return await _run(request, st, gen, _CompletionShape(st, req, gen, rid))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    engine = st.ready_engine()
+    assert st.limits is not None
+    req = parse_chat(await _read_json(request), st.limits)
+    check_model(req.model, st.config.served_model_names)
+    try:  # rendered text already holds the template's special tokens: encode it without adding more
+        text = st.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        prompt = {"prompt_token_ids": st.tokenizer.encode(text, add_special_tokens=False)}
+    except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects these messages
+        raise bad_request(f"cannot apply the model's chat template to these messages: {exc}", "messages") from None
+    rid = R.new_id("chatcmpl")
+    gen = Generation(engine, st.metrics, [prompt], req.params, rid)
+    return await _run(request, st, gen, _ChatShape(st, req, gen, rid))
+
+
+class _CompletionShape:
+    """How /v1/completions renders updates (whole response and SSE chunks)."""
+
+    def __init__(self, st: ServerState, req: CompletionRequest, gen: Generation, rid: str) -> None:
+        self.st, self.req, self.gen, self.rid = st, req, gen, rid
+        self.created = int(time.time())
+        self.offsets: dict[int, int] = {}
+
+    def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
+        if self.req.logprobs is None or u.logprobs is None:
+            return None
+        off = self.offsets.get(u.index, 0)
+        lp = R.completion_logprobs(u.logprobs, u.token_ids, self.req.logprobs, _decoder(self.st), off)
+        self.offsets[u.index] = off + sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def _echo(self, index: int) -> str:
+        if not self.req.echo:
+            return ""
+        p = self.req.prompts[index // self.req.params.n]
+        return p if isinstance(p, str) else self.st.tokenizer.decode(p)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        if not self.req.echo:
+            return []
+        return [self._chunk([R.completion_choice(i, self._echo(i), None)]) for i in range(self.gen.num_choices)]
+
+    def chunk(self, u: ChoiceUpdate) -> dict[str, Any] | None:
+        if not u.text and u.finish_reason is None and not (self.req.logprobs is not None and u.token_ids):
+            return None
+        return self._chunk([R.completion_choice(u.index, u.text, u.finish_reason, self._logprobs(u))])
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return R.completion(self.rid, self.created, self.st.model_name, choices, None, chunk=True,
+                            with_usage_field=self.req.include_usage)
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.req.include_usage:
+            return None
+        return R.completion(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
+                            with_usage_field=True)
+
+    def _usage(self) -> dict[str, int]:
+        return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+
+    def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
+              reasons: dict[int, str | None]) -> dict[str, Any]:
+        choices = []
+        for i in range(self.gen.num_choices):
+            lp = None
+            if self.req.logprobs is not None:
+                ids = [t for u in updates.get(i, []) for t in u.token_ids]
+                entries = [e for u in updates.get(i, []) for e in (u.logprobs or [])]
+                lp = R.completion_logprobs(entries, ids, self.req.logprobs, _decoder(self.st))
+            choices.append(R.completion_choice(i, self._echo(i) + "".join(texts.get(i, [])), reasons.get(i), lp))
+        return R.completion(self.rid, self.created, self.st.model_name, choices, self._usage())
+
+
+class _ChatShape:
+    """How /v1/chat/completions renders updates (whole response and SSE chunks)."""
+
+    def __init__(self, st: ServerState, req: ChatRequest, gen: Generation, rid: str) -> None:
+        self.st, self.req, self.gen, self.rid = st, req, gen, rid
+        self.created = int(time.time())
+
+    def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
+        if not self.req.logprobs or u.logprobs is None:
+            return None
+        return R.chat_logprobs(u.logprobs, u.token_ids, self.req.top_logprobs, _decoder(self.st))
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk([R.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
+                for i in range(self.gen.num_choices)]
+
+    def chunk(self, u: ChoiceUpdate) -> dict[str, Any] | None:
+        if not u.text and u.finish_reason is None and not (self.req.logprobs and u.token_ids):
+            return None
+        delta = {"content": u.text} if u.text else {}
+        return self._chunk([R.chat_chunk_choice(u.index, delta, u.finish_reason, self._logprobs(u))])
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return R.chat(self.rid, self.created, self.st.model_name, choices, None, chunk=True,
+                      with_usage_field=self.req.include_usage)
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.req.include_usage:
+            return None
+        return R.chat(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
+                      with_usage_field=True)
+
+    def _usage(self) -> dict[str, int]:
+        return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+
+    def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
+              reasons: dict[int, str | None]) -> dict[str, Any]:
+        choices = []
+        for i in range(self.gen.num_choices):
+            lp = None
+            if self.req.logprobs:
+                ids = [t for u in updates.get(i, []) for t in u.token_ids]
+                entries = [e for u in updates.get(i, []) for e in (u.logprobs or [])]
+                lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st))
+            choices.append(R.chat_choice(i, "".join(texts.get(i, [])), reasons.get(i), lp))
+        return R.chat(self.rid, self.created, self.st.model_name, choices, self._usage())
+
+
+def _decoder(st: ServerState) -> Any:
+    tok = st.tokenizer
+    return lambda tid: tok.decode([tid])
+
+
+async def _run(request: web.Request, st: ServerState, gen: Generation,
+               shape: _CompletionShape | _ChatShape) -> web.StreamResponse:
+    async with aclosing(gen.updates()) as updates:
+        it = aiter(updates)
+        try:  # the first output (or the prompt's rejection) before any header goes out
+            first = await anext(it, None)
+        except Exception as exc:  # noqa: BLE001
+            raise _engine_error(exc) from None
+        if shape.req.stream:
+            return await _stream(request, shape, first, it)
+        return await _whole(shape, first, it)
+
+
+async def _whole(shape: _CompletionShape | _ChatShape, first: list[ChoiceUpdate] | None,
+                 it: Any) -> web.Response:
+    texts: dict[int, list[str]] = {}
+    ups: dict[int, list[ChoiceUpdate]] = {}
+    reasons: dict[int, str | None] = {}
+
+    def take(batch: list[ChoiceUpdate]) -> None:
+        for u in batch:
+            texts.setdefault(u.index, []).append(u.text)
+            ups.setdefault(u.index, []).append(u)
+            if u.finish_reason is not None:
+                reasons[u.index] = u.finish_reason
+                if u.finish_reason == "error":
+                    raise ApiError(500, f"generation failed: {u.error or 'the engine step failed'}",
+                                   code="step_failed")
+
+    if first is not None:
+        take(first)
+    try:
+        async for batch in it:
+            take(batch)
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise _engine_error(exc) from None
+    return web.json_response(shape.whole(texts, ups, reasons), dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _stream(request: web.Request, shape: _CompletionShape | _ChatShape, first: list[ChoiceUpdate] | None,
+                  it: Any) -> web.StreamResponse:
+    resp = await sse.open_stream(request)
+    try:
+        for c in shape.first_chunks():
+            await resp.write(sse.event(c))
+        batch = first
+        while batch is not None:
+            for u in batch:
+                if u.finish_reason == "error":
+                    err = ApiError(500, f"generation failed: {u.error or 'the engine step failed'}",
+                                   code="step_failed")
+                    await resp.write(sse.event(err.body()))
+                    await resp.write(sse.DONE)
+                    return resp
+                chunk = shape.chunk(u)
+                if chunk is not None:
+                    await resp.write(sse.event(chunk))
+            try:
+                batch = await anext(it, None)
+            except Exception as exc:  # noqa: BLE001 - headers are out: report in-band
+                await resp.write(sse.event(_engine_error(exc).body()))
+                await resp.write(sse.DONE)
+                return resp
+        usage = shape.usage_chunk()
+        if usage is not None:
+            await resp.write(sse.event(usage))
+        await resp.write(sse.DONE)
+    except ConnectionResetError:  # client went away: gen is closed by the caller, which aborts the request
+        log.debug("client disconnected from %s", request.path)
+    return resp
+
+
+__all__ = ["STATE", "ServerConfig", "ServerState", "build_app", "error_body"]

@@ -1,0 +1,162 @@
+"""One HTTP request's prompts running on the shared AsyncEngine, seen as per-choice deltas.
+
+The engine yields cumulative RequestOutputs; a Generation turns them into ChoiceUpdates (new text,
+new tokens, new logprobs, finish reason) for the route handlers, observes latency metrics, and aborts
+its engine requests when it is closed early (client gone, handler cancelled, shutdown), so their KV
+blocks are freed at once. It never sees block tables: it talks to AsyncEngine only.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from octavo.errors import UnknownRequestError
+from octavo.runtime.outputs import Logprob, RequestOutput
+from octavo.runtime.sampling_params import SamplingParams
+from octavo.serving.metrics import RequestTimer, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    index: int  # choice index in the response: prompt_index * n + output index
+    text: str  # text added since the previous update of this choice
+    token_ids: list[int]  # tokens added since the previous update
+    logprobs: list[dict[int, Logprob]] | None  # their logprob entries (when asked for)
+    finish_reason: str | None  # set on the choice's last update
+    error: str | None = None  # message when finish_reason == "error"
+
+
+@dataclass(slots=True)
+class _Choice:
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Sub:
+    """One prompt = one engine request."""
+
+    request_id: str
+    prompt: Any
+    timer: RequestTimer
+    prompt_tokens: int = 0
+    finished: bool = False
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+
+_END = object()
+
+
+class Generation:
+    def __init__(self, engine: Any, metrics: ServerMetrics, prompts: list[Any], params: SamplingParams,
+                 request_id: str) -> None:
+        self._engine = engine
+        self._params = params
+        now = time.monotonic()
+        self._subs = [_Sub(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, RequestTimer(metrics, now))
+                      for i, p in enumerate(prompts)]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.prompt_tokens for s in self._subs)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for s in self._subs for c in s.choices.values())
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._subs) * self._params.n
+
+    async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
+        """Yields the updates of each engine output as it arrives; aborts what is left when closed early."""
+        try:
+            if len(self._subs) == 1:
+                sub = self._subs[0]
+                async for out in self._engine.generate(sub.prompt, self._params, sub.request_id):
+                    yield self._apply(0, sub, out)
+            else:
+                async for i, out in self._merged():
+                    yield self._apply(i, self._subs[i], out)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort every engine request of this generation that has not finished (idempotent, sync)."""
+        for sub in self._subs:
+            if sub.finished:
+                continue
+            sub.finished = True
+            try:
+                self._engine.abort_nowait(sub.request_id)
+            except UnknownRequestError:
+                pass  # finished or never admitted
+            except Exception:  # noqa: BLE001 - an abort must never mask the original outcome
+                log.exception("aborting request %s failed", sub.request_id)
+            if sub.choices:  # it was admitted and ran: count it as aborted (a rejected prompt is not counted)
+                sub.timer.finish(time.monotonic(), "abort", None)
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump(i: int, sub: _Sub) -> None:
+            try:
+                async for out in self._engine.generate(sub.prompt, self._params, sub.request_id):
+                    queue.put_nowait((i, out))
+                queue.put_nowait(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self._subs)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is _END:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _apply(self, i: int, sub: _Sub, out: RequestOutput) -> list[ChoiceUpdate]:
+        now = time.monotonic()
+        sub.prompt_tokens = len(out.prompt_token_ids)
+        updates = []
+        for o in out.outputs:
+            st = sub.choices.setdefault(o.index, _Choice())
+            if st.finished:
+                continue
+            if len(o.text) < st.text_len:
+                log.warning("request %s: engine text shrank (%d -> %d chars)", sub.request_id, st.text_len,
+                            len(o.text))
+            new_text = o.text[st.text_len:]
+            new_ids = list(o.token_ids[st.num_tokens:])
+            new_lps = list(o.logprobs[st.num_tokens:len(o.token_ids)]) if o.logprobs is not None else None
+            st.text_len = max(st.text_len, len(o.text))
+            st.num_tokens = len(o.token_ids)
+            st.finished = o.finish_reason is not None
+            if new_text or new_ids or st.finished:
+                updates.append(ChoiceUpdate(i * self._params.n + o.index, new_text, new_ids, new_lps,
+                                            o.finish_reason, o.error))
+        sub.timer.output(now, max((c.num_tokens for c in sub.choices.values()), default=0))
+        if out.finished:
+            sub.finished = True
+            reasons = [o.finish_reason or "stop" for o in out.outputs]
+            reason = "error" if "error" in reasons else "abort" if "abort" in reasons else reasons[0] if reasons else "stop"
+            m = out.metrics
+            queue_time = (m.first_scheduled_time - m.arrival_time) if m.first_scheduled_time is not None else None
+            sub.timer.finish(now, reason, queue_time)
+        return updates

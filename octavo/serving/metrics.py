@@ -1,0 +1,134 @@
+"""Prometheus metrics with vLLM's names under the `octavo:` prefix, in a per-server CollectorRegistry.
+
+Engine state (running/waiting requests, KV usage, prefix-cache and token counters, preemptions) is read
+from `engine.stats()` at scrape time by a custom collector, so it can never drift from the engine.
+Per-request latencies (TTFT, inter-token, end-to-end, queue time) and finish reasons are observed by
+the server as outputs stream through it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# bucket edges in seconds (vLLM's, extended downwards for small CPU models)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+SUCCESS_REASONS = ("stop", "length", "abort")
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters straight from EngineStats (zeros while the model is loading)."""
+
+    def __init__(self, stats: Callable[[], Any | None], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's protocol
+        return self._families(self._stats())
+
+    def describe(self):  # noqa: ANN201 - names only, without asking the engine
+        return self._families(None)
+
+    def _families(self, s: Any | None):  # noqa: ANN202
+        get = (lambda name: float(getattr(s, name))) if s is not None else (lambda name: 0.0)
+        labels = ["model_name"]
+        for name, doc, field in (
+            ("octavo:num_requests_running", "Requests in the running batch.", "num_running"),
+            ("octavo:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("octavo:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self._model], get(field))
+            yield g
+        for name, doc, field in (
+            ("octavo:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            ("octavo:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("octavo:num_preemptions", "Requests preempted (blocks freed, recomputed later).", "num_preemptions"),
+            ("octavo:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
+            ("octavo:generation_tokens", "Tokens generated.", "generation_tokens_total"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self._model], get(field))
+            yield c
+
+
+class ServerMetrics:
+    """All metrics of one server; nothing global, so several servers can live in one process."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any | None]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats, model_name))
+        r = self.registry
+        self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token.", ["model_name"],
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("octavo:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("octavo:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("octavo:request_queue_time_seconds", "Time from arrival to first scheduling.",
+                               ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self._success = Counter("octavo:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._failure = Counter("octavo:request_failure", "Requests ended by an error, by kind.",
+                                ["model_name", "reason"], registry=r)
+        for reason in SUCCESS_REASONS:  # export zeros from the start
+            self._success.labels(model_name, reason)
+
+    def finished(self, reason: str) -> None:
+        if reason in SUCCESS_REASONS:
+            self._success.labels(self.model_name, reason).inc()
+        else:
+            self._failure.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one engine request's latencies from the outputs the server receives for it."""
+
+    __slots__ = ("_m", "_start", "_last", "_tokens", "_done")
+
+    def __init__(self, metrics: ServerMetrics, start: float) -> None:
+        self._m = metrics
+        self._start = start
+        self._last: float | None = None
+        self._tokens = 0
+        self._done = False
+
+    def output(self, now: float, num_tokens: int) -> None:
+        """num_tokens: the most tokens any of the request's sequences has generated so far."""
+        new = num_tokens - self._tokens
+        if new <= 0:
+            return
+        if self._last is None:
+            self._m.ttft.observe(now - self._start)
+            new -= 1  # several tokens in the first output: the rest count as inter-token gaps below
+            self._last = now
+        if new > 0:
+            gap = (now - self._last) / new
+            for _ in range(new):
+                self._m.itl.observe(gap)
+        self._last = now
+        self._tokens = num_tokens
+
+    def finish(self, now: float, reason: str, queue_time: float | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._m.e2e.observe(now - self._start)
+        if queue_time is not None and queue_time >= 0:
+            self._m.queue.observe(queue_time)
+        self._m.finished(reason)

@@ -1,0 +1,132 @@
+"""Response bodies in OpenAI's exact JSON shapes (completions, chat completions, their SSE chunks, usage,
+logprobs, models). Pure functions over plain values: no HTTP, no engine."""
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from octavo.runtime.outputs import Logprob
+
+Decode = Callable[[int], str]
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+def new_id(prefix: str) -> str:
+    """'cmpl-…' / 'chatcmpl-…': OpenAI-style ids, 128 random bits."""
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---------------------------------------------------------------------------------------------------
+# /v1/completions
+
+
+def completion(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+               use: dict[str, int] | None, *, chunk: bool = False, with_usage_field: bool = False) -> dict[str, Any]:
+    """A text_completion object; as an SSE chunk, 'usage' is present only when stream_options asked for it."""
+    out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": choices}
+    if not chunk or with_usage_field:
+        out["usage"] = use
+    return out
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int,
+                        decode: Decode, text_offset: int = 0) -> dict[str, Any]:
+    """Legacy logprobs: tokens, token_logprobs, top_logprobs (top-k plus the chosen token), text_offset."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for tid, entry in zip(token_ids, entries):
+        text = _token_text(tid, entry, decode)
+        tokens.append(text)
+        token_logprobs.append(_lp(entry[tid].logprob) if tid in entry else _MIN_LOGPROB)
+        best = {_token_text(t, entry, decode): _lp(lp.logprob) for t, lp in _top(entry, top_k, tid)}
+        top.append(best)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+# ---------------------------------------------------------------------------------------------------
+# /v1/chat/completions
+
+
+def chat(rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, int] | None,
+         *, chunk: bool = False, with_usage_field: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion",
+                           "created": created, "model": model, "choices": choices}
+    if not chunk or with_usage_field:
+        out["usage"] = use
+    return out
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": content, "refusal": None},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int,
+                  decode: Decode) -> dict[str, Any]:
+    """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        text = _token_text(tid, entry, decode)
+        content.append({
+            "token": text, "logprob": _lp(entry[tid].logprob) if tid in entry else _MIN_LOGPROB,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (t := _token_text(k, entry, decode)), "logprob": _lp(lp.logprob),
+                 "bytes": list(t.encode("utf-8"))}
+                for k, lp in _top(entry, top_k, None)
+            ],
+        })
+    return {"content": content}
+
+
+# ---------------------------------------------------------------------------------------------------
+# /v1/models
+
+
+def model_list(names: Sequence[str], created: int, max_model_len: int | None) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": n, "object": "model", "created": created, "owned_by": "octavo", "max_model_len": max_model_len}
+        for n in names]}
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _lp(x: float) -> float:
+    return float(x) if math.isfinite(x) else _MIN_LOGPROB
+
+
+def _token_text(tid: int, entry: dict[int, Logprob], decode: Decode) -> str:
+    lp = entry.get(tid)
+    return lp.decoded if lp is not None and lp.decoded else decode(tid)
+
+
+def _top(entry: dict[int, Logprob], k: int, chosen: int | None) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one position; the chosen token is added when it is not among them."""
+    ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+    if chosen is not None and chosen in entry and all(t != chosen for t, _ in ranked):
+        ranked.append((chosen, entry[chosen]))
+    return ranked

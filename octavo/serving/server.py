@@ -1,0 +1,98 @@
+"""OpenAIServer: listen first, load the model behind it, drain gracefully on shutdown.
+
+    server = OpenAIServer(config, lambda: AsyncEngine(engine_args))
+    host, port = await server.start("127.0.0.1", 8000)   # /health answers 503 until the model is ready
+    await server.wait_ready()
+    ...
+    await server.shutdown()   # stop accepting, let in-flight requests finish (timeout), abort the rest
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from octavo.serving.api_error import ApiError
+from octavo.serving.app import ServerConfig, ServerState, build_app
+from octavo.serving.metrics import ServerMetrics
+from octavo.serving.protocol import Limits
+
+log = logging.getLogger(__name__)
+
+
+class OpenAIServer:
+    def __init__(self, config: ServerConfig, load_engine: Callable[[], Any], *, shutdown_timeout: float = 30.0) -> None:
+        """load_engine() builds the (not yet started) AsyncEngine; it runs in a worker thread."""
+        self._load_engine = load_engine
+        self._shutdown_timeout = shutdown_timeout
+        self.state = ServerState(config=config, metrics=ServerMetrics(config.served_model_names[0], self._stats))
+        self.app = build_app(self.state)
+        self._runner: web.AppRunner | None = None
+        self._load_task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    def _stats(self) -> Any | None:
+        engine = self.state.engine
+        return engine.stats() if engine is not None else None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None) -> tuple[str, int]:
+        """Start listening (on SOCK if given), then load the model in the background. Returns the bound address."""
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self._shutdown_timeout)
+        await self._runner.setup()
+        site = web.SockSite(self._runner, sock) if sock is not None else web.TCPSite(self._runner, host, port)
+        await site.start()
+        addr = self._runner.addresses[0]
+        self._load_task = asyncio.create_task(self._load(), name="octavo-load-model")
+        return addr[0], addr[1]
+
+    async def _load(self) -> None:
+        st = self.state
+        try:
+            engine = await asyncio.to_thread(self._load_engine)
+            await engine.start()
+            tokenizer, vocab_size, max_model_len = _engine_facts(engine)
+            st.tokenizer = tokenizer
+            st.max_model_len = max_model_len
+            st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n)
+            st.engine = engine
+            log.info("model %s ready", st.model_name)
+        except Exception as exc:  # noqa: BLE001 - reported through /health, wait_ready() and the CLI
+            log.exception("loading the model failed")
+            st.load_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._ready.set()
+
+    async def wait_ready(self) -> None:
+        """Wait until the model is loaded; raise ApiError(503) carrying the reason if loading failed."""
+        await self._ready.wait()
+        self.state.ready_engine()
+
+    @property
+    def load_failed(self) -> bool:
+        return self.state.load_error is not None
+
+    async def shutdown(self) -> None:
+        """Stop accepting, wait up to shutdown_timeout for in-flight requests, abort what is left, stop the engine."""
+        self.state.draining = True
+        if self._runner is not None:
+            await self._runner.cleanup()  # closes the listener, waits for handlers, then cancels them
+            self._runner = None
+        if self._load_task is not None and not self._load_task.done():
+            await asyncio.wait([self._load_task])
+        engine, self.state.engine = self.state.engine, None
+        if engine is not None:
+            await engine.shutdown()
+
+
+def _engine_facts(engine: Any) -> tuple[Any, int, int | None]:
+    """(tokenizer, vocab size, max model length) of a started AsyncEngine (it wraps an LLMEngine)."""
+    core = engine.engine
+    return engine.tokenizer, int(core.vocab_size), int(core.max_model_len)
+
+
+__all__ = ["ApiError", "OpenAIServer", "ServerConfig"]
