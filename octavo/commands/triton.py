@@ -1,0 +1,126 @@
+"""`octavo triton MODEL --repo-out DIR`: write a ready Triton model repository for MODEL and serve it with a real
+tritonserver (the one bundled by nvidia-pytriton, or $TRITONSERVER_DIR). `--no-serve` only writes the repository,
+which then also works with the tritonserver of NVIDIA's container."""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from octavo.errors import InvalidRequestError, ModelFormatError
+
+HELP = "serve a model behind NVIDIA Triton Inference Server (writes a model repository, starts tritonserver)"
+
+MODEL_NAME = "octavo"
+# config.pbtxt parameters the generator may fill in (the template lists them all with empty values)
+PARAMETER_KEYS = ("model_path", "backend", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
+                  "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "num_threads", "trace_path")
+_PARAM_RE = re.compile(r'parameters\s*\{\s*key:\s*"(?P<key>[^"]+)"\s*value:\s*\{\s*string_value:\s*"(?P<value>[^"]*)"\s*\}\s*\}')
+_INSTANCE_RE = re.compile(r"instance_group\s*\[\s*\{\s*count:\s*\d+")
+
+
+def template_dir() -> Path:
+    """model_repo/octavo of this checkout (the template the generator copies)."""
+    import octavo
+
+    path = Path(octavo.__file__).resolve().parent.parent / "model_repo" / MODEL_NAME
+    if not (path / "config.pbtxt").is_file():
+        raise ModelFormatError(f"the Triton model template is not at {path}; pass --template model_repo/octavo "
+                               "from an octavo checkout")
+    return path
+
+
+def _pbtxt_string(value: str) -> str:
+    if '"' in value or "\\" in value or "\n" in value:
+        raise InvalidRequestError(f"parameter value {value!r} must not contain quotes, backslashes or newlines")
+    return value
+
+
+def render_config(template: str, parameters: dict[str, str], instance_count: int | None = None) -> str:
+    """The template's config.pbtxt with the given parameters' values replaced (unknown keys are refused)."""
+    unknown = set(parameters) - set(PARAMETER_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"unknown Triton model parameters {sorted(unknown)}; known: {list(PARAMETER_KEYS)}")
+
+    def fill(match: re.Match[str]) -> str:
+        key = match.group("key")
+        if key not in parameters:
+            return match.group(0)
+        return f'parameters {{ key: "{key}" value: {{ string_value: "{_pbtxt_string(str(parameters[key]))}" }} }}'
+
+    text = _PARAM_RE.sub(fill, template)
+    missing = [k for k in parameters if f'key: "{k}"' not in text]
+    if missing:
+        raise ModelFormatError(f"the template config.pbtxt has no parameters entry for {missing}")
+    if instance_count is not None:
+        if instance_count < 1:
+            raise InvalidRequestError(f"instance count must be >= 1, got {instance_count}")
+        text, n = _INSTANCE_RE.subn(f"instance_group [ {{ count: {instance_count}", text)
+        if n != 1:
+            raise ModelFormatError("the template config.pbtxt has no `instance_group [ { count: N` entry")
+    return text
+
+
+def write_model_repository(out: str | Path, model_path: str | Path, *, parameters: dict[str, str] | None = None,
+                           instance_count: int | None = None, template: str | Path | None = None) -> Path:
+    """Write OUT/octavo/{config.pbtxt, 1/model.py} from the template with model_path (absolute) and PARAMETERS
+    filled in; returns OUT (the folder to pass as --model-repository). OUT/octavo is replaced if it exists."""
+    src = Path(template) if template else template_dir()
+    out = Path(out)
+    model_dir = out / MODEL_NAME
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    shutil.copytree(src, model_dir, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    params = {k: str(v) for k, v in (parameters or {}).items() if v is not None}
+    params["model_path"] = str(Path(model_path).resolve())
+    config = render_config((src / "config.pbtxt").read_text(), params, instance_count)
+    (model_dir / "config.pbtxt").write_text(config)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="octavo export folder, HF checkpoint folder or .gguf file")
+    parser.add_argument("--repo-out", default=None,
+                        help="folder to write the model repository into (default: a temporary folder)")
+    parser.add_argument("--template", default=None, help="model template folder (default: model_repo/octavo)")
+    parser.add_argument("--no-serve", action="store_true", help="only write the repository, do not start tritonserver")
+    parser.add_argument("--instances", type=int, default=None, help="instance_group count (engines in this server)")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--log-verbose", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="folder for the stub environment and backend links")
+    parser.add_argument("--install-numpy", action="store_true",
+                        help="pip-install numpy<2 for the python-backend stub if it is missing (see docs/triton.md)")
+    for key in PARAMETER_KEYS[1:]:
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, default=None,
+                            help=f"engine parameter {key} (config.pbtxt)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from octavo.export.resolve import resolve_model
+    from octavo.serving.triton_launcher import TritonServer
+
+    model = resolve_model(args.model)  # export once now, not inside every Triton instance
+    repo = Path(args.repo_out) if args.repo_out else Path(tempfile.mkdtemp(prefix="octavo-triton-repo-"))
+    params = {k: getattr(args, k) for k in PARAMETER_KEYS[1:] if getattr(args, k) is not None}
+    write_model_repository(repo, model, parameters=params, instance_count=args.instances, template=args.template)
+    print(f"model repository: {repo} (model {model})")
+    if args.no_serve:
+        return 0
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="octavo-triton-run-"))
+    server = TritonServer(repo, workdir, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+                          auto_install_numpy=args.install_numpy)
+    server.start(stdout_to_log=False)
+    print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+          f"metrics 127.0.0.1:{args.metrics_port}  (Ctrl-C stops it)")
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        return server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+        return 0
