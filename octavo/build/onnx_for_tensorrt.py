@@ -1,0 +1,148 @@
+"""Rewrite an exported model.onnx so TensorRT's ONNX parser maps every octavo.PagedAttention node to the
+`octavo::PagedAttention` plugin (plugins/tensorrt/paged_attention_plugin.py). Pure `onnx`; no TensorRT.
+
+What the parser needs (TensorRT's quickly-deployable-plugin sample documents it; see docs/tensorrt.md):
+* op_type equal to the plugin name ("PagedAttention") and a STRING attribute `plugin_namespace`
+  ("octavo"); `plugin_version` (string, default "1") is written explicitly. The node goes to the default
+  domain "" like the sample's node (the exporter's custom domain "octavo" is dropped here, not in the
+  exporter).
+* every plugin attribute present (an omitted optional attribute would leave the plugin's describe
+  function without an argument), in the plugin's registration order, because tensorrt.plugin hands
+  them to the AOT implementation positionally.
+* static block size and head_dim on the pool inputs: they are compiled into the kernel.
+
+Optionally the KV pools become float16/bfloat16 (`kv_dtype`): pool inputs are retyped and Casts are put
+around each attention node (q/k/v in, output back to float32), so the pool takes half the memory and
+the kernel runs in that dtype while the exported graph stays float32.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from octavo.errors import ModelFormatError
+
+PLUGIN_NAMESPACE = "octavo"
+PLUGIN_VERSION = "1"
+OP_TYPE = "PagedAttention"
+# registration order of the plugin's attributes, with the value used when the exporter left one out
+ATTRIBUTE_DEFAULTS: dict[str, int | float | None] = {
+    "num_heads": None, "kv_num_heads": None, "scale": None, "sliding_window": 0, "softcap": 0.0,
+}
+KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+POOL_PREFIXES = ("key_cache.", "value_cache.")
+
+
+def _attribute_value(node: onnx.NodeProto, name: str) -> int | float | None:
+    for attr in node.attribute:
+        if attr.name == name:
+            return helper.get_attribute_value(attr)
+    return None
+
+
+def _rewrite_node(node: onnx.NodeProto) -> None:
+    values = {}
+    for name, default in ATTRIBUTE_DEFAULTS.items():
+        value = _attribute_value(node, name)
+        if value is None:
+            if default is None:
+                raise ModelFormatError(f"PagedAttention node {node.name!r} lacks the required attribute {name!r}")
+            value = default
+        values[name] = value
+    del node.attribute[:]
+    node.attribute.extend([
+        helper.make_attribute("num_heads", int(values["num_heads"])),
+        helper.make_attribute("kv_num_heads", int(values["kv_num_heads"])),
+        helper.make_attribute("scale", float(values["scale"])),
+        helper.make_attribute("sliding_window", int(values["sliding_window"])),
+        helper.make_attribute("softcap", float(values["softcap"])),
+        helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
+        helper.make_attribute("plugin_version", PLUGIN_VERSION),
+    ])
+    node.domain = ""
+
+
+def _fix_pool_inputs(graph: onnx.GraphProto, block_size: int, elem_type: int) -> int:
+    count = 0
+    for value_info in graph.input:
+        if not value_info.name.startswith(POOL_PREFIXES):
+            continue
+        tensor_type = value_info.type.tensor_type
+        dims = tensor_type.shape.dim
+        if len(dims) != 4:
+            raise ModelFormatError(f"pool input {value_info.name} has rank {len(dims)}, expected 4")
+        dims[1].ClearField("dim_param")
+        dims[1].dim_value = block_size
+        tensor_type.elem_type = elem_type
+        count += 1
+    return count
+
+
+def _cast_around_attention(graph: onnx.GraphProto, elem_type: int) -> None:
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type != OP_TYPE:
+            nodes.append(node)
+            continue
+        for i in range(3):  # query, key, value
+            cast_out = f"{node.input[i]}.kv_cast"
+            nodes.append(helper.make_node("Cast", [node.input[i]], [cast_out], name=f"{node.name}.cast_in{i}", to=elem_type))
+            node.input[i] = cast_out
+        original = node.output[0]
+        node.output[0] = f"{original}.kv_dtype"
+        nodes.append(node)
+        nodes.append(helper.make_node("Cast", [node.output[0]], [original], name=f"{node.name}.cast_out", to=TensorProto.FLOAT))
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def prepare_onnx_for_tensorrt(
+    model_path: str | Path, out_path: str | Path, *, block_size: int = 16, kv_dtype: str = "float32",
+) -> Path:
+    """Write OUT_PATH: MODEL_PATH with its PagedAttention nodes mapped to the TensorRT plugin.
+
+    The external weights file is referenced, not copied: OUT_PATH in the model's folder shares it; in
+    another folder a symlink to it is made. Returns OUT_PATH.
+    """
+    model_path, out_path = Path(model_path), Path(out_path)
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError / OSError variants
+        raise ModelFormatError(f"cannot read {model_path}: {exc}") from exc
+    graph = model.graph
+    attention = [n for n in graph.node if n.op_type == OP_TYPE]
+    if not attention:
+        raise ModelFormatError(f"{model_path} has no {OP_TYPE} node; is it an octavo export?")
+    for node in attention:
+        _rewrite_node(node)
+    elem_type = KV_DTYPES[kv_dtype]
+    if _fix_pool_inputs(graph, block_size, elem_type) != 2 * len(attention):
+        raise ModelFormatError(f"{model_path}: expected one key and one value pool input per attention node")
+    if elem_type != TensorProto.FLOAT:
+        _cast_around_attention(graph, elem_type)
+    _link_external_data(model, model_path.parent, out_path.parent)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(out_path))
+    return out_path
+
+
+def _link_external_data(model: onnx.ModelProto, src_dir: Path, dst_dir: Path) -> None:
+    if src_dir.resolve() == dst_dir.resolve():
+        return
+    locations = {
+        entry.value
+        for tensor in model.graph.initializer if tensor.data_location == TensorProto.EXTERNAL
+        for entry in tensor.external_data if entry.key == "location"
+    }
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for location in locations:
+        target = dst_dir / location
+        if not target.exists():
+            os.symlink((src_dir / location).resolve(), target)

@@ -1,0 +1,209 @@
+"""Build a TensorRT engine from an octavo export folder (ONNX parser + builder, one optimization profile).
+
+Steps: register the `octavo::PagedAttention` plugin (compiles the Triton kernel for this GPU), rewrite
+the ONNX for the parser (`prepare_onnx_for_tensorrt`), parse, give every dynamic graph input a
+min/opt/max range (packed tokens T, sequences B, block-table width, logits rows N, pool rows), build,
+and write `model.<dtype>.engine` + `tensorrt.json` (what the runtime backend needs) next to the manifest.
+
+Written from TensorRT's documented Python API; no machine of this project has run it (docs/tensorrt.md).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+from octavo.build.onnx_for_tensorrt import prepare_onnx_for_tensorrt
+from octavo.errors import BackendUnavailableError, ModelFormatError, OctavoError
+from octavo.export.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+BUILD_INFO_NAME = "tensorrt.json"
+PLUGIN_FILE = Path(__file__).resolve().parents[2] / "plugins" / "tensorrt" / "paged_attention_plugin.py"
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+class EngineBuildError(OctavoError):
+    """TensorRT's parser or builder refused the model; the message carries TensorRT's own errors."""
+
+
+@dataclass(slots=True)
+class TensorRTBuildOptions:
+    dtype: str = "float16"  # activations (builder precision flag) and the KV pool dtype
+    block_size: int = 16
+    max_num_tokens: int = 2048  # packed tokens per step (the scheduler's max_num_batched_tokens)
+    max_num_seqs: int = 64
+    max_blocks_per_seq: int | None = None  # default: ceil(max_context / block_size)
+    max_num_logits: int | None = None  # default: max_num_seqs (one next-token row per sequence)
+    max_num_blocks: int = 1 << 18  # upper bound of the pool's rows the runtime may allocate
+    workspace_bytes: int = 1 << 30
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_tokens", "max_num_seqs", "max_num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass(slots=True)
+class BuildInfo:
+    """tensorrt.json: what was built and the limits the runtime must respect."""
+
+    engine_file: str
+    dtype: str
+    block_size: int
+    max_num_tokens: int
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    max_num_logits: int
+    max_num_blocks: int
+    compute_capability: int
+    tensorrt_version: str
+    build_seconds: float
+
+    def save(self, folder: Path) -> Path:
+        path = folder / BUILD_INFO_NAME
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "BuildInfo":
+        path = Path(folder) / BUILD_INFO_NAME
+        if not path.is_file():
+            raise ModelFormatError(f"{folder} has no TensorRT engine ({BUILD_INFO_NAME} missing); "
+                                   f"build one with `octavo build {folder} --target tensorrt`")
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:
+            raise ModelFormatError(f"{path} is not a valid build description: {exc}") from exc
+
+
+def import_tensorrt() -> ModuleType:
+    """`tensorrt`, or BackendUnavailableError with what to do (never a bare ImportError traceback)."""
+    try:
+        import tensorrt
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "TensorRT is not installed (pip install tensorrt on a machine with an NVIDIA GPU); "
+            f"`--target tensorrt` and the tensorrt backend need it. Import error: {exc}"
+        ) from exc
+    except OSError as exc:  # the wheel is there but its CUDA libraries are not loadable
+        raise BackendUnavailableError(f"TensorRT is installed but cannot load its libraries: {exc}") from exc
+    if not hasattr(tensorrt, "plugin"):
+        try:
+            import tensorrt.plugin  # noqa: F401
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"TensorRT {tensorrt.__version__} has no tensorrt.plugin (the Python plugin API with "
+                f"ahead-of-time kernels needs TensorRT >= 10.8): {exc}"
+            ) from exc
+    return tensorrt
+
+
+def load_plugin_module() -> ModuleType:
+    """plugins/tensorrt/paged_attention_plugin.py (it lives beside the C++ ORT op, outside the package)."""
+    if not PLUGIN_FILE.is_file():
+        raise BackendUnavailableError(f"the TensorRT plugin source {PLUGIN_FILE} is missing; run octavo from "
+                                      "its source checkout to build TensorRT engines")
+    spec = importlib.util.spec_from_file_location("octavo_tensorrt_paged_attention_plugin", PLUGIN_FILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def profile_shapes(manifest: Manifest, options: TensorRTBuildOptions, max_blocks_per_seq: int,
+                   max_num_logits: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(min, opt, max) per graph input, in the contract's names. Pure: unit-tested without TensorRT."""
+    t_max, b_max = options.max_num_tokens, options.max_num_seqs
+    t_opt, b_opt = min(t_max, 256), min(b_max, 16)
+    w_opt = min(max_blocks_per_seq, 64)
+    n_opt = min(max_num_logits, b_opt)
+    pool_tail = (options.block_size, manifest.num_kv_heads, manifest.head_dim)
+    shapes = {
+        "input_ids": ((1,), (t_opt,), (t_max,)),
+        "position_ids": ((1,), (t_opt,), (t_max,)),
+        "cumulative_sequence_length": ((2,), (b_opt + 1,), (b_max + 1,)),
+        "past_seqlens": ((1,), (b_opt,), (b_max,)),
+        "block_table": ((1, 1), (b_opt, w_opt), (b_max, max_blocks_per_seq)),
+        "slot_mapping": ((1,), (t_opt,), (t_max,)),
+        "logits_indices": ((1,), (n_opt,), (max_num_logits,)),
+    }
+    n_pool = options.max_num_blocks
+    for layer in range(manifest.num_layers):
+        for kind in ("key_cache", "value_cache"):
+            shapes[f"{kind}.{layer}"] = ((1, *pool_tail), (min(n_pool, 4096), *pool_tail), (n_pool, *pool_tail))
+    return shapes
+
+
+def _parser_errors(parser) -> str:  # noqa: ANN001
+    return "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "(no parser errors reported)"
+
+
+def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = None) -> Path:
+    """Build the engine for the export folder MODEL_DIR; returns the engine file's path."""
+    options = options or TensorRTBuildOptions()
+    options.validate()
+    model_dir = Path(model_dir)
+    manifest = Manifest.load(model_dir)
+    trt = import_tensorrt()
+    from octavo.build.cuda_api import compute_capability, driver_cuda_version, import_cudart, ptx_version_cap
+
+    cudart = import_cudart()
+    arch = compute_capability(cudart)
+    ptx_cap = ptx_version_cap(driver_cuda_version(cudart))
+    load_plugin_module().register(arch=arch, ptx_version=ptx_cap)
+
+    max_blocks_per_seq = options.max_blocks_per_seq or math.ceil(manifest.max_context / options.block_size)
+    max_num_logits = options.max_num_logits or options.max_num_seqs
+    started = time.perf_counter()
+    onnx_path = prepare_onnx_for_tensorrt(
+        model_dir / manifest.onnx_file, model_dir / f"model.tensorrt.{options.dtype}.onnx",
+        block_size=options.block_size, kv_dtype=options.dtype,
+    )
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n{_parser_errors(parser)}")
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
+    if options.dtype == "float16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    elif options.dtype == "bfloat16":
+        config.set_flag(trt.BuilderFlag.BF16)
+    profile = builder.create_optimization_profile()
+    shapes = profile_shapes(manifest, options, max_blocks_per_seq, max_num_logits)
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        if name not in shapes:
+            raise EngineBuildError(f"graph input {name!r} is not part of octavo's ONNX contract")
+        profile.set_shape(name, *shapes[name])
+    config.add_optimization_profile(profile)
+
+    log.info("building TensorRT engine for sm_%d (%s), this takes a while", arch, options.dtype)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise EngineBuildError("TensorRT's builder failed; see the TensorRT messages above")
+    engine_path = model_dir / f"model.{options.dtype}.engine"
+    engine_path.write_bytes(bytes(serialized))
+    BuildInfo(
+        engine_file=engine_path.name, dtype=options.dtype, block_size=options.block_size,
+        max_num_tokens=options.max_num_tokens, max_num_seqs=options.max_num_seqs,
+        max_blocks_per_seq=max_blocks_per_seq, max_num_logits=max_num_logits,
+        max_num_blocks=options.max_num_blocks, compute_capability=arch,
+        tensorrt_version=trt.__version__, build_seconds=round(time.perf_counter() - started, 2),
+    ).save(model_dir)
+    return engine_path

@@ -1,0 +1,50 @@
+"""`octavo build MODEL --target tensorrt`: compile an exported model into a TensorRT engine (GPU)."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+HELP = "build a GPU engine (TensorRT) for an exported model; written next to its manifest"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="octavo export folder (an HF folder or .gguf file is exported first)")
+    parser.add_argument("--target", choices=("tensorrt",), default="tensorrt", help="engine kind (default tensorrt)")
+    parser.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16",
+                        help="engine precision and KV pool dtype (default fp16)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block, compiled in (default 16)")
+    parser.add_argument("--max-num-tokens", type=int, default=2048, help="most packed tokens per step (default 2048)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
+    parser.add_argument("--max-blocks-per-seq", type=int, default=None,
+                        help="block-table width (default: the model's context / block size)")
+    parser.add_argument("--max-num-blocks", type=int, default=1 << 18, help="largest KV pool the engine accepts, in blocks")
+
+
+def _resolve(model: str) -> Path:
+    try:
+        from octavo.export.resolve import resolve_model
+    except ImportError:  # resolver not available in this build: MODEL must already be an export folder
+        return Path(model)
+    return resolve_model(model)
+
+
+def run(args: argparse.Namespace) -> int:
+    from octavo.build.tensorrt_builder import TensorRTBuildOptions, build_engine, import_tensorrt
+
+    options = TensorRTBuildOptions(
+        dtype={"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[args.dtype],
+        block_size=args.block_size, max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
+        max_blocks_per_seq=args.max_blocks_per_seq, max_num_blocks=args.max_num_blocks,
+    )
+    try:
+        options.validate()
+    except ValueError as exc:
+        from octavo.errors import InvalidRequestError
+
+        raise InvalidRequestError(str(exc)) from exc
+    trt = import_tensorrt()  # fail fast, before any export work
+    started = time.perf_counter()
+    engine = build_engine(_resolve(args.model), options)
+    print(f"built {engine} (TensorRT {trt.__version__}, {args.dtype}) in {time.perf_counter() - started:.1f} s")
+    return 0
