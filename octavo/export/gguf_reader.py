@@ -161,6 +161,7 @@ def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[st
         "hidden_act": "silu",
         "torch_dtype": "float32",
         "bos_token_id": _opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+        "pad_token_id": _opt_int(meta.get("tokenizer.ggml.padding_token_id")),
     }
     eos = _eos_ids(meta)
     config["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
