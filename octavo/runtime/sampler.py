@@ -104,8 +104,16 @@ class Sampler:
                 logits[i, ids] = -np.inf
 
     # -- random sampling ----------------------------------------------------------------------------
+    def _sample(self, logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
+        probs = self.distribution(logits, reqs)
+        cdf = np.cumsum(probs, axis=-1)
+        u = np.array([r.generator.random() for r in reqs]) * cdf[:, -1]
+        idx = (cdf <= u[:, None]).sum(axis=-1)
+        return np.minimum(idx, probs.shape[1] - 1)
+
     @staticmethod
-    def _sample(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
+    def distribution(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
+        """Probabilities to sample from (float64, unnormalised after min_p): temperature, top_k, top_p, min_p."""
         temp = np.array([r.params.temperature for r in reqs], np.float32)[:, None]
         logits = logits / temp
         top_k = np.array([r.params.top_k for r in reqs])
@@ -127,7 +135,4 @@ class Sampler:
         min_p = np.array([r.params.min_p for r in reqs])
         if np.any(min_p > 0):
             probs[probs < min_p[:, None] * probs.max(axis=-1, keepdims=True)] = 0.0
-        cdf = np.cumsum(probs, axis=-1)
-        u = np.array([r.generator.random() for r in reqs]) * cdf[:, -1]
-        idx = (cdf <= u[:, None]).sum(axis=-1)
-        return np.minimum(idx, probs.shape[1] - 1)
+        return probs

@@ -1,0 +1,136 @@
+"""Sampler vs independent references: transformers' logits processors/warpers for penalties and the
+top_k / top_p / min_p filtered distributions; plus seeds, logit_bias, min_tokens and logprobs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from octavo.runtime.request import Request
+from octavo.runtime.sampler import Sampler, log_softmax
+from octavo.runtime.sampling_params import SamplingParams
+
+V = 50
+EOS = 2
+
+
+def req(seed: int | None = 0, prompt: list[int] | None = None, out: list[int] | None = None, **kw) -> Request:
+    p = SamplingParams(seed=seed, **kw)
+    return Request(request_id="r", prompt_token_ids=prompt or [3, 4], params=p,
+                   generator=np.random.default_rng(seed if seed is not None else 0), max_tokens=100, arrival_order=0,
+                   output_token_ids=list(out or []))
+
+
+def logits_rows(n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((n, V)) * 3).astype(np.float32)
+
+
+def test_greedy_is_argmax() -> None:
+    lg = logits_rows(4)
+    out = Sampler([EOS])(lg, [req(temperature=0.0) for _ in range(4)])
+    assert out.token_ids == [int(t) for t in np.argmax(lg, axis=-1)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), temperature=st.floats(0.2, 2.0), top_k=st.sampled_from([0, 1, 3, 10, 49]),
+       top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]), min_p=st.sampled_from([0.0, 0.05, 0.3]))
+def test_filtered_distribution_matches_transformers(seed, temperature, top_k, top_p, min_p) -> None:  # noqa: ANN001
+    lg = logits_rows(1, seed)
+    r = req(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = Sampler.distribution(lg.copy(), [r])[0]
+    probs = probs / probs.sum()
+    x = torch.tensor(lg, dtype=torch.float64)
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    x = TemperatureLogitsWarper(temperature)(ids, x)
+    if top_k:
+        x = TopKLogitsWarper(top_k)(ids, x)
+    if top_p < 1:
+        x = TopPLogitsWarper(top_p)(ids, x)
+    if min_p:
+        x = MinPLogitsWarper(min_p)(ids, x)
+    ref = torch.softmax(x, dim=-1)[0].numpy()
+    np.testing.assert_array_equal(probs > 0, ref > 0)  # the same support
+    np.testing.assert_allclose(probs, ref, atol=1e-6)
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    lg = np.log(np.array([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)], np.float32))
+    s = Sampler([EOS])
+    r = req(seed=123, temperature=1.0, top_k=3)
+    counts = np.bincount([s(lg, [r]).token_ids[0] for _ in range(4000)], minlength=V)
+    assert counts[3:].sum() == 0  # outside top_k: never
+    freq = counts[:3] / 4000
+    np.testing.assert_allclose(freq, np.array([0.5, 0.3, 0.15]) / 0.95, atol=0.03)
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    lg = logits_rows(1, 5)
+    prompt, out = [1, 7, 9], [7, 11, 30]
+    r = req(prompt=prompt, out=out, repetition_penalty=1.7, temperature=0.0)
+    mine = lg.copy()
+    Sampler._apply_penalties(mine, [r])
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + out]), torch.tensor(lg))
+    np.testing.assert_allclose(mine, ref.numpy(), rtol=1e-6)
+
+
+def test_presence_and_frequency_penalties_use_output_counts_only() -> None:
+    lg = logits_rows(1, 6)
+    r = req(prompt=[4, 4, 5], out=[5, 5, 8], presence_penalty=0.5, frequency_penalty=0.25, temperature=0.0)
+    mine = lg.copy()
+    Sampler._apply_penalties(mine, [r])
+    ref = lg.copy()
+    ref[0, 5] -= 0.5 + 0.25 * 2
+    ref[0, 8] -= 0.5 + 0.25 * 1
+    np.testing.assert_allclose(mine, ref, rtol=1e-6)  # prompt-only token 4 untouched
+
+
+def test_logit_bias_and_min_tokens() -> None:
+    lg = logits_rows(2, 7)
+    lg[:, EOS] = 50.0  # EOS would win
+    s = Sampler([EOS])
+    a = req(temperature=0.0, logit_bias={17: 100.0}, max_tokens=10)
+    b = req(temperature=0.0, min_tokens=3, max_tokens=10, stop_token_ids=[int(np.argsort(lg[1])[-2])])
+    out = s(lg, [a, b])
+    assert out.token_ids[0] == 17
+    assert out.token_ids[1] not in (EOS, b.params.stop_token_ids[0])
+    b.output_token_ids += [0, 0, 0]  # min_tokens reached: EOS allowed again
+    assert s(lg, [a, b]).token_ids[1] == EOS
+
+
+def test_logprobs_are_top_k_of_the_log_softmax_plus_the_chosen_token() -> None:
+    lg = logits_rows(2, 8)
+    r0 = req(seed=1, temperature=1.0, logprobs=3)
+    r1 = req(temperature=0.0, logprobs=0)
+    out = Sampler([EOS])(lg, [r0, r1])
+    ref = log_softmax(lg.astype(np.float64))
+    top = list(np.argsort(-ref[0])[:3])
+    assert list(out.logprobs[0])[:3] == top
+    assert out.token_ids[0] in out.logprobs[0]
+    for t, v in out.logprobs[0].items():
+        assert v == pytest.approx(ref[0, t], abs=1e-5)
+    assert out.logprobs[1] == {out.token_ids[1]: pytest.approx(ref[1].max(), abs=1e-5)}
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    s = Sampler([EOS])
+    steps = [logits_rows(5, 100 + i) for i in range(30)]
+
+    alone = []
+    target = req(seed=42, temperature=0.9, top_p=0.9)
+    for lg in steps:
+        alone.append(s(lg[2:3], [target]).token_ids[0])
+    batch = [req(seed=1, temperature=1.0), req(seed=None, temperature=0.0), req(seed=42, temperature=0.9, top_p=0.9),
+             req(seed=7, temperature=0.5, top_k=5), req(seed=42, temperature=1.3)]
+    together = [s(lg, batch).token_ids[2] for lg in steps]
+    assert together == alone
+    other = req(seed=43, temperature=0.9, top_p=0.9)
+    assert [s(lg[2:3], [other]).token_ids[0] for lg in steps] != alone
