@@ -17,7 +17,7 @@ the kernel runs in that dtype while the exported graph stays float32.
 """
 from __future__ import annotations
 
-import os
+import shutil
 from pathlib import Path
 
 import onnx
@@ -105,7 +105,7 @@ def prepare_onnx_for_tensorrt(
     """Write OUT_PATH: MODEL_PATH with its PagedAttention nodes mapped to the TensorRT plugin.
 
     The external weights file is referenced, not copied: OUT_PATH in the model's folder shares it; in
-    another folder a symlink to it is made. Returns OUT_PATH.
+    another folder it is copied (onnx refuses symlinked or hard-linked data files). Returns OUT_PATH.
     """
     model_path, out_path = Path(model_path), Path(out_path)
     if kv_dtype not in KV_DTYPES:
@@ -127,8 +127,8 @@ def prepare_onnx_for_tensorrt(
         raise ModelFormatError(f"{model_path}: expected one key and one value pool input per attention node")
     if elem_type != TensorProto.FLOAT:
         _cast_around_attention(graph, elem_type)
-    _link_external_data(model, model_path.parent, out_path.parent)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    _link_external_data(model, model_path.parent, out_path.parent)
     onnx.save(model, str(out_path))
     return out_path
 
@@ -144,5 +144,5 @@ def _link_external_data(model: onnx.ModelProto, src_dir: Path, dst_dir: Path) ->
     dst_dir.mkdir(parents=True, exist_ok=True)
     for location in locations:
         target = dst_dir / location
-        if not target.exists():
-            os.symlink((src_dir / location).resolve(), target)
+        if not target.exists():  # onnx refuses symlinked and hard-linked data files ("link attack")
+            shutil.copyfile(src_dir / location, target)

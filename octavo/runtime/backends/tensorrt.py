@@ -1,0 +1,198 @@
+"""GPU backend: a TensorRT engine built by `octavo build MODEL --target tensorrt`, driven with cuda-python.
+
+The KV pools live in device memory, one key and one value pool per layer, carved out of one allocation
+sized from a fraction of the free GPU memory (or an explicit block count). Their addresses are bound to
+the engine's `key_cache.{l}` / `value_cache.{l}` inputs once; the plugin writes new K/V into them in
+place (aliased outputs). Per step only the small integer inputs go host -> device and only the N
+requested logits rows come back.
+
+Import-guarded: importing this module needs neither TensorRT nor cuda-python; constructing the backend
+without them raises BackendUnavailableError saying why. Written from TensorRT's documented Python API
+(ICudaEngine / IExecutionContext: set_input_shape, set_tensor_address, execute_async_v3); not run on
+any machine of this project yet (docs/tensorrt.md).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from octavo.build.cuda_api import check, import_cudart
+from octavo.build.tensorrt_builder import BuildInfo, import_tensorrt
+from octavo.errors import BackendUnavailableError, InvalidRequestError, ModelFormatError, StepFailedError
+from octavo.export.manifest import Manifest
+from octavo.runtime.backends.base import StepInputs
+
+log = logging.getLogger(__name__)
+
+STEP_DTYPES: dict[str, type[np.generic]] = {
+    "input_ids": np.int64, "position_ids": np.int64, "cumulative_sequence_length": np.int32,
+    "past_seqlens": np.int32, "block_table": np.int32, "slot_mapping": np.int64, "logits_indices": np.int64,
+}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(slots=True)
+class _DeviceBuffer:
+    ptr: int
+    nbytes: int
+
+
+def pool_blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int, max_blocks: int) -> int:
+    """How many KV blocks fit in FRACTION of FREE_BYTES (capped by what the engine's profile accepts)."""
+    if not 0.0 < fraction <= 1.0:
+        raise InvalidRequestError(f"memory fraction must be in (0, 1], got {fraction}")
+    return max(0, min(max_blocks, int(free_bytes * fraction) // bytes_per_block))
+
+
+class TensorRTBackend:
+    """Runs an octavo TensorRT engine on one GPU; owns the paged KV pools in device memory."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        manifest: Manifest,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        *,
+        memory_fraction: float = 0.85,
+        device: int = 0,
+    ) -> None:
+        self._buffers: list[_DeviceBuffer] = []
+        self._trt = import_tensorrt()
+        self._cudart = import_cudart()
+        self.model_dir = Path(model_dir)
+        self.manifest = manifest
+        self.vocab_size = manifest.vocab_size
+        self.info = BuildInfo.load(self.model_dir)
+        if block_size is not None and block_size != self.info.block_size:
+            raise InvalidRequestError(f"the engine was built for block_size {self.info.block_size}, not {block_size}; "
+                                      "rebuild with `octavo build --block-size` or use the engine's")
+        self.block_size = self.info.block_size
+        cudart = self._cudart
+        check(cudart.cudaSetDevice(device), "cudaSetDevice")
+
+        engine_path = self.model_dir / self.info.engine_file
+        if not engine_path.is_file():
+            raise ModelFormatError(f"{engine_path} is missing; rebuild with `octavo build {self.model_dir} --target tensorrt`")
+        self._logger = self._trt.Logger(self._trt.Logger.WARNING)
+        self._runtime = self._trt.Runtime(self._logger)
+        self.engine = self._runtime.deserialize_cuda_engine(engine_path.read_bytes())
+        if self.engine is None:
+            raise BackendUnavailableError(f"TensorRT could not load {engine_path} (built with TensorRT "
+                                          f"{self.info.tensorrt_version} for sm_{self.info.compute_capability}; "
+                                          f"this is TensorRT {self._trt.__version__}); rebuild it on this machine")
+        self.context = self.engine.create_execution_context()
+        self._stream = check(cudart.cudaStreamCreate(), "cudaStreamCreate")
+
+        bytes_per_block = manifest.num_layers * 2 * self.block_size * manifest.num_kv_heads * manifest.head_dim \
+            * ITEMSIZE[self.info.dtype]
+        if num_blocks is None:
+            free, _total = check(cudart.cudaMemGetInfo(), "cudaMemGetInfo")
+            num_blocks = pool_blocks_for_memory(free, memory_fraction, bytes_per_block, self.info.max_num_blocks)
+        if not 1 <= num_blocks <= self.info.max_num_blocks:
+            raise InvalidRequestError(f"num_blocks must be in 1..{self.info.max_num_blocks} for this engine, got {num_blocks}")
+        self.num_blocks = num_blocks
+        try:
+            self._allocate_pools(bytes_per_block)
+            self._allocate_step_buffers()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- setup --------------------------------------------------------------------------------------
+    def _malloc(self, nbytes: int) -> int:
+        ptr = int(check(self._cudart.cudaMalloc(max(nbytes, 1)), f"cudaMalloc({nbytes})"))
+        self._buffers.append(_DeviceBuffer(ptr, nbytes))
+        return ptr
+
+    def _allocate_pools(self, bytes_per_block: int) -> None:
+        m = self.manifest
+        pool_bytes = bytes_per_block // (2 * m.num_layers) * self.num_blocks
+        base = self._malloc(pool_bytes * 2 * m.num_layers)
+        check(self._cudart.cudaMemset(base, 0, pool_bytes * 2 * m.num_layers), "cudaMemset(pools)")
+        self.pool_shape = (self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        self.pool_pointers: dict[str, int] = {}
+        for layer in range(m.num_layers):
+            for j, kind in enumerate(("key_cache", "value_cache")):
+                name = f"{kind}.{layer}"
+                ptr = base + (2 * layer + j) * pool_bytes
+                self.pool_pointers[name] = ptr
+                self.context.set_input_shape(name, self.pool_shape)
+                self.context.set_tensor_address(name, ptr)
+
+    def _allocate_step_buffers(self) -> None:
+        info = self.info
+        capacity = {
+            "input_ids": info.max_num_tokens, "position_ids": info.max_num_tokens, "slot_mapping": info.max_num_tokens,
+            "cumulative_sequence_length": info.max_num_seqs + 1, "past_seqlens": info.max_num_seqs,
+            "block_table": info.max_num_seqs * info.max_blocks_per_seq, "logits_indices": info.max_num_logits,
+        }
+        self._inputs = {name: self._malloc(n * np.dtype(STEP_DTYPES[name]).itemsize) for name, n in capacity.items()}
+        self._logits = self._malloc(info.max_num_logits * self.vocab_size * 4)
+        self.context.set_tensor_address("logits", self._logits)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def _check_limits(self, inputs: StepInputs) -> None:
+        info = self.info
+        t, b, n = len(inputs.input_ids), len(inputs.past_seqlens), len(inputs.logits_indices)
+        width = inputs.block_table.shape[1] if inputs.block_table.ndim == 2 else -1
+        problems = [
+            f"{t} tokens > max_num_tokens {info.max_num_tokens}" if not 1 <= t <= info.max_num_tokens else "",
+            f"{b} sequences > max_num_seqs {info.max_num_seqs}" if not 1 <= b <= info.max_num_seqs else "",
+            f"{n} logits rows > max_num_logits {info.max_num_logits}" if not 1 <= n <= info.max_num_logits else "",
+            f"block table width {width} > {info.max_blocks_per_seq}" if not 1 <= width <= info.max_blocks_per_seq else "",
+        ]
+        problems = [p for p in problems if p]
+        if problems:
+            raise InvalidRequestError("step exceeds the TensorRT engine's build limits: " + "; ".join(problems)
+                                      + " (rebuild with larger --max-* options)")
+
+    def run(self, inputs: StepInputs) -> np.ndarray:
+        """One step: copy the metadata in, enqueue the engine, copy the N logits rows back (float32)."""
+        self._check_limits(inputs)
+        cudart = self._cudart
+        h2d = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        keep_alive = []
+        try:
+            for name, dtype in STEP_DTYPES.items():
+                array = np.ascontiguousarray(getattr(inputs, name), dtype=dtype)
+                keep_alive.append(array)
+                check(cudart.cudaMemcpyAsync(self._inputs[name], array.ctypes.data, array.nbytes, h2d, self._stream),
+                      f"cudaMemcpyAsync({name})")
+                self.context.set_input_shape(name, array.shape)
+                self.context.set_tensor_address(name, self._inputs[name])
+            if not self.context.execute_async_v3(int(self._stream)):
+                raise StepFailedError("TensorRT execute_async_v3 failed (see TensorRT's log above)")
+            n = len(inputs.logits_indices)
+            logits = np.empty((n, self.vocab_size), np.float32)
+            check(cudart.cudaMemcpyAsync(logits.ctypes.data, self._logits, logits.nbytes,
+                                         cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream), "cudaMemcpyAsync(logits)")
+            check(cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+        except RuntimeError as exc:
+            raise StepFailedError(f"TensorRT step failed: {exc}") from exc
+        return logits
+
+    def read_pool(self, name: str) -> np.ndarray:
+        """Copy one pool to the host (tests, debugging): float32/float16 arrays, bfloat16 as raw uint16."""
+        view = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.info.dtype]
+        host = np.empty(self.pool_shape, view)
+        check(self._cudart.cudaMemcpy(host.ctypes.data, self.pool_pointers[name], host.nbytes,
+                                      self._cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy(pool)")
+        return host
+
+    def close(self) -> None:
+        cudart = getattr(self, "_cudart", None)
+        if cudart is None:
+            return
+        if getattr(self, "_stream", None) is not None:
+            cudart.cudaStreamSynchronize(self._stream)
+        while self._buffers:
+            cudart.cudaFree(self._buffers.pop().ptr)
+        if getattr(self, "_stream", None) is not None:
+            cudart.cudaStreamDestroy(self._stream)
+            self._stream = None
+        self.context = None
+        self.engine = None

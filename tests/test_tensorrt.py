@@ -1,0 +1,243 @@
+"""The TensorRT path: what runs without TensorRT (ONNX rewrite, profiles, launch geometry, clear errors),
+and the engine build/run tests that need TensorRT + an NVIDIA GPU (skipped here: "TensorRT not installed").
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from octavo.build.onnx_for_tensorrt import ATTRIBUTE_DEFAULTS, prepare_onnx_for_tensorrt
+from octavo.build.tensorrt_builder import TensorRTBuildOptions, load_plugin_module, profile_shapes
+from octavo.errors import BackendUnavailableError, ModelFormatError
+from octavo.export.manifest import Manifest
+
+HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+needs_tensorrt = pytest.mark.skipif(not HAVE_TENSORRT, reason="TensorRT not installed")
+
+
+def _manifest(layers: int = 2) -> Manifest:
+    return Manifest(architecture="llama", num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
+                    hidden_size=64, vocab_size=384, max_context=1024, rope_theta=10000.0)
+
+
+def _toy_model(path, layers: int = 2, with_optional: bool = True) -> None:  # noqa: ANN001
+    """A graph shaped like the exporter's: one octavo.PagedAttention per layer over per-layer pools."""
+    step = [("cumulative_sequence_length", TensorProto.INT32, ["b1"]), ("past_seqlens", TensorProto.INT32, ["b"]),
+            ("block_table", TensorProto.INT32, ["b", "w"]), ("slot_mapping", TensorProto.INT64, ["t"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", 64])]
+    inputs += [helper.make_tensor_value_info(n, ty, s) for n, ty, s in step]
+    nodes, x = [], "x"
+    for layer in range(layers):
+        for kind in ("key_cache", "value_cache"):
+            inputs.append(helper.make_tensor_value_info(f"{kind}.{layer}", TensorProto.FLOAT, ["num_blocks", "block_size", 2, 16]))
+        kv = f"kv{layer}"
+        nodes.append(helper.make_node("Slice", [x, "s0", "s1", "ax"], [kv], name=f"slice{layer}"))
+        optional = dict(sliding_window=0, softcap=0.0) if with_optional else {}
+        # attributes deliberately NOT in registration order
+        nodes.append(helper.make_node(
+            "PagedAttention", [x, kv, kv, f"key_cache.{layer}", f"value_cache.{layer}", "cumulative_sequence_length",
+                               "past_seqlens", "block_table", "slot_mapping"],
+            [f"attn{layer}", f"kc{layer}", f"vc{layer}"], name=f"attn{layer}", domain="octavo",
+            scale=0.25, kv_num_heads=2, num_heads=4, **optional))
+        x = f"attn{layer}"
+    inits = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s0", [0]), ("s1", [32]), ("ax", [1]))]
+    graph = helper.make_graph(nodes, "toy", inputs, [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["t", 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
+    onnx.save(model, str(path))
+
+
+def _attrs(node: onnx.NodeProto) -> list[tuple[str, object]]:
+    return [(a.name, helper.get_attribute_value(a)) for a in node.attribute]
+
+
+# ---- ONNX rewrite for TensorRT's parser --------------------------------------------------------------
+def test_prepare_onnx_maps_nodes_to_plugin(tmp_path) -> None:  # noqa: ANN001
+    _toy_model(tmp_path / "model.onnx", with_optional=False)
+    out = prepare_onnx_for_tensorrt(tmp_path / "model.onnx", tmp_path / "trt.onnx", block_size=32)
+    model = onnx.load(str(out))
+    attention = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    assert len(attention) == 2
+    for node in attention:
+        assert node.domain == ""
+        attrs = _attrs(node)
+        # plugin attributes in registration order, omitted optional ones filled, then the parser's two strings
+        assert [name for name, _ in attrs] == [*ATTRIBUTE_DEFAULTS, "plugin_namespace", "plugin_version"]
+        values = dict(attrs)
+        assert values["num_heads"] == 4 and values["kv_num_heads"] == 2 and values["scale"] == pytest.approx(0.25)
+        assert values["sliding_window"] == 0 and values["softcap"] == 0.0
+        assert values["plugin_namespace"] == b"octavo" and values["plugin_version"] == b"1"
+    pools = [i for i in model.graph.input if i.name.startswith(("key_cache.", "value_cache."))]
+    assert len(pools) == 4
+    for pool in pools:
+        dims = pool.type.tensor_type.shape.dim
+        assert dims[0].dim_param == "num_blocks" and dims[1].dim_value == 32
+        assert pool.type.tensor_type.elem_type == TensorProto.FLOAT
+    assert not any(n.op_type == "Cast" for n in model.graph.node)
+
+
+def test_prepare_onnx_attribute_order_matches_plugin_registration() -> None:
+    """tensorrt.plugin passes attributes positionally: the rewrite's order must be the plugin's."""
+    plugin = load_plugin_module()
+    assert list(plugin.ATTRIBUTES) == list(ATTRIBUTE_DEFAULTS)
+    assert (plugin.PLUGIN_NAMESPACE, plugin.PLUGIN_NAME, plugin.PLUGIN_VERSION) == ("octavo", "PagedAttention", "1")
+
+
+def test_prepare_onnx_half_pools_cast_around_attention(tmp_path) -> None:  # noqa: ANN001
+    _toy_model(tmp_path / "model.onnx")
+    model = onnx.load(str(prepare_onnx_for_tensorrt(tmp_path / "model.onnx", tmp_path / "o" / "trt.onnx", kv_dtype="float16")))
+    pools = [i for i in model.graph.input if i.name.startswith(("key_cache.", "value_cache."))]
+    assert all(p.type.tensor_type.elem_type == TensorProto.FLOAT16 for p in pools)
+    names = [n.name for n in model.graph.node]
+    for layer in range(2):
+        node = next(n for n in model.graph.node if n.name == f"attn{layer}")
+        assert all(i.endswith(".kv_cast") for i in node.input[:3])
+        # every cast feeding the node comes before it; the output cast right after it, restoring the name
+        assert names.index(f"attn{layer}.cast_in0") < names.index(f"attn{layer}") < names.index(f"attn{layer}.cast_out")
+        cast_out = next(n for n in model.graph.node if n.name == f"attn{layer}.cast_out")
+        assert list(cast_out.output) == [f"attn{layer}"] and dict(_attrs(cast_out))["to"] == TensorProto.FLOAT
+
+
+def test_prepare_onnx_rejects_non_octavo_model(tmp_path) -> None:  # noqa: ANN001
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph), str(tmp_path / "m.onnx"))
+    with pytest.raises(ModelFormatError, match="no PagedAttention"):
+        prepare_onnx_for_tensorrt(tmp_path / "m.onnx", tmp_path / "o.onnx")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        prepare_onnx_for_tensorrt(tmp_path / "m.onnx", tmp_path / "o.onnx", kv_dtype="int8")
+
+
+def test_prepare_onnx_on_real_export_keeps_weights_reachable(tmp_path, hf_model_dir) -> None:  # noqa: ANN001
+    export = pytest.importorskip("octavo.export.exporter")
+    folder = tmp_path / "exported"
+    manifest = export.export_model(hf_model_dir("llama"), folder, progress=False)
+    out = prepare_onnx_for_tensorrt(folder / manifest.onnx_file, tmp_path / "elsewhere" / "trt.onnx", block_size=16)
+    model = onnx.load(str(out))  # loads the external weights through the symlinked data file
+    attention = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    assert len(attention) == manifest.num_layers
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert weights["model.embed_tokens.weight"].shape == (manifest.vocab_size, manifest.hidden_size)
+    names = {i.name for i in model.graph.input}
+    shapes = profile_shapes(manifest, TensorRTBuildOptions(), max_blocks_per_seq=64, max_num_logits=64)
+    assert names == set(shapes), "every graph input needs an optimization-profile range"
+
+
+# ---- optimization profile, launch geometry, memory sizing ------------------------------------------
+def test_profile_shapes_are_ordered_and_respect_limits() -> None:
+    options = TensorRTBuildOptions(max_num_tokens=512, max_num_seqs=8, block_size=16, max_num_blocks=1000)
+    shapes = profile_shapes(_manifest(3), options, max_blocks_per_seq=64, max_num_logits=8)
+    assert len(shapes) == 7 + 2 * 3
+    for name, (lo, opt, hi) in shapes.items():
+        assert len(lo) == len(opt) == len(hi), name
+        assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), name
+    assert shapes["input_ids"][2] == (512,)
+    assert shapes["cumulative_sequence_length"][2] == (9,)
+    assert shapes["block_table"][2] == (8, 64)
+    assert shapes["key_cache.2"][2] == (1000, 16, 2, 16)
+    assert shapes["key_cache.0"][0][1:] == shapes["key_cache.0"][2][1:], "pool tail dims are static"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_launch_grid_covers_every_query_tile(seed: int) -> None:
+    """The AOT grid is a function of shapes only; it must never be smaller than the tiles the kernel needs."""
+    plugin = load_plugin_module()
+    rng = np.random.default_rng(seed)
+    block_m = int(rng.choice([1, 2, 4, 8, 16]))
+    lengths = rng.integers(0 if seed % 3 == 0 else 1, 40, size=int(rng.integers(1, 12)))
+    grid_x, grid_y = plugin.launch_grid(int(lengths.sum()), len(lengths), kv_num_heads=2, block_m=block_m)
+    assert grid_y == 2
+    assert grid_x >= sum(math.ceil(n / block_m) for n in lengths)
+
+
+def test_pool_blocks_for_memory() -> None:
+    from octavo.runtime.backends.tensorrt import pool_blocks_for_memory
+
+    assert pool_blocks_for_memory(10_000, 0.5, 100, max_blocks=1000) == 50
+    assert pool_blocks_for_memory(10_000, 1.0, 100, max_blocks=30) == 30
+    with pytest.raises(Exception, match="fraction"):
+        pool_blocks_for_memory(10_000, 1.5, 100, max_blocks=30)
+
+
+# ---- clear errors on a machine without TensorRT ----------------------------------------------------
+@pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed: the missing-TensorRT error cannot occur")
+def test_backend_module_imports_and_constructing_it_says_why(tmp_path) -> None:  # noqa: ANN001
+    from octavo.runtime.backends.tensorrt import TensorRTBackend
+
+    with pytest.raises(BackendUnavailableError, match=r"TensorRT is not installed \(pip install tensorrt"):
+        TensorRTBackend(tmp_path, _manifest())
+
+
+@pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed: the missing-TensorRT error cannot occur")
+def test_build_command_without_tensorrt_is_a_clear_error(tmp_path, capsys) -> None:  # noqa: ANN001
+    from octavo.cli import main
+
+    _manifest().save(tmp_path)
+    rc = main(["build", str(tmp_path), "--target", "tensorrt", "--dtype", "fp16", "--max-num-tokens", "256"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "octavo build: error: TensorRT is not installed (pip install tensorrt on a machine with an NVIDIA GPU)" in err
+    assert "Traceback" not in err
+
+
+def test_build_command_rejects_bad_block_size(tmp_path, capsys) -> None:  # noqa: ANN001
+    from octavo.cli import main
+
+    assert main(["build", str(tmp_path), "--block-size", "24"]) == 2
+    assert "block_size must be a power of two" in capsys.readouterr().err
+
+
+# ---- needs TensorRT and an NVIDIA GPU -------------------------------------------------------------
+@needs_tensorrt
+def test_plugin_registers_in_tensorrt_registry() -> None:
+    import tensorrt as trt
+
+    plugin = load_plugin_module()
+    plugin.register(arch=90)
+    plugin.register(arch=90)  # idempotent
+    assert trt.get_plugin_registry().get_creator("PagedAttention", "1", "octavo") is not None
+
+
+@needs_tensorrt
+@pytest.mark.gpu
+def test_tiny_engine_matches_transformers(tmp_path, hf_model_dir) -> None:  # noqa: ANN001
+    """Build an fp32 engine for a tiny random llama, run a prefill step and a decode step through the paged
+    pool, and compare the logits with HF transformers (the second step only matches if the first step's
+    K/V landed in the pool in place)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no NVIDIA GPU visible to torch")
+    from models import load_hf
+    from octavo.build.tensorrt_builder import build_engine
+    from octavo.export.exporter import export_model
+    from octavo.runtime.backends.base import StepInputs
+    from octavo.runtime.backends.tensorrt import TensorRTBackend
+
+    hf_dir = hf_model_dir("llama")
+    folder = tmp_path / "m"
+    manifest = export_model(hf_dir, folder, progress=False)
+    build_engine(folder, TensorRTBuildOptions(dtype="float32", max_num_tokens=64, max_num_seqs=4, max_num_blocks=64))
+    backend = TensorRTBackend(folder, manifest, num_blocks=16)
+    model, _ = load_hf(hf_dir)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64, 8, 1, 30, 77, 120, 9, 14, 200, 6]  # 18 tokens: crosses a block
+    table = np.array([[3, 9]], np.int32)
+    slots = lambda positions: np.array([table[0, p // 16] * 16 + p % 16 for p in positions], np.int64)  # noqa: E731
+    n = len(prompt)
+    step1 = StepInputs(np.array(prompt, np.int64), np.arange(n, dtype=np.int64), np.array([0, n], np.int32),
+                       np.array([0], np.int32), table, slots(range(n)), np.array([n - 1], np.int64))
+    got1 = backend.run(step1)
+    nxt = int(got1[0].argmax())
+    step2 = StepInputs(np.array([nxt], np.int64), np.array([n], np.int64), np.array([0, 1], np.int32),
+                       np.array([n], np.int32), table, slots([n]), np.array([0], np.int64))
+    got2 = backend.run(step2)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + [nxt]])).logits[0].numpy()
+    np.testing.assert_allclose(got1[0], ref[n - 1], atol=2e-3, rtol=1e-3)
+    np.testing.assert_allclose(got2[0], ref[n], atol=2e-3, rtol=1e-3)
+    backend.close()
