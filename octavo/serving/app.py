@@ -320,6 +320,9 @@ async def _run(request: web.Request, st: ServerState, gen: Generation,
             first = await anext(it, None)
         except Exception as exc:  # noqa: BLE001
             raise _engine_error(exc) from None
+        failed = next((u for u in first or () if u.finish_reason == "error"), None)
+        if failed is not None:  # nothing sent yet: a plain 500 rather than an event stream
+            raise ApiError(500, f"generation failed: {failed.error or 'the engine step failed'}", code="step_failed")
         if shape.req.stream:
             return await _stream(request, shape, first, it)
         return await _whole(shape, first, it)

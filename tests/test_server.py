@@ -1,0 +1,471 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and raw HTTP, over the real engine
+(a tiny random model exported on the fly). References: octavo.LLM.generate / LLM.chat on the same export."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from octavo import LLM, SamplingParams
+from octavo.export import export_model
+from octavo.runtime.async_engine import AsyncEngine
+from octavo.runtime.engine_args import EngineArgs
+from octavo.serving.app import ServerConfig
+from octavo.serving.background import ServerThread
+from octavo.serving.server import OpenAIServer
+
+KEY = "sk-test-key"
+NAME = "tiny"
+PROMPTS = ["Hello world", "The quick brown fox", "What is the capital of France?", "def fibonacci(n):",
+           "Once upon a time", "Translate to French: good morning", "0123456789", "memory, paging and"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+    out = tmp_path_factory.mktemp("srv_export")
+    export_model(hf_model_dir("llama"), out)
+    return out
+
+
+def engine_args(model_dir, **kw) -> EngineArgs:  # noqa: ANN001
+    base = dict(model=str(model_dir), num_blocks=256, block_size=16, max_num_seqs=32, num_threads=1)
+    base.update(kw)
+    return EngineArgs(**base)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):  # noqa: ANN001, ANN201
+    ea = engine_args(model_dir)
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), api_key=KEY, max_body_bytes=64 << 10),
+                       lambda: AsyncEngine(ea), shutdown_timeout=5)
+    with ServerThread(srv) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):  # noqa: ANN001, ANN201
+    llm = LLM(str(model_dir), num_blocks=256, num_threads=1)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture()
+def client(server):  # noqa: ANN001, ANN201
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def metrics(server) -> dict[str, float]:  # noqa: ANN001
+    """{sample name + sorted labels: value} of GET /metrics."""
+    text = httpx.get(server.base_url + "/metrics", headers=auth()).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if (m["octavo:num_requests_running"] == 0 and m["octavo:num_requests_waiting"] == 0
+                and m["octavo:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.02)
+
+
+def greedy_ref(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+# ------------------------------------------------------------------------------------------------
+# correctness against the offline engine
+
+
+def test_greedy_completions_equal_llm_generate_stream_and_not(client, llm) -> None:  # noqa: ANN001
+    ref = greedy_ref(llm, PROMPTS[:4], 12)
+    for prompt, want in zip(PROMPTS[:4], ref):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 12
+        chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == "length"
+    # a batch of prompts in one request: one choice per prompt, in order
+    r = client.completions.create(model=NAME, prompt=PROMPTS[:4], max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == ref
+    assert r.usage.completion_tokens == 48
+    assert r.usage.prompt_tokens == sum(len(llm.get_tokenizer().encode(p)) for p in PROMPTS[:4])
+
+
+def test_token_id_prompt_and_chat_equal_llm(client, llm) -> None:  # noqa: ANN001
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=10, temperature=0)
+    assert r.choices[0].text == want[0].outputs[0].text
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 6*7?"}]
+    want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == len(want.token_ids)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_stream_equals_nonstream_for_same_seed(client, temperature: float) -> None:  # noqa: ANN001
+    kw = dict(model=NAME, max_tokens=16, temperature=temperature, seed=1234, n=2, top_p=0.95,
+              extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True})
+    whole = client.completions.create(prompt="Once upon a time", **kw)
+    texts = {0: "", 1: ""}
+    for ch in client.completions.create(prompt="Once upon a time", stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    whole = client.chat.completions.create(messages=msgs, **kw)
+    texts = {0: "", 1: ""}
+    roles = set()
+    for ch in client.chat.completions.create(messages=msgs, stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            roles.add(c.delta.role)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert "assistant" in roles
+    if temperature > 0:  # sampling with a seed is reproducible, and the two choices differ
+        again = client.chat.completions.create(messages=msgs, **kw)
+        assert [c.message.content for c in again.choices] == [c.message.content for c in whole.choices]
+        assert whole.choices[0].message.content != whole.choices[1].message.content
+
+
+def test_async_client_streaming_chat_and_usage(server, llm) -> None:  # noqa: ANN001
+    msgs = [{"role": "user", "content": "Write an essay about computing."}]
+    want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+
+    async def go() -> tuple[str, object, str]:
+        c = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+        stream = await c.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].delta.content or ""
+                assert ch.usage is None
+            else:
+                usage = ch.usage
+        whole = await c.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        await c.close()
+        return text, usage, whole.choices[0].message.content
+
+    text, usage, whole = asyncio.run(go())
+    assert text == want.text == whole
+    assert usage.completion_tokens == 20 and usage.total_tokens == usage.prompt_tokens + 20
+
+
+def test_sse_wire_format_and_exact_shapes(server) -> None:  # noqa: ANN001
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=auth()) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    objs = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    for o in objs[:-1]:
+        assert set(o) == {"id", "object", "created", "model", "choices", "usage"} and o["usage"] is None
+        assert o["object"] == "text_completion" and o["id"].startswith("cmpl-") and o["model"] == NAME
+        assert set(o["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+    assert len({o["id"] for o in objs}) == 1
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 5
+
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers=auth(), json={
+        "model": NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3})
+    o = r.json()
+    assert set(o) == {"id", "object", "created", "model", "choices", "usage"} and o["object"] == "chat.completion"
+    assert o["id"].startswith("chatcmpl-") and isinstance(o["created"], int)
+    assert set(o["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
+    assert o["choices"][0]["message"]["role"] == "assistant"
+    assert set(o["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    models = httpx.get(server.base_url + "/v1/models", headers=auth()).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == NAME and models["data"][0]["object"] == "model"
+    assert httpx.get(server.base_url + "/version", headers=auth()).json()["version"]
+
+
+def test_logprobs(client) -> None:  # noqa: ANN001
+    r = client.completions.create(model=NAME, prompt="Hello world", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    assert lp.text_offset == sorted(lp.text_offset)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 2 and tok.logprob == pytest.approx(tok.top_logprobs[0].logprob)
+        assert tok.bytes == list(tok.token.encode())
+
+
+def test_stop_strings_stream_equals_whole(client, llm) -> None:  # noqa: ANN001
+    full = greedy_ref(llm, ["The quick brown fox"], 24)[0]
+    stop = full[8:10]  # something the greedy text is known to contain
+    assert stop and full.index(stop) >= 0
+    r = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt="The quick brown fox", max_tokens=24, temperature=0, stop=stop, stream=True))
+    assert streamed == r.choices[0].text
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    ({"model": NAME}, "prompt"),
+    ({"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [1, -5]}, "prompt"),
+    ({"prompt": "x", "seed": "abc"}, "seed"),
+    ({"prompt": {"a": 1}}, "prompt"),
+])
+def test_bad_completion_requests_are_400(server, body, param) -> None:  # noqa: ANN001
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.base_url + "/v1/completions", headers=auth(), **kw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"] and err["param"] == param
+
+
+def test_chat_errors_prompt_too_long_404_413_401(server) -> None:  # noqa: ANN001
+    url = server.base_url
+    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                 {"messages": "hi"}, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1.5}):
+        r = httpx.post(url + "/v1/chat/completions", headers=auth(), json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("messages", "top_logprobs", "max_completion_tokens")
+    # prompt + max_tokens over the context (1024): the engine's PromptTooLongError -> 400
+    r = httpx.post(url + "/v1/completions", headers=auth(), json={"prompt": [5 + i % 300 for i in range(900)], "max_tokens": 200})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", headers=auth(), json={"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.get(url + "/v1/nothing", headers=auth())
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.post(url + "/v1/completions", headers=auth(), json={"prompt": "x" * (80 << 10)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # auth: every route but /health; hmac-compared bearer key
+    for path in ("/v1/models", "/metrics", "/version"):
+        assert httpx.get(url + path).status_code == 401
+        assert httpx.get(url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(url + "/health").status_code == 200  # no key needed
+
+
+# ------------------------------------------------------------------------------------------------
+# cancellation, load, metrics
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client) -> None:  # noqa: ANN001
+    before = wait_idle(server)
+    stream = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=900, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    m = wait_idle(server)
+    assert m["octavo:num_requests_running"] == 0 and m["octavo:kv_cache_usage_perc"] == 0
+    aborted = m['octavo:request_success_total{finished_reason=abort}'] - before['octavo:request_success_total{finished_reason=abort}']
+    generated = m["octavo:generation_tokens_total"] - before["octavo:generation_tokens_total"]
+    assert aborted == 1 and generated < 900  # stopped early, not run to max_tokens
+
+
+def test_load_200_requests_32_clients_third_cancelled(server, llm) -> None:  # noqa: ANN001
+    max_tokens = 8
+    refs = dict(zip(PROMPTS, greedy_ref(llm, PROMPTS, max_tokens)))
+    before = wait_idle(server)
+    jobs = [(i, PROMPTS[i % len(PROMPTS)], i % 3 == 0) for i in range(200)]
+    results: dict[int, str] = {}
+    seen_running: list[float] = []
+
+    async def go() -> None:
+        c = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        queue: asyncio.Queue = asyncio.Queue()
+        for j in jobs:
+            queue.put_nowait(j)
+
+        async def worker() -> None:
+            while not queue.empty():
+                i, prompt, cancel = queue.get_nowait()
+                if cancel:  # stream, read two chunks, hang up
+                    s = await c.completions.create(model=NAME, prompt=prompt, max_tokens=400, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+                    n = 0
+                    async for _ in s:
+                        n += 1
+                        if n == 2:
+                            break
+                    await s.close()
+                elif i % 2:
+                    r = await c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+                    results[i] = r.choices[0].text
+                else:
+                    s = await c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+                    results[i] = "".join([ch.choices[0].text async for ch in s])
+
+        async def watch() -> None:
+            while not queue.empty():
+                seen_running.append(await asyncio.to_thread(lambda: metrics(server)["octavo:num_requests_running"]))
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(asyncio.gather(watch(), *[worker() for _ in range(32)]), 120)
+        await c.close()
+
+    t0 = time.monotonic()
+    asyncio.run(go())
+    elapsed = time.monotonic() - t0
+    completed = [i for i, _, cancel in jobs if not cancel]
+    assert sorted(results) == completed
+    for i in completed:
+        assert results[i] == refs[jobs[i][1]], f"request {i}"
+    assert max(seen_running, default=0) > 1  # clients really were batched in flight
+    m = wait_idle(server)
+    assert m["octavo:num_requests_running"] == 0 and m["octavo:kv_cache_usage_perc"] == 0
+    ok = m["octavo:request_success_total{finished_reason=length}"] - before["octavo:request_success_total{finished_reason=length}"]
+    assert ok == len(completed)
+    gen = m["octavo:generation_tokens_total"] - before["octavo:generation_tokens_total"]
+    assert gen < len(completed) * max_tokens + (200 - len(completed)) * 400  # cancelled ones stopped early
+    assert elapsed < 60
+
+
+def test_metrics_names_and_histograms(server, client) -> None:  # noqa: ANN001
+    before = metrics(server)
+    client.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    m = metrics(server)
+    for name in ("octavo:num_requests_running", "octavo:num_requests_waiting", "octavo:kv_cache_usage_perc",
+                 "octavo:prefix_cache_queries_total", "octavo:prefix_cache_hits_total", "octavo:num_preemptions_total",
+                 "octavo:prompt_tokens_total", "octavo:generation_tokens_total"):
+        assert name in m, name
+    for h in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds"):
+        assert f"octavo:{h}_count" in m
+    assert m["octavo:time_to_first_token_seconds_count"] == before["octavo:time_to_first_token_seconds_count"] + 1
+    assert m["octavo:inter_token_latency_seconds_count"] == before["octavo:inter_token_latency_seconds_count"] + 3
+    assert m["octavo:generation_tokens_total"] == before["octavo:generation_tokens_total"] + 4
+    assert m["octavo:e2e_request_latency_seconds_sum"] > before["octavo:e2e_request_latency_seconds_sum"]
+
+
+# ------------------------------------------------------------------------------------------------
+# lifecycle: loading, failing steps
+
+
+def test_health_503_while_loading_then_200(model_dir) -> None:  # noqa: ANN001
+    release = threading.Event()
+    ea = engine_args(model_dir, num_blocks=32)
+
+    def slow_load() -> AsyncEngine:
+        release.wait(30)
+        return AsyncEngine(ea)
+
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), slow_load, shutdown_timeout=2)
+    s = ServerThread(srv).start(wait_ready=False)
+    try:
+        r = httpx.get(s.base_url + "/health")
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        release.set()
+        s.call(srv.wait_ready(), 60)
+        assert httpx.get(s.base_url + "/health").status_code == 200
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    finally:
+        release.set()
+        s.stop()
+
+
+class _PoisonBackend:
+    """The real ONNX Runtime backend, failing any step that holds a poison token or reaches a position
+    (fault injection)."""
+
+    def __init__(self, inner, poison: int, max_position: int) -> None:  # noqa: ANN001
+        self.inner, self.poison, self.max_position = inner, poison, max_position
+        self.num_blocks, self.block_size, self.vocab_size = inner.num_blocks, inner.block_size, inner.vocab_size
+
+    def run(self, inputs):  # noqa: ANN001, ANN201
+        if (inputs.input_ids == self.poison).any() or (inputs.position_ids >= self.max_position).any():
+            raise RuntimeError("injected backend failure")
+        return self.inner.run(inputs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_failed_step_is_500_and_server_keeps_serving(model_dir) -> None:  # noqa: ANN001
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    ea = engine_args(model_dir, num_blocks=32)
+    poison = 300
+
+    def load() -> AsyncEngine:
+        inner = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), 32, 16, num_threads=1)
+        return AsyncEngine(ea, backend=_PoisonBackend(inner, poison, max_position=40))
+
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), load, shutdown_timeout=2)
+    with ServerThread(srv) as s:
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": [5, poison, 7], "max_tokens": 4})
+        assert r.status_code == 500 and "injected backend failure" in r.json()["error"]["message"]
+        with httpx.stream("POST", s.base_url + "/v1/completions",
+                          json={"prompt": [5, poison], "max_tokens": 4, "stream": True}) as st:
+            # the prompt fails in its first step: nothing streamed yet, so a plain 500
+            assert st.status_code == 500
+        # a failure after the stream started: the error arrives in-band, the client raises
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0)
+        got = []
+        with pytest.raises(openai.APIError, match="injected backend failure"):
+            for ch in client.completions.create(model=NAME, prompt=[5, 6], max_tokens=80, stream=True,
+                                                extra_body={"ignore_eos": True, "logit_bias": {str(poison): -100}}):
+                got.append(ch.choices[0].text)
+        assert got  # some text had been streamed before the failure
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
+                                                             "logit_bias": {str(poison): -100}})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert s.server.state.engine.stats().num_free_blocks == 32
