@@ -152,3 +152,31 @@ def test_smollm2_gguf_exports_fast_and_answers(tmp_path: Path) -> None:
         answer += new
     backend.close()
     assert "Paris" in tokenizer.decode(answer)
+
+
+def test_sharded_checkpoint_exports_the_same_weights(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """A checkpoint saved in shards (model.safetensors.index.json) gives byte-identical weights."""
+    from models import load_hf
+
+    source = hf_model_dir("qwen2")
+    model, tokenizer = load_hf(source)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    tokenizer.save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 1
+    export_model(source, tmp_path / "a", progress=False)
+    export_model(sharded, tmp_path / "b", progress=False)
+    assert (tmp_path / "a" / "model.onnx.data").read_bytes() == (tmp_path / "b" / "model.onnx.data").read_bytes()
+
+
+def test_hf_hub_cache_layout_with_blob_symlinks(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """models--X/snapshots/<rev>/* link into models--X/blobs/: allowed, unlike other links out."""
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, path in enumerate(sorted(hf_model_dir("llama").iterdir())):
+        blob = repo / "blobs" / f"blob{i}"
+        blob.write_bytes(path.read_bytes())
+        (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
+    assert export_model(snapshot, tmp_path / "out", progress=False).architecture == "llama"
