@@ -26,7 +26,7 @@ from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from octavo.runtime.request import Request, RequestStatus
+from octavo.runtime.request import Request
 from octavo.runtime.runner import ModelRunner
 from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
@@ -50,8 +50,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     children: list[Request]
     arrival_time: float
-    outputs: RequestOutput | None = None
-    extra: dict = field(default_factory=dict)
+    pending: list[Request] = field(default_factory=list)  # children 1..n-1 until child 0 has its prompt cached
 
     @property
     def finished(self) -> bool:
@@ -95,14 +94,17 @@ def _available_memory() -> int:
     return 8 << 30
 
 
-def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, num_blocks: int) -> Backend:
-    if args.backend == "tensorrt":
+def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_model_len: int) -> Backend:
+    if args.backend == "tensorrt":  # sizes its pool from free GPU memory unless told
         from octavo.runtime.backends.tensorrt import TensorRTBackend
 
-        return TensorRTBackend(model_dir, manifest, num_blocks, args.block_size, num_threads=args.num_threads)
+        explicit = args.num_blocks is not None or args.kv_cache_memory is not None
+        num_blocks = default_num_blocks(args, manifest, max_model_len) if explicit else None
+        return TensorRTBackend(model_dir, manifest, num_blocks, args.block_size)
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    return OnnxRuntimeBackend(model_dir, manifest, num_blocks, args.block_size, num_threads=args.num_threads)
+    return OnnxRuntimeBackend(model_dir, manifest, default_num_blocks(args, manifest, max_model_len),
+                              args.block_size, num_threads=args.num_threads)
 
 
 class LLMEngine:
@@ -114,8 +116,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir, self.manifest)
         self.max_model_len = min(args.max_model_len or self.manifest.max_context, self.manifest.max_context)
         if backend is None:
-            backend = make_backend(args, self.model_dir, self.manifest,
-                                   default_num_blocks(args, self.manifest, self.max_model_len))
+            backend = make_backend(args, self.model_dir, self.manifest, self.max_model_len)
         elif backend.block_size != args.block_size:
             raise InvalidRequestError(f"backend block_size {backend.block_size} != EngineArgs.block_size {args.block_size}")
         self.backend = backend
@@ -166,9 +167,9 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
             children.append(req)
-        self.groups[request_id] = RequestGroup(request_id, text, ids, children, now)
-        for req in children:
-            self.scheduler.add(req)
+        # children 1..n-1 join once child 0 has computed the prompt: they then share its cached blocks
+        self.groups[request_id] = RequestGroup(request_id, text, ids, children, now, pending=children[1:])
+        self.scheduler.add(children[0])
         self._arrived.append(request_id)
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -226,6 +227,7 @@ class LLMEngine:
         group = self.groups.get(str(request_id))
         if group is None:
             raise UnknownRequestError(f"no running request has id {request_id!r} (finished, aborted or never added)")
+        group.pending = []
         for req in group.children:
             if not req.finished:
                 self._finish(req, "abort")
@@ -280,6 +282,12 @@ class LLMEngine:
                 touched[req.parent_id] = self.groups[req.parent_id]
         for row, req in zip(rows, sched.scheduled):
             row["output_len"] = req.num_output_tokens
+        for group in touched.values():
+            first = group.children[0]
+            if group.pending and (first.output_token_ids or first.finished):
+                for req in group.pending:
+                    self.scheduler.add(req)
+                group.pending = []
         for group in touched.values():
             outputs.append(self._output(group))
             if group.finished:

@@ -101,7 +101,7 @@ class Scheduler:
         """End req (any state): free its blocks and drop it from the queues."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req in self.waiting:  # (a WAITING request may not have been added yet: see n > 1)
             self.waiting.remove(req)
         self.block_manager.release(req)
         req.status = RequestStatus.FINISHED
