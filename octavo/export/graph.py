@@ -94,8 +94,7 @@ class _Weights:
 
 def _rms_norm(g: _Graph, x: str, weight: str, eps: str) -> str:
     """HF RMSNorm: x / sqrt(mean(x^2) + eps) * weight (the pattern ORT fuses)."""
-    two = "const.two"
-    mean = g.op1("ReduceMean", [g.op1("Pow", [x, two])], axes=[-1], keepdims=1)
+    mean = g.op1("ReduceMean", [g.op1("Pow", [x, "const.two"])], axes=[-1], keepdims=1)
     return g.op1("Mul", [g.op1("Div", [x, g.op1("Sqrt", [g.op1("Add", [mean, eps])])]), weight])
 
 
@@ -109,7 +108,7 @@ def _rope(g: _Graph, x: str, heads: int, head_dim: int, cos: str, sin: str) -> s
     x1, x2 = g.op("Split", [shaped, "const.half_split"], num_outputs=2, axis=2)
     rotated = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=2)
     out = g.op1("Add", [g.op1("Mul", [shaped, cos]), g.op1("Mul", [rotated, sin])])
-    return g.op1("Reshape", [out, "const.flat_shape"])
+    return g.op1("Reshape", [out, f"const.flat_shape_{heads}"])
 
 
 def build_model(
@@ -127,9 +126,9 @@ def build_model(
     g.const("const.two", np.array(2.0, np.float32))
     eps = g.const("const.eps", np.array(spec.rms_norm_eps, np.float32))
     g.const("const.half_split", np.array([D // 2, D // 2], np.int64))
-    g.const("const.flat_shape", np.array([0, -1], np.int64))
     for heads in sorted({nq, nkv}):
         g.const(f"const.heads_shape_{heads}", np.array([-1, heads, D], np.int64))
+        g.const(f"const.flat_shape_{heads}", np.array([-1, heads * D], np.int64))
 
     embed = g.weight("model.embed_tokens.weight", [w.get("model.embed_tokens.weight", (V, H))])
     x = g.op1("Gather", [embed, "input_ids"], axis=0)
