@@ -1,0 +1,61 @@
+"""`octavo serve` as a real process: loopback bind, readiness, graceful drain on SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from octavo.export import export_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+    out = tmp_path_factory.mktemp("cli_export")
+    export_model(hf_model_dir("llama"), out)
+    return out
+
+
+def test_serve_sigterm_finishes_in_flight_stream_then_exits(model_dir) -> None:  # noqa: ANN001
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "octavo", "serve", str(model_dir), "--port", "0", "--num-blocks", "64",
+         "--num-threads", "1", "--served-model-name", "tiny", "--shutdown-timeout", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert m, line
+        url = m.group(1)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for ln in lines:
+                if ln.startswith("data: "):
+                    events.append(ln[6:])
+                    break
+            proc.send_signal(signal.SIGTERM)  # mid-stream: the request must still finish
+            events += [ln[6:] for ln in lines if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+        assert usage["completion_tokens"] == 300
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+        assert "shutting down" in out
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
