@@ -161,3 +161,24 @@ def test_pools_written_in_place(exported) -> None:
         assert np.array_equal(flat_old[untouched], flat_new[untouched])
         assert not np.isclose(flat_old[slots], flat_new[slots]).any()
     backend.close()
+
+
+def test_batch_invariance(exported) -> None:
+    """A sequence's logits do not depend on what else is packed into the step (prefill and decode)."""
+    _, manifest, _ = exported("qwen2")
+    rng = np.random.default_rng(6)
+    mine = rng.integers(0, manifest.vocab_size, 19).tolist()
+    others = {f"o{i}": rng.integers(0, manifest.vocab_size, n).tolist() for i, n in enumerate((5, 26, 11))}
+    results = []
+    for company in ({}, others):
+        backend = noisy_backend(exported, "qwen2")
+        pager = Pager(np.random.default_rng(8))
+        inputs, where = pager.step([("me", mine[:18])] + [(s, ids[:-1]) for s, ids in company.items()])
+        prefill = backend.run(inputs)[: 18]
+        inputs, _ = pager.step([(s, ids[-1:]) for s, ids in company.items()] + [("me", mine[18:])])
+        decode = backend.run(inputs)[-1]
+        results.append((prefill, decode))
+        backend.close()
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=0, atol=1e-5)
+    assert (results[0][0].argmax(-1) == results[1][0].argmax(-1)).all()
