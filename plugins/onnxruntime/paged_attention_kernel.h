@@ -45,12 +45,14 @@ struct StepTensors {
 };
 
 // One unit of parallel work: query tokens [token_begin, token_end) (packed indices, all in
-// sequence `seq`) against kv head `kv_head`, for all query heads of that kv head's group.
+// sequence `seq`) against kv heads [kv_head_begin, kv_head_end), each with all the query heads of
+// its group. Several kv heads per item let one pass over a chunk of pool rows serve all of them.
 struct WorkItem {
   int32_t seq;
-  int32_t kv_head;
   int32_t token_begin;
   int32_t token_end;
+  int32_t kv_head_begin;
+  int32_t kv_head_end;
 };
 
 // Checks the index tensors against each other and the pool; returns "" when consistent, else a
@@ -60,7 +62,7 @@ std::string validate_indices(const StepTensors& t);
 // Copies the new tokens' K/V rows into the pools at slot_mapping (negative slots are skipped).
 void write_new_kv(const StepTensors& t, const AttentionParams& p);
 
-// Splits the step into independent work items (balanced for a thread pool).
+// Splits the step into independent work items, most expensive first (for a dynamic thread pool).
 std::vector<WorkItem> plan_work(const StepTensors& t, const AttentionParams& p);
 
 // Computes the output rows of one work item (reads the pools; writes only its output rows).

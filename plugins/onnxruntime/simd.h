@@ -1,0 +1,100 @@
+// Portable SIMD helpers built on GCC/Clang vector extensions: the compiler picks the instructions
+// for the target (-march=native), no intrinsics. Width follows the widest float vector available.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace octavo::simd {
+
+#if defined(__AVX512F__)
+constexpr int kWidth = 16;
+#elif defined(__AVX__)
+constexpr int kWidth = 8;
+#else
+constexpr int kWidth = 4;
+#endif
+
+typedef float vf __attribute__((vector_size(kWidth * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kWidth * sizeof(int32_t))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline vf splat(float x) { return vf{} + x; }
+
+inline vf max(vf a, vf b) { return a > b ? a : b; }
+
+inline vf min(vf a, vf b) { return a < b ? a : b; }
+
+inline float reduce_add(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kWidth; ++i) s += v[i];
+  return s;
+}
+
+inline float reduce_max(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kWidth; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// Horizontal sums of kWidth vectors at once: lane i of the result is the sum of v[i * stride]'s lanes.
+// A tree of pairwise shuffles + adds (kWidth - 1 adds in all) instead of kWidth scalar reductions.
+template <int Block>
+inline vf fold_pair(vf x, vf y) {  // x, y hold one key per 2*Block lanes; result one per Block lanes
+  vi lo, hi;
+  for (int q = 0; q < kWidth / Block; ++q) {
+    const int source = (q % 2 == 0) ? 0 : kWidth;
+    const int base = (q / 2) * 2 * Block;
+    for (int l = 0; l < Block; ++l) {
+      lo[q * Block + l] = source + base + l;
+      hi[q * Block + l] = source + base + Block + l;
+    }
+  }
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+template <int N, int Stride = 1>
+inline vf reduce_lanes(const vf* v) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    return fold_pair<kWidth / N>(reduce_lanes<N / 2, Stride * 2>(v), reduce_lanes<N / 2, Stride * 2>(v + Stride));
+  }
+}
+
+// exp(x) in float, relative error ~1e-7 (Cephes-style polynomial); inputs below -87.3 give exactly 0.
+inline vf exp(vf x) {
+  const vf lo = splat(-87.3f);
+  const vf xc = min(max(x, lo), splat(88.3f));
+  const vf rounded = xc * 1.44269504088896341f + 12582912.0f;  // round(x / ln 2) via the 1.5*2^23 trick
+  const vf n = rounded - 12582912.0f;
+  vf r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  const vf result = p * two_n;
+  return x < lo ? splat(0.0f) : result;
+}
+
+// c * tanh(x / c), via tanh(y) = 1 - 2 / (exp(2y) + 1).
+inline vf softcap(vf x, float c) {
+  const vf e = exp(x * (2.0f / c));
+  return (1.0f - 2.0f / (e + 1.0f)) * c;
+}
+
+}  // namespace octavo::simd
