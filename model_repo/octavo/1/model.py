@@ -237,6 +237,9 @@ class TritonPythonModel:
                 sender.send(_error_response(f"octavo: {exc}"), flags=FINAL)
                 continue
             request_id = f"triton-{self.instance_name}-{next(self.ids)}"
+            client_id = "".join(c for c in str(request.request_id() or "") if c.isalnum() or c in "-_.:")[:64]
+            if client_id:
+                request_id += f"-{client_id}"  # the client's id shows up in the trace rows
             live = LiveRequest(request_id, request, sender, parsed)
             with self.live_lock:
                 self.live[request_id] = live

@@ -1,0 +1,314 @@
+"""octavo behind a REAL Triton Inference Server (the tritonserver bundled by nvidia-pytriton), queried with
+NVIDIA's tritonclient over gRPC streaming and HTTP generate/generate_stream. The reference is octavo.LLM run
+in this process on the same exported model (itself checked against HF transformers by the engine's tests)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("pytriton") is None:  # only its files are used (not importable without its deps)
+    pytest.skip("tritonserver is not installed: pip install --no-deps nvidia-pytriton==0.7.0", allow_module_level=True)
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'")
+httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[grpc,http]'")
+
+from octavo.commands.triton import render_config, write_model_repository  # noqa: E402
+from octavo.errors import InvalidRequestError  # noqa: E402
+from octavo.serving.triton_launcher import TritonServer, free_port  # noqa: E402
+
+MODEL = "octavo"
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 12
+LONG_TOKENS = 48  # the 16 concurrent streams run long enough to overlap however the arrivals are spread
+NUM_BLOCKS = 128
+PROMPTS16 = [f"{w} request {i}: the capital of France" for i, w in enumerate(
+    ["Paris", "Once upon", "Translate", "def fib", "Write an", "Solve", "memory", "engine",
+     "Hello", "naive", "emoji", "lazy dog", "history", "paging", "quick", "today"])]
+
+TYPES = {"text_input": "BYTES", "stop_words": "BYTES", "max_tokens": "INT32", "top_k": "INT32", "min_tokens": "INT32",
+         "seed": "INT64", "stream": "BOOL", "ignore_eos": "BOOL", "exclude_input_in_output": "BOOL"}
+
+
+# ---- fixtures ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported(hf_model_dir, tmp_path_factory) -> Path:  # noqa: ANN001
+    from octavo.export import export_model
+
+    out = tmp_path_factory.mktemp("triton_export") / "model"
+    export_model(hf_model_dir("llama"), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> Path:  # noqa: ANN001
+    """The engine's per-step trace rows (EngineArgs.trace_path, a config.pbtxt parameter) land here."""
+    return tmp_path_factory.mktemp("triton_trace") / "trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(exported: Path, trace: Path, tmp_path_factory):  # noqa: ANN001, ANN201
+    root = tmp_path_factory.mktemp("triton")
+    repo = write_model_repository(root / "repo", exported, parameters={
+        "num_threads": "1", "num_blocks": str(NUM_BLOCKS), "block_size": "16", "trace_path": str(trace)})
+    srv = TritonServer(repo, root / "work", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                       auto_install_numpy=True)
+    srv.start(timeout_s=120)
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+        print(srv.log_tail(3000))
+        assert code is not None
+
+
+@pytest.fixture(scope="module")
+def reference(exported: Path) -> dict[str, str]:
+    """Greedy text of octavo.LLM (no Triton): PROMPT with MAX_TOKENS, PROMPTS16 with LONG_TOKENS."""
+    from octavo import LLM, SamplingParams
+
+    llm = LLM(str(exported), num_threads=1, num_blocks=NUM_BLOCKS)
+    prompts = [PROMPT, *PROMPTS16]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS if p == PROMPT else LONG_TOKENS, ignore_eos=True)
+              for p in prompts]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.close()
+    return {p: o.outputs[0].text for p, o in zip(prompts, outs)}
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+def grpc_inputs(**values) -> list:  # noqa: ANN003
+    inputs = []
+    for name, value in values.items():
+        kind = TYPES.get(name, "FP32")
+        if kind == "BYTES":
+            items = value if isinstance(value, list) else [value]
+            array = np.array([s.encode() for s in items], dtype=np.object_)
+        else:
+            array = np.array([value], dtype={"INT32": np.int32, "INT64": np.int64, "BOOL": bool, "FP32": np.float32}[kind])
+        tensor = grpcclient.InferInput(name, list(array.shape), kind)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def greedy(prompt: str, **extra) -> dict:  # noqa: ANN003
+    return dict(text_input=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **extra)
+
+
+class Stream:
+    """A gRPC bidirectional stream collecting (request id, text, num_output_tokens, final, error) per response."""
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.results: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=self._on_result)
+
+    def _on_result(self, result, error) -> None:  # noqa: ANN001
+        if error is not None:
+            self.results.put({"id": None, "error": str(error)})
+            return
+        response = result.get_response()
+        final = response.parameters.get("triton_final_response")
+        text = result.as_numpy("text_output")
+        n_out = result.as_numpy("num_output_tokens")
+        self.results.put({
+            "id": response.id, "error": None, "final": bool(final.bool_param) if final is not None else False,
+            "text": text.reshape(-1)[0].decode() if text is not None else None,
+            "n_out": int(n_out.reshape(-1)[0]) if n_out is not None else None,
+            "reason": (result.as_numpy("finish_reason").reshape(-1)[0].decode()
+                       if result.as_numpy("finish_reason") is not None else None),
+            "time": time.monotonic(),
+        })
+
+    def send(self, request_id: str, **values) -> None:  # noqa: ANN003
+        self.client.async_stream_infer(MODEL, grpc_inputs(**values), request_id=request_id,
+                                       enable_empty_final_response=True)
+
+    def collect(self, ids: set[str], timeout_s: float = 60.0) -> dict[str, list[dict]]:
+        """Responses per request id until every id in IDS saw its final response."""
+        got: dict[str, list[dict]] = {i: [] for i in ids}
+        open_ids = set(ids)
+        deadline = time.monotonic() + timeout_s
+        while open_ids:
+            item = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert item["error"] is None, item["error"]
+            got[item["id"]].append(item)
+            if item["final"]:
+                open_ids.discard(item["id"])
+        return got
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def http_post(server: TritonServer, endpoint: str, body: dict) -> tuple[int, str]:
+    url = f"http://{server.http_url}/v2/models/{MODEL}/{endpoint}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def sse_events(body: str) -> list[dict]:
+    return [json.loads(line[len("data:"):]) for line in body.splitlines() if line.startswith("data:")]
+
+
+def trace_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def engine_metrics(server: TritonServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("octavo_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0][len("octavo_"):]] = float(value)
+    return out
+
+
+def wait_for(predicate, timeout_s: float = 15.0, interval_s: float = 0.05):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+# ---- tests ---------------------------------------------------------------------------------------------
+def test_health_and_ready_endpoints(server: TritonServer) -> None:
+    http = httpclient.InferenceServerClient(server.http_url)
+    assert http.is_server_live() and http.is_server_ready() and http.is_model_ready(MODEL)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    assert grpc.is_server_live() and grpc.is_server_ready() and grpc.is_model_ready(MODEL)
+    config = grpc.get_model_config(MODEL, as_json=True)["config"]
+    assert config["model_transaction_policy"]["decoupled"] is True
+    assert int(config.get("max_batch_size", 0)) == 0
+    grpc.close()
+    http.close()
+
+
+def test_grpc_stream_is_incremental_and_matches_llm(server: TritonServer, reference: dict[str, str]) -> None:
+    stream = Stream(server.grpc_url)
+    try:
+        stream.send("g1", **greedy(PROMPT, stream=True, exclude_input_in_output=True))
+        responses = stream.collect({"g1"})["g1"]
+    finally:
+        stream.close()
+    assert len(responses) > 1, "tokens must arrive in several responses"
+    assert [r["final"] for r in responses] == [False] * (len(responses) - 1) + [True]
+    counts = [r["n_out"] for r in responses]
+    assert counts == sorted(counts) and counts[-1] == MAX_TOKENS
+    assert responses[-1]["reason"] == "length"
+    assert "".join(r["text"] for r in responses) == reference[PROMPT]
+
+
+def test_http_generate_matches_llm(server: TritonServer, reference: dict[str, str]) -> None:
+    status, body = http_post(server, "generate", greedy(PROMPT))
+    assert status == 200, body
+    out = json.loads(body)
+    assert out["text_output"] == PROMPT + reference[PROMPT]  # exclude_input_in_output defaults to false
+    assert out["num_output_tokens"] == MAX_TOKENS and out["finish_reason"] == "length"
+    status, body = http_post(server, "generate", greedy(PROMPT, exclude_input_in_output=True))
+    assert status == 200 and json.loads(body)["text_output"] == reference[PROMPT]
+
+
+def test_http_generate_stream(server: TritonServer, reference: dict[str, str]) -> None:
+    status, body = http_post(server, "generate_stream", greedy(PROMPT, stream=True))
+    assert status == 200, body
+    events = sse_events(body)
+    assert len(events) > 1
+    assert events[0]["text_output"].startswith(PROMPT)
+    assert "".join(e["text_output"] for e in events) == PROMPT + reference[PROMPT]
+    assert events[-1]["finish_reason"] == "length" and all(e["finish_reason"] == "" for e in events[:-1])
+
+
+def test_16_concurrent_streams_are_batched_in_flight(server: TritonServer, reference: dict[str, str],
+                                                    trace: Path) -> None:
+    before = len(trace_rows(trace))
+    stream = Stream(server.grpc_url)
+    try:
+        for i, prompt in enumerate(PROMPTS16):
+            stream.send(f"c{i}", **{**greedy(prompt, stream=True, exclude_input_in_output=True),
+                                    "max_tokens": LONG_TOKENS})
+        got = stream.collect({f"c{i}" for i in range(16)}, timeout_s=90)
+    finally:
+        stream.close()
+    for i, prompt in enumerate(PROMPTS16):  # batch invariance: same text as the offline engine
+        assert "".join(r["text"] for r in got[f"c{i}"]) == reference[prompt], prompt
+    rows = trace_rows(trace)[before:]
+    max_batch = max(r["batch_size"] for r in rows)
+    assert max_batch >= 4, f"requests were not batched in flight (max batch size {max_batch})"
+    mixed = [r for r in rows if {q["phase"] for q in r["requests"]} == {"prefill", "decode"}]
+    assert rows[-1]["free_blocks"] == rows[-1]["total_blocks"] == NUM_BLOCKS
+    assert wait_for(lambda: engine_metrics(server).get("max_batch_size", 0) >= max_batch)
+    print(f"max batch {max_batch}, {len(rows)} steps, {len(mixed)} mixing prefill and decode")
+
+
+def test_cancelled_stream_frees_its_blocks(server: TritonServer, trace: Path) -> None:
+    stream = Stream(server.grpc_url)
+    cancelled = False
+    try:
+        stream.send("long", text_input=PROMPT * 4, max_tokens=400, ignore_eos=True, stream=True)
+        first = [stream.results.get(timeout=30) for _ in range(3)]
+        assert all(r["error"] is None and not r["final"] for r in first)
+        held = wait_for(lambda: engine_metrics(server).get("free_blocks", NUM_BLOCKS) < NUM_BLOCKS)
+        assert held, "the running request should hold KV blocks"
+        stream.close(cancel=True)
+        cancelled = True
+    finally:
+        if not cancelled:
+            stream.close(cancel=True)
+    freed = wait_for(lambda: (m := engine_metrics(server)).get("num_running") == 0
+                     and m.get("free_blocks") == NUM_BLOCKS)
+    assert freed, f"blocks not freed after cancellation: {engine_metrics(server)}"
+    rows = trace_rows(trace)
+    long_rows = [r for r in rows if any(q["id"].endswith("-long") for q in r["requests"])]
+    assert long_rows and max(q["output_len"] for r in long_rows for q in r["requests"]) < 400, \
+        "the cancelled request must stop before its max_tokens"
+
+
+def test_bad_request_errors_while_a_good_one_completes(server: TritonServer, reference: dict[str, str]) -> None:
+    stream = Stream(server.grpc_url)
+    try:
+        stream.send("good", **greedy(PROMPT, stream=True, exclude_input_in_output=True))
+        status, body = http_post(server, "generate", dict(text_input=PROMPT, top_p=5.0))
+        assert status == 400 and "top_p" in body, body
+        status, body = http_post(server, "generate", dict(max_tokens=3))
+        assert status == 400, body  # text_input missing
+        stream.send("bad", text_input=PROMPT, temperature=-1.0)
+        good, errors = [], []
+        deadline = time.monotonic() + 60
+        while not (errors and good and good[-1]["final"]) and time.monotonic() < deadline:
+            item = stream.results.get(timeout=30)
+            (errors if item["error"] is not None else good).append(item)
+        assert len(errors) == 1 and "temperature" in errors[0]["error"], errors
+        assert good and good[-1]["final"] and {r["id"] for r in good} == {"good"}
+        assert "".join(r["text"] for r in good) == reference[PROMPT]
+    finally:
+        stream.close()
+
+
+def test_repository_generator(tmp_path: Path) -> None:
+    repo = write_model_repository(tmp_path / "repo", tmp_path / "model", parameters={"max_num_seqs": 8},
+                                  instance_count=2)
+    config = (repo / MODEL / "config.pbtxt").read_text()
+    assert f'key: "model_path" value: {{ string_value: "{(tmp_path / "model").resolve()}" }}' in config
+    assert 'key: "max_num_seqs" value: { string_value: "8" }' in config
+    assert "count: 2" in config and (repo / MODEL / "1" / "model.py").is_file()
+    with pytest.raises(InvalidRequestError):
+        render_config(config, {"no_such_knob": "1"})
