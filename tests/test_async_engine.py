@@ -1,0 +1,103 @@
+"""AsyncEngine on the real model: concurrent asyncio streams equal HF, aborts, cancellation, the
+thread/callback API (Triton), bad input raised to the caller, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from engine_helpers import exported, hf_reference, random_requests
+
+from octavo.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, UnknownRequestError
+from octavo.runtime.async_engine import AsyncEngine
+from octavo.runtime.engine_args import EngineArgs
+from octavo.runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(hf_model_dir):  # noqa: ANN001, ANN201
+    hf = hf_model_dir("llama")
+    return hf, exported(hf)
+
+
+def greedy(m: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+
+
+def test_concurrent_streams_abort_and_cancel(model) -> None:  # noqa: ANN001
+    hf, folder = model
+    reqs = random_requests(6, seed=21, max_prompt=80, max_gen=16)
+
+    async def main() -> None:
+        eng = AsyncEngine(EngineArgs(model=str(folder), num_blocks=64, max_num_batched_tokens=32))
+        await eng.start()
+
+        async def consume(i: int, p: list[int], m: int) -> list:
+            return [o async for o in eng.generate({"prompt_token_ids": p}, greedy(m), f"r{i}")]
+
+        async def abort_later() -> list:
+            outs = []
+            async for o in eng.generate({"prompt_token_ids": reqs[0][0]}, greedy(200), "victim"):
+                outs.append(o)
+                if len(outs) == 3:
+                    await eng.abort("victim")
+            return outs
+
+        async def cancel_early() -> None:
+            async for _ in eng.generate({"prompt_token_ids": reqs[1][0]}, greedy(200), "gone"):
+                break  # the consumer leaves: the request must be aborted, not left running
+
+        results = await asyncio.gather(*[consume(i, p, m) for i, (p, m) in enumerate(reqs)], abort_later(), cancel_early())
+        for (p, m), outs in zip(reqs, results):
+            assert outs[-1].finished and sum(o.finished for o in outs) == 1
+            toks = [len(o.outputs[0].token_ids) for o in outs]
+            assert toks == sorted(toks)  # cumulative
+            assert outs[-1].outputs[0].token_ids == hf_reference(hf, p, m)
+        victim = results[len(reqs)]
+        assert victim[-1].finished and victim[-1].outputs[0].finish_reason == "abort"
+        with pytest.raises(PromptTooLongError):
+            async for _ in eng.generate({"prompt_token_ids": [5] * 2000}, greedy(4), "too-long"):
+                pass
+        with pytest.raises(UnknownRequestError):
+            await eng.abort("nobody")
+        for _ in range(100):
+            if eng.stats().num_running == 0 and eng.stats().num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        st = eng.stats()
+        assert st.num_running == st.num_waiting == 0 and st.num_free_blocks == st.num_total_blocks
+        await eng.shutdown()
+        with pytest.raises(EngineDeadError):
+            eng.submit("hello", greedy(2), "late", lambda o: None)
+
+    asyncio.run(main())
+
+
+def test_thread_callback_api(model) -> None:  # noqa: ANN001
+    hf, folder = model
+    eng = AsyncEngine(EngineArgs(model=str(folder), num_blocks=64))
+    reqs = random_requests(4, seed=22, max_prompt=40, max_gen=10)
+    done = threading.Event()
+    got: dict[str, list] = {}
+    lock = threading.Lock()
+
+    def cb(out) -> None:  # noqa: ANN001
+        with lock:
+            got.setdefault(out.request_id, []).append(out)
+            if sum(1 for v in got.values() if v[-1].finished) == len(reqs):
+                done.set()
+
+    threads = [threading.Thread(target=eng.submit, args=({"prompt_token_ids": p}, greedy(m), f"t{i}", cb))
+               for i, (p, m) in enumerate(reqs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = greedy(2)
+    bad.top_p = 2.0
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        eng.submit("x", bad, "bad", cb)
+    assert done.wait(60)
+    for i, (p, m) in enumerate(reqs):
+        assert got[f"t{i}"][-1].outputs[0].token_ids == hf_reference(hf, p, m)
+    eng.shutdown_nowait()
