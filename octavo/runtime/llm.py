@@ -1,7 +1,9 @@
 """LLM: the offline facade (vLLM's names). `LLM(model).generate(prompts, params)` runs to completion."""
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from octavo.errors import InvalidRequestError
@@ -16,8 +18,17 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, *, backend: Backend | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str, *, backend: Backend | str | None = None, **engine_args: Any) -> None:
+        """backend: a Backend object to use (tests, fault injection) or EngineArgs.backend's name."""
+        if isinstance(backend, str):
+            engine_args["backend"], backend = backend, None
         self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), backend)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, backend: Backend | None = None) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args, backend)
+        return llm
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -60,6 +71,22 @@ class LLM:
             for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Run one request, yielding its cumulative output after each step that changed it."""
+        rid = uuid.uuid4().hex[:12]
+        self.engine.add_request(rid, prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
+                self.engine.step()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = None
@@ -69,8 +96,6 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
         wanted = set(ids)
         start = self.engine.stats().generation_tokens_total
-        import time
-
         t0 = time.perf_counter()
         try:
             while len(done) < len(ids) and self.engine.has_unfinished_requests():
