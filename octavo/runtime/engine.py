@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
 DEFAULT_POOL_CONTEXT = 4096  # default pool: max_num_seqs sequences of min(max_model_len, this) tokens
-DEFAULT_POOL_CAP = 4 << 30  # ... but at most this many bytes and a quarter of the available memory
+DEFAULT_POOL_CAP = 2 << 30  # ... but at most this many bytes and a quarter of the available memory
 
 
 @dataclass(slots=True)
