@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from octavo.errors import OctavoError
-from octavo.tracing.memory import holding
+from octavo.tracing.memory import holding, memory_report
 from octavo.tracing.spans import DECODE, PREEMPTED, PREFILL, WAITING, RequestSpan
 from octavo.tracing.timeline import label_of
 
@@ -107,9 +107,14 @@ def render_png_bytes(
     ax_m.step(steps, held, where="mid", color="black", lw=1, ls=":", label="tokens held / block_size")
     ax_m.axhline(rows[0]["total_blocks"], color="#888888", lw=1, ls="--", label=f"pool: {rows[0]['total_blocks']} blocks")
     ax_m.set_ylabel(f"blocks of {bs} tokens")
-    ax_m.set_ylim(0, max(r["total_blocks"] for r in rows) * 1.12)
+    ax_m.set_ylim(0, max(r["total_blocks"] for r in rows) * 1.38)
     ax_m.legend(loc="upper right", fontsize=8, ncol=4)
-    ax_m.set_title("Paged KV cache: blocks are taken on demand and given back when a request leaves", fontsize=10)
+    mem = memory_report(rows, spans)
+    ax_m.set_title(
+        "Paged KV cache: blocks are taken on demand and given back when a request leaves — "
+        f"peak {mem.peak_used_blocks} blocks = {mem.peak_slots} slots for {mem.peak_tokens} tokens: "
+        f"{mem.peak_unused} slots ({100 * mem.peak_unused / max(1, mem.peak_request_blocks * bs):.1f}%) "
+        "empty in last blocks", fontsize=10)
 
     # 4. tokens per step, split into prefill and decode tokens
     pre = [sum(q["tokens"] for q in r["requests"] if q["phase"] == PREFILL) for r in rows]

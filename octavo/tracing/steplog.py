@@ -5,7 +5,7 @@ from typing import Any
 
 HEADER = (
     "step batch tokens  free/total wait | per request  id:prompt_len/total_len/blocks"
-    "  (* prefill this step, ✓ finished this step, ✗ preempted)"
+    "  (* prefill this step, (cN) N prompt tokens from the prefix cache, ✓ finished this step, ✗ preempted)"
 )
 
 
@@ -14,6 +14,8 @@ def format_step(row: dict[str, Any]) -> str:
     cells = []
     for req in row["requests"]:
         mark = ("*" if req["phase"] == "prefill" else "") + ("✓" if req["id"] in finished else "")
+        if req["phase"] == "prefill" and req["cached"]:
+            mark += f"(c{req['cached']})"
         cells.append(f"{req['id']}:{req['prompt_len']}/{req['total_len']}/{req['blocks']}{mark}")
     cells += [f"{rid}✗" for rid in row["preempted"]]
     head = (
