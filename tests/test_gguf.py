@@ -200,7 +200,7 @@ def _with_random_biases(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_written_gguf_round_trip(hf_model_dir, tmp_path: Path, arch: str, qtype: str) -> None:  # noqa: ANN001
     from safetensors.numpy import load_file
@@ -223,8 +223,48 @@ def test_written_gguf_round_trip(hf_model_dir, tmp_path: Path, arch: str, qtype:
         assert got.shape == w.shape and got.dtype == np.float32, name
         expect = _quant_roundtrip(w, qtype) if w.ndim == 2 else w  # 1-D tensors are written F32
         np.testing.assert_array_equal(got, expect, err_msg=name)  # exact: un-permute is row-exact
-        tolerance = {"F32": 0, "F16": 1e-3, "Q8_0": 1e-2, "Q4_0": 0.15, "Q4_1": 0.1}[qtype]
+        tolerance = {"F32": 0, "F16": 1e-3, "Q8_0": 1e-2, "Q4_0": 0.15, "Q4_1": 0.1, "Q5_0": 0.07, "Q5_1": 0.05}[qtype]
         assert np.abs(got - w).max() <= tolerance * np.abs(w).max() + 1e-7, name
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_dequantize_matches_transformers_dequantizer(tmp_path: Path, qtype: str) -> None:
+    """Types gguf cannot quantize: random blocks in a file, our reading vs transformers' own (torch)
+    dequantizer for K-quants / IQ4 and a bit-level BF16 widening."""
+    import gguf
+    import torch
+
+    from octavo.export.gguf_tensors import dequantize
+
+    t = gguf.GGMLQuantizationType[qtype]
+    rows, cols = 3, 512
+    rng = np.random.default_rng(7)
+    if qtype == "BF16":
+        raw = rng.integers(0, 2**16, (rows, cols), dtype=np.uint16)
+        raw[(raw & 0x7F80) == 0x7F80] = 0x3F80  # no inf/nan patterns
+        want = (raw.astype(np.uint32) << 16).view(np.float32)
+        payload = raw.view(np.uint8).reshape(rows, cols * 2)
+    else:
+        from transformers.integrations.gguf import dequant as hf_dequant
+
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[t]
+        payload = rng.integers(0, 256, (rows, cols // block_elems * block_bytes), dtype=np.uint8)
+        blocks = payload.reshape(-1, block_bytes)
+        # keep every fp16 scale finite and modest: rewrite the bytes of each block's scale field(s)
+        half = np.array([rng.uniform(0.001, 0.01)], np.float16).view(np.uint8)
+        scale_at = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                    "IQ4_NL": (0,), "IQ4_XS": (0,)}[qtype]
+        for at in scale_at:
+            blocks[:, at:at + 2] = half
+        want = hf_dequant.dequantize(torch.from_numpy(payload.reshape(-1).copy()), int(t)).numpy().reshape(rows, cols)
+    w = gguf.GGUFWriter(str(tmp_path / f"{qtype}.gguf"), "llama")
+    w.add_tensor("token_embd.weight", payload, raw_dtype=t)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    tensor = gguf.GGUFReader(tmp_path / f"{qtype}.gguf").tensors[0]
+    got = dequantize(tensor, tensor.name)
+    assert got.shape == (rows, cols) and got.dtype == np.float32
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_written_gguf_matches_transformers_loader(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001

@@ -93,14 +93,16 @@ def _open(path: Path) -> Any:
     with path.open("rb") as fh:
         magic = fh.read(4)
     if magic != GGUF_MAGIC:
-        raise ModelFormatError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+        hint = " (it looks like a Git LFS pointer: fetch the real file with `git lfs pull`)" if magic == b"vers" else ""
+        raise ModelFormatError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r}){hint}")
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(path, "r")
     except Exception as exc:  # noqa: BLE001 - the gguf package raises assorted types on bad input
         raise ModelFormatError(
-            f"{path} is not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}"
+            f"{path} is not a readable GGUF file: it is truncated or corrupt ({path.stat().st_size} bytes; the gguf "
+            f"reader failed with {type(exc).__name__}: {exc}). Download or convert it again"
         ) from exc
     size = path.stat().st_size
     for tensor in reader.tensors:

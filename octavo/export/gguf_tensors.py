@@ -19,8 +19,10 @@ import numpy as np
 
 from octavo.errors import ModelFormatError
 
-# GGML types this reader dequantizes (all through gguf.quants.dequantize).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# GGML types this reader dequantizes (all through gguf.quants.dequantize); each is tested against an
+# independent dequantizer or a quantize round trip in tests/test_gguf.py.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
