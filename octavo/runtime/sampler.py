@@ -33,6 +33,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
+NUCLEUS_CANDIDATES = 1024  # top_p looks at this many best tokens first
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
@@ -72,27 +75,20 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: np.ndarray, reqs: list[Request]) -> None:
-        rows = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0
-                or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
-        if not rows:
-            return
         v = logits.shape[1]
-        counts = np.zeros((len(rows), v), np.float32)
-        seen = np.zeros((len(rows), v), bool)
-        for j, i in enumerate(rows):
-            out = np.asarray(reqs[i].output_token_ids, np.int64)
-            out = out[out < v]
-            np.add.at(counts[j], out, 1.0)
-            prompt = np.asarray(reqs[i].prompt_token_ids, np.int64)
-            seen[j, prompt[prompt < v]] = True
-        seen |= counts > 0
-        rep = np.array([reqs[i].params.repetition_penalty for i in rows], np.float32)[:, None]
-        pres = np.array([reqs[i].params.presence_penalty for i in rows], np.float32)[:, None]
-        freq = np.array([reqs[i].params.frequency_penalty for i in rows], np.float32)[:, None]
-        sub = logits[rows]
-        sub = np.where(seen, np.where(sub > 0, sub / rep, sub * rep), sub)
-        sub -= freq * counts + pres * (counts > 0)
-        logits[rows] = sub
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+                continue
+            out_ids, counts = np.unique(np.asarray(r.output_token_ids, np.int64), return_counts=True)
+            counts, out_ids = counts[out_ids < v], out_ids[out_ids < v]
+            if p.repetition_penalty != 1.0:
+                seen = np.union1d(np.asarray(r.prompt_token_ids, np.int64), out_ids)
+                seen = seen[seen < v]
+                x = logits[i, seen]
+                logits[i, seen] = np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            if out_ids.size and (p.presence_penalty or p.frequency_penalty):
+                logits[i, out_ids] -= p.frequency_penalty * counts + p.presence_penalty
 
     def _apply_min_tokens(self, logits: np.ndarray, reqs: list[Request]) -> None:
         for i, r in enumerate(reqs):
@@ -105,34 +101,53 @@ class Sampler:
 
     # -- random sampling ----------------------------------------------------------------------------
     def _sample(self, logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
-        probs = self.distribution(logits, reqs)
-        cdf = np.cumsum(probs, axis=-1)
-        u = np.array([r.generator.random() for r in reqs]) * cdf[:, -1]
-        idx = (cdf <= u[:, None]).sum(axis=-1)
-        return np.minimum(idx, probs.shape[1] - 1)
+        tokens = np.empty(len(reqs), np.int64)
+        for i, r in enumerate(reqs):
+            ids, w = self.candidates(logits[i], r)
+            c = np.cumsum(w, dtype=np.float64)
+            j = int(np.searchsorted(c, r.generator.random() * c[-1], side="right"))
+            tokens[i] = ids[min(j, len(ids) - 1)]
+        return tokens
 
     @staticmethod
-    def distribution(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
-        """Probabilities to sample from (float64, unnormalised after min_p): temperature, top_k, top_p, min_p."""
-        temp = np.array([r.params.temperature for r in reqs], np.float32)[:, None]
-        logits = logits / temp
-        top_k = np.array([r.params.top_k for r in reqs])
-        top_p = np.array([r.params.top_p for r in reqs], np.float64)
-        filt = np.nonzero((top_k > 0) | (top_p < 1.0))[0]
-        if filt.size:
-            sub = logits[filt]
-            s = -np.sort(-sub, axis=-1)  # descending
-            v = s.shape[1]
-            k = np.where(top_k[filt] > 0, np.minimum(top_k[filt], v), v)
-            s[np.arange(v)[None, :] >= k[:, None]] = -np.inf
-            p = softmax(s.astype(np.float64))
-            keep = (np.cumsum(p, axis=-1) - p) < top_p[filt][:, None]
-            n_keep = np.maximum(keep.sum(axis=-1), 1)
-            thr = s[np.arange(len(filt)), n_keep - 1]
-            sub[sub < thr[:, None]] = -np.inf
-            logits[filt] = sub
-        probs = softmax(logits.astype(np.float64))
-        min_p = np.array([r.params.min_p for r in reqs])
-        if np.any(min_p > 0):
-            probs[probs < min_p[:, None] * probs.max(axis=-1, keepdims=True)] = 0.0
+    def candidates(row: np.ndarray, req: Request) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids a sampled row may take and their unnormalised weights, after temperature, top_k,
+        top_p (on the top_k-restricted distribution) and min_p. Avoids a full-vocabulary sort: it looks
+        at the top candidates only (all of them if the nucleus turns out larger)."""
+        p = req.params
+        x = row.astype(np.float32) / np.float32(p.temperature)
+        v = x.shape[0]
+        k = p.top_k if 0 < p.top_k < v else v
+        tentative = k == v and p.top_p < 1.0 and v > NUCLEUS_CANDIDATES
+        if tentative:
+            k = NUCLEUS_CANDIDATES
+        m = x.max()
+        if k == v and p.top_p >= 1.0:  # plain temperature sampling (maybe min_p): no gather
+            ids, w = np.arange(v), np.exp(x - m)
+        else:
+            ids = np.argpartition(-x, k - 1)[:k] if k < v else np.arange(v)
+            if p.top_p < 1.0:
+                ids = ids[np.argsort(-x[ids], kind="stable")]
+            w = np.exp(x[ids] - m)
+        if p.top_p < 1.0:
+            total = np.exp(x - m).sum(dtype=np.float64) if tentative else w.sum(dtype=np.float64)
+            cum = np.cumsum(w, dtype=np.float64) / total
+            if tentative and cum[-1] < p.top_p:  # the nucleus is wider than the candidates: use them all
+                ids = np.argsort(-x, kind="stable")
+                w = np.exp(x[ids] - m)
+                cum = np.cumsum(w, dtype=np.float64) / total
+            n_keep = max(1, int(np.count_nonzero(cum - w / total < p.top_p)))
+            ids, w = ids[:n_keep], w[:n_keep]
+        if p.min_p > 0.0:
+            keep = w >= p.min_p * w.max()
+            ids, w = ids[keep], w[keep]
+        return ids, w
+
+    @classmethod
+    def distribution(cls, logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
+        """The full [N, vocab] sampling distribution (for tests and inspection)."""
+        probs = np.zeros(logits.shape, np.float64)
+        for i, r in enumerate(reqs):
+            ids, w = cls.candidates(logits[i], r)
+            probs[i, ids] = w / w.sum(dtype=np.float64)
         return probs
