@@ -73,11 +73,12 @@ class BlockManager:
             return
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
         self.update_hashes(req, n_full * self.block_size)
-        for i in range(n_full):
+        for i in range(req.num_registered_blocks, n_full):
             b, h = req.block_table[i], req.block_hashes[i]
             if self.hash_of[b] is None and h not in self.hash_to_block:
                 self.hash_of[b] = h
                 self.hash_to_block[h] = b
+        req.num_registered_blocks = max(req.num_registered_blocks, n_full)
 
     # -- allocation ---------------------------------------------------------------------------------
     def can_admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
@@ -94,6 +95,7 @@ class BlockManager:
             self.ref_count[b] += 1
         req.block_table = list(cached)
         req.num_computed_tokens = len(cached) * self.block_size
+        req.num_registered_blocks = len(cached)
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow req's block table to hold num_new_tokens more tokens; False (nothing done) if no room."""
@@ -121,6 +123,7 @@ class BlockManager:
                     self.free.move_to_end(b, last=False)  # nothing cached in it: reuse it first
         req.block_table = []
         req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
 
     def check(self, tables: list[list[int]]) -> None:
         """Assert the pool's invariants given every live block table (used by tests)."""
