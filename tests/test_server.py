@@ -316,10 +316,20 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, client) -> None: 
 
 
 def test_load_200_requests_32_clients_third_cancelled(server, llm) -> None:  # noqa: ANN001
-    max_tokens = 8
+    _load(server, llm, total=200, clients=32, max_tokens=8, time_limit=60)
+
+
+@pytest.mark.slow
+def test_load_1000_requests_64_clients_third_cancelled(server, llm) -> None:  # noqa: ANN001
+    _load(server, llm, total=1000, clients=64, max_tokens=32, time_limit=600)
+
+
+def _load(server, llm, total: int, clients: int, max_tokens: int, time_limit: float) -> None:  # noqa: ANN001
+    """TOTAL requests from CLIENTS concurrent clients, every third cancelled mid-stream; the rest must equal
+    LLM.generate, and afterwards nothing runs and no KV block is held."""
     refs = dict(zip(PROMPTS, greedy_ref(llm, PROMPTS, max_tokens)))
     before = wait_idle(server)
-    jobs = [(i, PROMPTS[i % len(PROMPTS)], i % 3 == 0) for i in range(200)]
+    jobs = [(i, PROMPTS[i % len(PROMPTS)], i % 3 == 0) for i in range(total)]
     results: dict[int, str] = {}
     seen_running: list[float] = []
 
@@ -355,7 +365,7 @@ def test_load_200_requests_32_clients_third_cancelled(server, llm) -> None:  # n
                 seen_running.append(await asyncio.to_thread(lambda: metrics(server)["octavo:num_requests_running"]))
                 await asyncio.sleep(0.05)
 
-        await asyncio.wait_for(asyncio.gather(watch(), *[worker() for _ in range(32)]), 120)
+        await asyncio.wait_for(asyncio.gather(watch(), *[worker() for _ in range(clients)]), time_limit * 2)
         await c.close()
 
     t0 = time.monotonic()
@@ -371,8 +381,8 @@ def test_load_200_requests_32_clients_third_cancelled(server, llm) -> None:  # n
     ok = m["octavo:request_success_total{finished_reason=length}"] - before["octavo:request_success_total{finished_reason=length}"]
     assert ok == len(completed)
     gen = m["octavo:generation_tokens_total"] - before["octavo:generation_tokens_total"]
-    assert gen < len(completed) * max_tokens + (200 - len(completed)) * 400  # cancelled ones stopped early
-    assert elapsed < 60
+    assert gen < len(completed) * max_tokens + (total - len(completed)) * 400  # cancelled ones stopped early
+    assert elapsed < time_limit
 
 
 def test_metrics_names_and_histograms(server, client) -> None:  # noqa: ANN001
@@ -469,3 +479,50 @@ def test_failed_step_is_500_and_server_keeps_serving(model_dir) -> None:  # noqa
                                                              "logit_bias": {str(poison): -100}})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert s.server.state.engine.stats().num_free_blocks == 32
+
+
+# ------------------------------------------------------------------------------------------------
+# fuzz: whatever JSON arrives, the answer is 200 or a 4xx in the error shape, never a 500
+
+_COMPLETION_KEYS = ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "logprobs",
+                    "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "min_p",
+                    "repetition_penalty", "ignore_eos", "min_tokens", "echo", "best_of", "stop_token_ids"]
+_CHAT_KEYS = [k for k in _COMPLETION_KEYS if k not in ("prompt", "logprobs", "echo", "best_of")] + [
+    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools"]
+
+
+def _json_values():  # noqa: ANN202
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(-3, 40) | st.integers(-2**70, 2**70)
+               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6) | st.just(NAME))
+    keys = st.sampled_from(["role", "content", "type", "text", "include_usage", "1", "x"])
+    return st.one_of(scalars, st.lists(scalars, max_size=3),
+                     st.dictionaries(keys, scalars | st.lists(scalars, max_size=2), max_size=3),
+                     st.lists(st.dictionaries(keys, scalars, max_size=3), max_size=2))
+
+
+def test_fuzzed_bodies_never_500(server) -> None:  # noqa: ANN001
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.booleans(), st.dictionaries(st.sampled_from(sorted(set(_COMPLETION_KEYS + _CHAT_KEYS))), _json_values(),
+                                          max_size=6), st.booleans())
+    def check(chat: bool, body: dict, valid_prompt: bool) -> None:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        if valid_prompt:  # half the cases get past the prompt check, to reach the sampling fields
+            body.setdefault("messages" if chat else "prompt", [{"role": "user", "content": "hi"}] if chat else "Hi")
+        for k in ("max_tokens", "max_completion_tokens", "n"):  # keep valid requests short
+            if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > 4:
+                body[k] = 4
+        if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = 4  # chat's default is "until the context is full"
+        r = http.post(server.base_url + path, headers=auth(), json=body, timeout=30)
+        assert r.status_code in (200, 400, 404), (r.status_code, r.text, body)
+        if r.status_code != 200:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    with httpx.Client() as http:
+        check()
+    assert wait_idle(server)["octavo:kv_cache_usage_perc"] == 0
