@@ -36,7 +36,10 @@ CASES: dict[str, tuple] = {
     "block64_fp16": ("float16", 4, 2, 16, 64, [(70, 3), (5, 1)], 0, 0.0, 8),
     "decode_fp16": ("float16", 4, 2, 32, 16, [(21, 1), (40, 1)], 0, 0.0, 10),
     "prefill_bf16": ("bfloat16", 4, 2, 16, 16, [(0, 5), (17, 2)], 0, 0.0, 8),
-    "tiny_block_no_dot_fp32": ("float32", 4, 2, 8, 4, [(0, 5), (7, 1)], 0, 0.0, 12),
+    "tiny_block4_fp32": ("float32", 4, 2, 8, 4, [(0, 5), (7, 1)], 0, 0.0, 12),
+    # more sequences than the kernel's 64-wide sequence scan: the tile -> sequence search crosses chunks
+    "many_seqs_mixed_fp32": ("float32", 4, 2, 16, 16, [(i * 7 % 37, 4 if i % 9 == 0 else 1) for i in range(70)],
+                             0, 0.0, 220),
 }
 # |kernel - reference| bound per dtype: inputs are identical (rounded to the dtype first); what differs is
 # float32 accumulation vs float64, the P cast before P@V and the output rounding.

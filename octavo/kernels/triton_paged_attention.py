@@ -13,10 +13,14 @@ straight from the `key`/`value` inputs, and each program stores only its own tok
 
 Grid: axis 0 walks "query tiles" (BLOCK_M consecutive new tokens of ONE sequence), axis 1 the KV heads.
 The number of tiles is at most cdiv(T, BLOCK_M) + B, a function of the input SHAPES only, which is what
-TensorRT needs to size the launch; surplus programs return at once. Each program handles the
-BLOCK_H (= group size, padded to a power of two) query heads that share one KV head, so a K/V page is
-loaded once per group (GQA). Rows of the score tile are (token, head) pairs: M = BLOCK_M * BLOCK_H.
-Accumulation (scores, softmax, P@V) is float32 for fp16/bf16/fp32 inputs.
+TensorRT needs to size the launch; surplus programs return at once. A program finds its sequence with a
+vectorised scan (64 sequences per step) over the cumulative sequence lengths. Each program handles the
+BLOCK_H (= group size, padded to a power of two) query heads that share one KV head, so K/V are loaded
+once per group (GQA). Rows of the score tile are (token, head) pairs: M = BLOCK_M * BLOCK_H >= 16, so
+both products are tensor-core dots. The KV loop takes BLOCK_N = max(64, block_size) positions per
+iteration, gathering the physical block of every row from the block table (several 16-token pages per
+iteration). Accumulation (scores, softmax, P@V) is float32 for fp16/bf16/fp32 inputs; fp32 dots use
+"ieee" precision (not TF32).
 
 Kernel argument order follows TensorRT's AOT convention (input pointers, int32 extras, output pointers):
 the pool inputs and the pool outputs are the same buffers (aliased); the kernel reads through the
@@ -51,25 +55,29 @@ def _paged_attention_kernel(
     SCALE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, SCAN: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     GROUP: tl.constexpr = NUM_HEADS // KV_HEADS
     M: tl.constexpr = BLOCK_M * BLOCK_H
 
-    # Which sequence / which tile of it is this program? (scan over the B sequences; B is small)
+    # Which sequence / which tile of it is this program? Vectorised scan over the B sequences, SCAN at a
+    # time: tiles per sequence, their running sum, and the one sequence whose tile range holds `tile`.
     seq = tile * 0 - 1
     seq_tile = tile * 0
     first = tile * 0
-    for b in range(0, num_seqs):
-        start = tl.load(cu_ptr + b)
-        end = tl.load(cu_ptr + b + 1)
-        n = (end - start + BLOCK_M - 1) // BLOCK_M
-        hit = (tile >= first) & (tile < first + n)
-        seq = tl.where(hit, b, seq)
-        seq_tile = tl.where(hit, tile - first, seq_tile)
-        first += n
+    for chunk in range(0, num_seqs, SCAN):
+        idx = chunk + tl.arange(0, SCAN)
+        valid = idx < num_seqs
+        start = tl.load(cu_ptr + idx, mask=valid, other=0)
+        end = tl.load(cu_ptr + idx + 1, mask=valid, other=0)
+        n = tl.where(valid, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
+        begin = first + tl.cumsum(n, 0) - n  # first tile of each sequence
+        hit = valid & (tile >= begin) & (tile < begin + n)
+        seq = tl.maximum(seq, tl.max(tl.where(hit, idx, -1), 0))
+        seq_tile = tl.maximum(seq_tile, tl.max(tl.where(hit, tile - begin, 0), 0))
+        first += tl.sum(n, 0)
     if seq >= 0:
         tok_start = tl.load(cu_ptr + seq)
         tok_end = tl.load(cu_ptr + seq + 1)
@@ -113,12 +121,13 @@ def _paged_attention_kernel(
         m_i = tl.full([M], -1.0e30, tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, BLOCK_D], tl.float32)
-        n_off = tl.arange(0, BLOCK_SIZE)
-        for page in range(lo_pos // BLOCK_SIZE, last_pos // BLOCK_SIZE + 1):
-            pos = page * BLOCK_SIZE + n_off
+        n_off = tl.arange(0, BLOCK_N)
+        for kv_tile in range(lo_pos // BLOCK_N, last_pos // BLOCK_N + 1):
+            pos = kv_tile * BLOCK_N + n_off  # BLOCK_N positions = BLOCK_N // BLOCK_SIZE pages (or part of one)
             cached = pos < past
-            block = tl.load(table_ptr + seq.to(tl.int64) * max_blocks + page, mask=page < max_blocks, other=0)
-            c_off = ((block.to(tl.int64) * BLOCK_SIZE + n_off) * KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
+            page = pos // BLOCK_SIZE
+            block = tl.load(table_ptr + seq.to(tl.int64) * max_blocks + page, mask=cached & (page < max_blocks), other=0)
+            c_off = ((block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
             c_mask = cached[:, None] & d_ok[None, :]
             fresh = (pos >= past) & (pos <= last_pos)
             f_off = (tok_start + pos - past)[:, None] * (KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + d[None, :]
@@ -193,15 +202,20 @@ class KernelConfig:
         return max(16, triton.next_power_of_2(self.head_dim))
 
     @property
+    def block_n(self) -> int:
+        """KV positions per loop iteration: several small pages at once (block ids gathered per row)."""
+        return max(64, self.block_size)
+
+    @property
     def use_dot(self) -> bool:
-        return self.block_m * self.block_h >= 16 and self.block_size >= 16
+        return self.block_m * self.block_h >= 16 and self.block_n >= 16
 
     def constexprs(self) -> dict[str, Any]:
         return {
             "SCALE": float(self.scale), "SOFTCAP": float(self.softcap), "WINDOW": int(self.sliding_window),
             "NUM_HEADS": self.num_heads, "KV_HEADS": self.kv_num_heads, "HEAD_DIM": self.head_dim,
             "BLOCK_SIZE": self.block_size, "BLOCK_M": self.block_m, "BLOCK_H": self.block_h,
-            "BLOCK_D": self.block_d, "USE_DOT": self.use_dot,
+            "BLOCK_D": self.block_d, "BLOCK_N": self.block_n, "SCAN": 64, "USE_DOT": self.use_dot,
             "DOT_PRECISION": "ieee" if self.dtype == "float32" or self.upcast else "tf32",
             "UPCAST": self.upcast,
         }
