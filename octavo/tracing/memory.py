@@ -42,8 +42,9 @@ class MemoryReport:
     static_max_len_slots: int | None  # max_num_seqs * max_model_len, when known
     max_num_seqs: int | None
     max_model_len: int | None
-    paged_slot_steps: int  # sum over steps of used blocks * block_size
-    token_slot_steps: int  # sum over steps of tokens held
+    pool_slot_steps: int  # sum over steps of the pool's used blocks * block_size
+    request_slot_steps: int  # sum over steps of the blocks * block_size each holding request has
+    token_slot_steps: int  # sum over steps of the tokens those requests hold
     static_slot_steps: int  # static_padded_slots held for every step of the run
     bytes_per_slot: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -93,16 +94,19 @@ def memory_report(
         static_max_len_slots=max_num_seqs * max_model_len if max_num_seqs and max_model_len else None,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
-        paged_slot_steps=sum(used(r) * bs for r in rows),
+        pool_slot_steps=sum(used(r) * bs for r in rows),
+        request_slot_steps=sum(sum(q["blocks"] for q in holding(r)) * bs for r in rows),
         token_slot_steps=sum(sum(q["total_len"] for q in holding(r)) for r in rows),
         static_slot_steps=static_padded * len(rows),
         bytes_per_slot=bytes_per_slot,
     )
     if report.peak_used_blocks != report.peak_request_blocks:
         report.notes.append(
-            f"at step {report.peak_step} the pool had {report.peak_used_blocks} blocks in use while the scheduled "
-            f"requests held {report.peak_request_blocks} (blocks shared through the prefix cache, or held by "
-            "requests not scheduled that step)"
+            f"at step {report.peak_step} the pool had {report.peak_used_blocks} blocks in use while the requests "
+            f"scheduled in it held {report.peak_request_blocks}: "
+            + ("prefix-cache blocks shared by several requests count once in the pool"
+               if report.peak_used_blocks < report.peak_request_blocks
+               else "requests not scheduled that step (waiting for budget) also hold blocks")
         )
     return report
 
@@ -128,9 +132,9 @@ def format_memory_report(m: MemoryReport) -> str:
     out = [
         f"KV cache: {m.total_blocks} blocks × {bs} slots = {pool} slots{_size(pool, bps)}"
         + (f"; one slot = one token's K and V in every layer = {bps} B" if bps else ""),
-        f"Peak (step {m.peak_step}): {m.peak_used_blocks} blocks = {m.peak_slots} slots in use{_size(m.peak_slots, bps)} "
-        f"for {m.peak_tokens} tokens held; {m.peak_unused} slots ({_pct(m.peak_unused, m.peak_request_blocks * bs)}) "
-        "allocated but empty.",
+        f"Peak (step {m.peak_step}): {m.peak_used_blocks} blocks = {m.peak_slots} slots in use{_size(m.peak_slots, bps)}; "
+        f"the requests held {m.peak_request_blocks} blocks = {m.peak_request_blocks * bs} slots for {m.peak_tokens} "
+        f"tokens: {m.peak_unused} slots ({_pct(m.peak_unused, m.peak_request_blocks * bs)}) allocated but empty.",
         "",
         "Per request (at its last step): slots = blocks × block_size; unused = the empty tail of its last block",
     ]
@@ -154,10 +158,12 @@ def format_memory_report(m: MemoryReport) -> str:
             f"{_size(m.static_max_len_slots, bps)}, "
             + (f"{m.static_max_len_slots / m.peak_slots:.1f}× the paged peak" if m.peak_slots else "-")
         )
+    slack = m.request_slot_steps - m.token_slot_steps
     out += [
-        f"Over the whole run (slots × steps): paged held {m.paged_slot_steps}, tokens needed {m.token_slot_steps} "
-        f"({_pct(m.paged_slot_steps - m.token_slot_steps, m.paged_slot_steps)} slack), "
-        f"static padded would hold {m.static_slot_steps}.",
+        f"Over the whole run (slots × steps): requests held {m.request_slot_steps} slots for {m.token_slot_steps} "
+        f"tokens ({_pct(slack, m.request_slot_steps)} slack in last blocks); the pool had {m.pool_slot_steps} in use"
+        + (" (a prefix block shared by several requests counts once)" if m.pool_slot_steps < m.request_slot_steps else "")
+        + f"; a static padded allocation would hold {m.static_slot_steps}.",
         f"Not zero waste: paging removes the reservation for lengths a request never reaches, but each running "
         f"request's last block is partly empty (at most {bs - 1} slots each) — {m.peak_unused} slots at the peak.",
     ]

@@ -104,25 +104,32 @@ def render_png_bytes(
     ax_m.fill_between(steps, used, step="mid", color="#59a14f", alpha=0.35, label="blocks in use")
     ax_m.step(steps, used, where="mid", color="#59a14f", lw=1.5)
     ax_m.step(steps, [r["free_blocks"] for r in rows], where="mid", color="#e15759", lw=1.5, label="free blocks")
-    ax_m.step(steps, held, where="mid", color="black", lw=1, ls=":", label="tokens held / block_size")
+    ax_m.step(steps, held, where="mid", color="black", lw=1, ls=":", label="tokens in the requests' caches / block_size")
     ax_m.axhline(rows[0]["total_blocks"], color="#888888", lw=1, ls="--", label=f"pool: {rows[0]['total_blocks']} blocks")
     ax_m.set_ylabel(f"blocks of {bs} tokens")
     ax_m.set_ylim(0, max(r["total_blocks"] for r in rows) * 1.38)
     ax_m.legend(loc="upper right", fontsize=8, ncol=4)
     mem = memory_report(rows, spans)
+    share = " (shared prefix blocks count once in the pool)" \
+        if mem.peak_used_blocks < mem.peak_request_blocks else ""
     ax_m.set_title(
-        "Paged KV cache: blocks are taken on demand and given back when a request leaves — "
-        f"peak {mem.peak_used_blocks} blocks = {mem.peak_slots} slots for {mem.peak_tokens} tokens: "
-        f"{mem.peak_unused} slots ({100 * mem.peak_unused / max(1, mem.peak_request_blocks * bs):.1f}%) "
-        "empty in last blocks", fontsize=10)
+        "Paged KV cache: blocks are taken on demand and given back when a request leaves\n"
+        f"peak: {mem.peak_used_blocks} blocks in use; requests held {mem.peak_request_blocks} blocks = "
+        f"{mem.peak_request_blocks * bs} slots for {mem.peak_tokens} tokens, {mem.peak_unused} slots "
+        f"({100 * mem.peak_unused / max(1, mem.peak_request_blocks * bs):.1f}%) empty in last blocks{share}",
+        fontsize=9.5)
 
     # 4. tokens per step, split into prefill and decode tokens
     pre = [sum(q["tokens"] for q in r["requests"] if q["phase"] == PREFILL) for r in rows]
     dec = [sum(q["tokens"] for q in r["requests"] if q["phase"] == DECODE) for r in rows]
     ax_t.bar(steps, dec, width=0.85, color=COLORS[DECODE], label="decode tokens")
     ax_t.bar(steps, pre, width=0.85, bottom=dec, color=COLORS[PREFILL], label="prefill tokens")
-    if max(pre, default=0) > 8 * max(max(dec, default=1), 1):
+    top = max((p + d for p, d in zip(pre, dec)), default=1)
+    if max(pre, default=0) > 8 * max(max(dec, default=1), 1):  # one big prefill would flatten the decodes
         ax_t.set_yscale("symlog", linthresh=max(max(dec, default=1), 1) * 2)
+        ticks = [0] + [m * 10**e for e in range(0, 7) for m in (1, 2, 5) if 1 < m * 10**e <= top * 1.5]
+        ax_t.set_yticks(ticks if len(ticks) <= 12 else ticks[::2])
+        ax_t.set_yticklabels([str(t) for t in (ticks if len(ticks) <= 12 else ticks[::2])])
     ax_t.set_ylabel("tokens")
     ax_t.set_xlabel("engine step")
     ax_t.legend(loc="upper right", fontsize=8)

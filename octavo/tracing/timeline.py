@@ -78,26 +78,46 @@ def _spark(values: list[int], top: int) -> str:
     return "".join(SPARK[min(8, max(1, round(8 * v / top)))] if v else " " for v in values).rstrip()
 
 
+def _names(ids: list[str]) -> str:
+    return ", ".join(map(label_of, ids)) if len(ids) <= 4 else f"{len(ids)} requests"
+
+
 def _events(rows: list[dict[str, Any]]) -> list[str]:
     """"step 4: seq[6] leaves (length)   batch 10 → 9" for every step where the batch changes hands."""
     lines = []
+    seen: set[str] = set()
+    carried: set[str] = set()  # scheduled in the previous step and not finished there
     for i, row in enumerate(rows):
+        this = row["batch_size"]
+        sched = [q["id"] for q in row["requests"]]
+        entering = [rid for rid in sched if rid not in carried]
+        arrived = set(row["arrived"])
         parts = []
-        joined = row["arrived"]
-        if len(joined) > 3:
-            parts.append(f"{len(joined)} requests {'arrive' if i == 0 else 'join'}")
-        elif joined:
-            verb = ("arrives" if i == 0 else "joins") if len(joined) == 1 else ("arrive" if i == 0 else "join")
-            parts.append(", ".join(map(label_of, joined)) + " " + verb)
+        joins = [rid for rid in entering if rid in arrived]
+        if joins:
+            parts.append(f"{_names(joins)} {'arrive' if i == 0 else 'join'}{'s' if len(joins) == 1 else ''}")
+        queued = [rid for rid in row["arrived"] if rid not in sched]
+        if queued:
+            parts.append(f"{_names(queued)} arrive{'s' if len(queued) == 1 else ''} and wait{'s' if len(queued) == 1 else ''}")
+        admitted = [rid for rid in entering if rid not in arrived and rid not in seen]
+        if admitted:
+            parts.append(f"{_names(admitted)} admitted from the queue")
+        resumed = [rid for rid in entering if rid not in arrived and rid in seen]
+        if resumed:
+            parts.append(f"{_names(resumed)} resume{'s' if len(resumed) == 1 else ''}")
         if row["preempted"]:
-            parts.append(", ".join(map(label_of, row["preempted"])) + " preempted")
+            parts.append(f"{_names(row['preempted'])} preempted (blocks freed, recomputed later)")
         if row["finished"]:
-            names = ", ".join(label_of(f["id"]) for f in row["finished"])
+            ids = [f["id"] for f in row["finished"]]
             reasons = sorted({f["reason"] for f in row["finished"]})
-            parts.append(f"{names} {'leaves' if len(row['finished']) == 1 else 'leave'} ({', '.join(reasons)})")
+            parts.append(f"{_names(ids)} {'leaves' if len(ids) == 1 else 'leave'} ({', '.join(reasons)})")
+        before = len(carried)
+        after = this - len(row["finished"])
+        seen.update(sched)
+        carried = set(sched) - {f["id"] for f in row["finished"]}
         if not parts:
             continue
-        after = rows[i + 1]["batch_size"] if i + 1 < len(rows) else 0
+        sizes = ([before] if i > 0 and before != this else []) + [this] + ([after] if after != this else [])
         text = f"step {row['step']:>3}: " + "; ".join(parts)
-        lines.append(f"{text:<58} batch {row['batch_size']} → {after}")
+        lines.append(f"{text:<62} batch {' → '.join(map(str, sizes))}")
     return lines
