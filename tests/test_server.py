@@ -238,6 +238,17 @@ def test_stop_strings_stream_equals_whole(client, llm) -> None:  # noqa: ANN001
     assert streamed == r.choices[0].text
 
 
+def test_echo_returns_prompt_then_completion(client, llm) -> None:  # noqa: ANN001
+    want = greedy_ref(llm, ["Hello world"], 6)[0]
+    r = client.completions.create(model=NAME, prompt="Hello world", max_tokens=6, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == "Hello world" + want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt="Hello world", max_tokens=6, temperature=0, echo=True, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == r.choices[0].text
+
+
 # ------------------------------------------------------------------------------------------------
 # errors
 
