@@ -98,14 +98,18 @@ def import_tensorrt() -> ModuleType:
         ) from exc
     except OSError as exc:  # the wheel is there but its CUDA libraries are not loadable
         raise BackendUnavailableError(f"TensorRT is installed but cannot load its libraries: {exc}") from exc
-    if not hasattr(tensorrt, "plugin"):
-        try:
-            import tensorrt.plugin  # noqa: F401
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"TensorRT {tensorrt.__version__} has no tensorrt.plugin (the Python plugin API with "
-                f"ahead-of-time kernels needs TensorRT >= 10.8): {exc}"
-            ) from exc
+    try:
+        import tensorrt.plugin as trtp
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"TensorRT {tensorrt.__version__} has no tensorrt.plugin (octavo's plugin needs TensorRT >= 10.9, "
+            f"which added ahead-of-time Python plugins): {exc}"
+        ) from exc
+    if not hasattr(trtp, "aot_impl"):
+        raise BackendUnavailableError(
+            f"TensorRT {tensorrt.__version__} lacks tensorrt.plugin.aot_impl; octavo's plugin needs TensorRT >= 10.9 "
+            "(pip install -U tensorrt)"
+        )
     return tensorrt
 
 
