@@ -1,0 +1,176 @@
+"""Trace reading and rendering on hand-written rows (no engine): every number is worked out by hand here.
+
+The trace (block_size 4, pool 10 blocks):
+  a: prompt 5, 3 tokens; arrives before step 1, prefilled in step 1, finishes at step 3.
+  b: prompt 2, 4 tokens; arrives before step 1, prefilled in step 1, preempted at step 3 (pool pressure),
+     prefilled again (recompute of 2 prompt + 2 generated = 4 tokens) at step 4, finishes at step 5.
+  c: prompt 6, 2 tokens; joins before step 2 (mid-stream), prefilled in chunks of 4 + 2 (steps 2, 3),
+     finishes at step 4.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import struct
+
+import pytest
+
+from octavo.cli import main
+from octavo.errors import TraceFormatError
+from octavo.tracing.files import write_outputs
+from octavo.tracing.html import render_html
+from octavo.tracing.memory import memory_report
+from octavo.tracing.plot import render_png_bytes
+from octavo.tracing.reader import check_rows, read_trace, write_trace
+from octavo.tracing.report import build_report, format_terminal
+from octavo.tracing.spans import DECODE, PREEMPTED, PREFILL, WAITING, build_spans, format_table
+from octavo.tracing.steplog import format_step
+from octavo.tracing.timeline import render_timeline
+
+
+def req(rid: str, phase: str, tokens: int, prompt: int, total: int, out: int, blocks: int) -> dict:
+    return {"id": rid, "phase": phase, "tokens": tokens, "prompt_len": prompt, "total_len": total,
+            "output_len": out, "blocks": blocks, "cached": 0}
+
+
+def row(step: int, reqs: list[dict], free: int, *, arrived=(), finished=(), preempted=(), waiting=0) -> dict:
+    return {"step": step, "time": 1000.0 + step, "duration_s": 0.01, "batch_size": len(reqs),
+            "num_tokens": sum(r["tokens"] for r in reqs), "num_waiting": waiting, "free_blocks": free,
+            "total_blocks": 10, "block_size": 4, "requests": reqs, "arrived": list(arrived),
+            "finished": [{"id": f, "reason": "length"} for f in finished], "preempted": list(preempted)}
+
+
+ROWS = [
+    # a: 5 tokens -> 2 blocks; b: 2 tokens -> 1 block; free 10 - 3 = 7
+    row(1, [req("a", "prefill", 5, 5, 5, 1, 2), req("b", "prefill", 2, 2, 2, 1, 1)], 7, arrived=["a", "b"]),
+    # c joins: chunk of 4 -> 1 block; a 6 tokens (2 blocks), b 3 (1): used 4
+    row(2, [req("a", "decode", 1, 5, 6, 2, 2), req("b", "decode", 1, 2, 3, 2, 1), req("c", "prefill", 4, 6, 4, 0, 1)],
+        6, arrived=["c"]),
+    # b preempted (its block freed); a 7 tokens, finishes (blocks freed after the step); c 6 (2 blocks)
+    row(3, [req("a", "decode", 1, 5, 7, 3, 2), req("c", "prefill", 2, 6, 6, 1, 2)], 8,
+        finished=["a"], preempted=["b"], waiting=1),
+    # b recomputed: 2 prompt + 2 generated = 4 tokens (1 block), samples its 3rd; c 7 tokens, finishes
+    row(4, [req("c", "decode", 1, 6, 7, 2, 2), req("b", "prefill", 4, 2, 4, 3, 1)], 9, finished=["c"]),
+    row(5, [req("b", "decode", 1, 2, 5, 4, 2)], 10, finished=["b"]),
+]
+
+
+def test_reader_round_trip_and_errors(tmp_path):
+    path = write_trace(ROWS, tmp_path / "t.jsonl")
+    assert read_trace(path) == check_rows(ROWS)
+    # optional fields are filled in, required ones are checked, with the line number
+    minimal = {k: v for k, v in ROWS[0].items() if k not in ("time", "num_waiting", "arrived", "preempted")}
+    assert check_rows([minimal])[0]["arrived"] == []
+    bad = dict(ROWS[1], requests=[{"id": "a", "phase": "thinking", "tokens": 1, "prompt_len": 1, "total_len": 1,
+                                   "blocks": 1}])
+    (tmp_path / "bad.jsonl").write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(TraceFormatError, match="phase"):
+        read_trace(tmp_path / "bad.jsonl")
+    (tmp_path / "broken.jsonl").write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(TraceFormatError, match=r"broken.jsonl:2"):
+        read_trace(tmp_path / "broken.jsonl")
+    with pytest.raises(TraceFormatError, match="free_blocks"):
+        check_rows([{k: v for k, v in ROWS[0].items() if k != "free_blocks"}])
+    with pytest.raises(TraceFormatError, match="does not follow"):
+        check_rows([ROWS[1], ROWS[0]])
+    with pytest.raises(TraceFormatError, match="does not exist"):
+        read_trace(tmp_path / "missing.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(TraceFormatError, match="no rows"):
+        read_trace(tmp_path / "empty.jsonl")
+
+
+def test_spans_follow_each_request():
+    spans = {s.id: s for s in build_spans(check_rows(ROWS))}
+    assert [s.id for s in build_spans(check_rows(ROWS))] == ["a", "b", "c"]  # arrival order
+    a, b, c = spans["a"], spans["b"], spans["c"]
+    assert (a.arrived_step, a.first_step, a.finished_step, a.output_len, a.total) == (1, 1, 3, 3, 8)
+    assert a.states == {1: PREFILL, 2: DECODE, 3: DECODE}
+    assert b.states == {1: PREFILL, 2: DECODE, 3: PREEMPTED, 4: PREFILL, 5: DECODE}
+    assert (b.preemptions, b.prefill_steps, b.finished_step, b.output_len) == (1, 2, 5, 4)
+    assert (c.arrived_step, c.first_step, c.prefill_steps, c.finished_step) == (2, 2, 2, 4)
+    assert c.states == {2: PREFILL, 3: PREFILL, 4: DECODE}
+    table = format_table(list(spans.values()), {"a": "alpha", "b": "beta", "c": "gamma"})
+    assert re.search(r"a\s+alpha\s+5 tok\s+3 tok\s+8 total\s+step 1\s+step 3", table)
+    assert re.search(r"c\s+gamma\s+6 tok\s+2 tok\s+8 total\s+step 2\s+step 4", table)  # staggered: arrival shown
+
+
+def test_timeline_and_step_log():
+    rows = check_rows(ROWS)
+    text = render_timeline(rows, build_spans(rows))
+    lines = {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith("seq[")}
+    assert lines["seq[a]"].endswith("▓██ ✓3")
+    assert lines["seq[b]"].endswith("▓█✗▓█ ✓5")
+    assert lines["seq[c]"].endswith(" ▓▓█ ✓4")  # joins at step 2: blank first column
+    assert re.search(r"step\s+2: seq\[c\] joins\s+batch 2 → 3", text)
+    # step 3: b is preempted (3 → 2 scheduled), a leaves after it (2 → 1)
+    assert re.search(r"step\s+3: seq\[b\] preempted.*seq\[a\] leaves \(length\)\s+batch 3 → 2 → 1", text)
+    assert re.search(r"step\s+4: seq\[b\] resumes; seq\[c\] leaves \(length\)\s+batch 1 → 2 → 1", text)
+    assert re.search(r"step\s+5: seq\[b\] leaves \(length\)\s+batch 1 → 0", text)
+    assert format_step(rows[2]) == "   3     2      3     8/10       1 | a:5/7/2✓ c:6/6/2* b✗"
+
+
+def test_timeline_squeezes_long_traces():
+    rows = check_rows([row(s, [req("x", "prefill" if s == 1 else "decode", 1, 1, s, s, 1)], 9,
+                           arrived=["x"] if s == 1 else [], finished=["x"] if s == 300 else [])
+                       for s in range(1, 301)])
+    text = render_timeline(rows, build_spans(rows), max_width=100)
+    assert "one column = 3 steps" in text
+    bar = next(ln for ln in text.splitlines() if ln.startswith("seq[x]"))
+    assert bar.split()[1] == "▓" + "█" * 99 and bar.endswith("✓300")
+
+
+def test_memory_report_is_measured_from_the_rows():
+    rows = check_rows(ROWS)
+    m = memory_report(rows, build_spans(rows), max_num_seqs=8, max_model_len=32, bytes_per_slot=100)
+    # peak pool use: step 2 (10 - 6 = 4 blocks); held then: a 6 tok/2 blk, b 3/1, c 4/1
+    assert (m.peak_step, m.peak_used_blocks, m.peak_request_blocks, m.peak_tokens) == (2, 4, 4, 13)
+    assert m.peak_unused == 4 * 4 - 13
+    # per request, at its last scheduled step: a 7 tok in 2 blocks, b 5 in 2, c 7 in 2
+    assert [(r.id, r.tokens, r.blocks, r.unused) for r in m.requests] == [("a", 7, 2, 1), ("b", 5, 2, 3), ("c", 7, 2, 1)]
+    assert m.static_padded_slots == 3 * (6 + 4)  # 3 requests x (max prompt 6 + max output 4)
+    assert m.static_max_len_slots == 8 * 32
+    # slot-steps: pool used 3, 4, 2, 1, 0 blocks; requests still holding after each step (finished ones excluded)
+    assert m.pool_slot_steps == 4 * (3 + 4 + 2 + 1 + 0)
+    assert m.request_slot_steps == 4 * ((2 + 1) + (2 + 1 + 1) + 2 + 1 + 0)
+    assert m.token_slot_steps == (5 + 2) + (6 + 3 + 4) + 6 + 4 + 0
+    assert m.static_slot_steps == 30 * 5
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_png_html_and_terminal_report():
+    rows = check_rows(ROWS)
+    report = build_report(rows, title="hand-written", labels={"a": "alpha"}, answers={"a": "x < y & z"})
+    png = render_png_bytes(report.rows, report.spans, report.labels, report.title)
+    width, height = _png_size(png)
+    assert width > 1000 and height > 800
+    page = render_html(report, png)
+    assert base64.b64encode(png).decode() in page
+    assert "x &lt; y &amp; z" in page  # escaped
+    assert "<script" not in page and "http://" not in page and "https://" not in page
+    text = format_terminal(report)
+    for heading in ("Requests", "Per-step log", "Timeline", "KV memory, measured", "Answers"):
+        assert f"=== {heading} " in text
+
+
+def test_trace_command(tmp_path, capsys):
+    path = write_trace(ROWS, tmp_path / "t.jsonl")
+    rc = main(["trace", str(path), "--png", str(tmp_path / "t.png"), "--html", str(tmp_path / "t.html")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "seq[b]" in out and "✓5" in out and "Not zero waste" in out
+    assert _png_size((tmp_path / "t.png").read_bytes())[0] > 1000
+    assert "data:image/png;base64," in (tmp_path / "t.html").read_text()
+    assert main(["trace", str(tmp_path / "nope.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_write_outputs_html_only(tmp_path):
+    report = build_report(check_rows(ROWS))
+    (html_path,) = write_outputs(report, html=tmp_path / "only.html")
+    assert "data:image/png;base64," in html_path.read_text()
