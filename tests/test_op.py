@@ -61,6 +61,31 @@ def test_op_matches_reference(library: str, name: str) -> None:
     np.testing.assert_array_equal(feeds["value_cache"], ref_inputs["value_cache"])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_op_matches_reference_on_random_shapes(library: str, seed: int) -> None:
+    """Random configurations reach the kernel's other paths: tile tails, head_dim tails (80, 96, 128,
+    24), odd block sizes, windows longer than the context, several kv heads per work item."""
+    rng = np.random.default_rng(1000 + seed)
+    kv_heads = int(rng.choice([1, 2, 3, 4]))
+    group = int(rng.choice([1, 2, 4, 8]))
+    head_dim = int(rng.choice([24, 40, 64, 80, 96, 128]))
+    block_size = int(rng.choice([1, 3, 16, 32]))
+    seqs = [(int(rng.integers(0, 90)), int(rng.integers(0, 40))) for _ in range(int(rng.integers(1, 6)))]
+    seqs[0] = (seqs[0][0], max(seqs[0][1], 1))
+    window = int(rng.choice([0, 0, 1, 9, 500]))
+    cap = float(rng.choice([0.0, 0.0, 2.5]))
+    attrs = dict(num_heads=kv_heads * group, kv_num_heads=kv_heads, scale=float(rng.uniform(0.05, 0.3)),
+                 sliding_window=window, softcap=cap)
+    step = random_step(rng, seqs, num_heads=kv_heads * group, kv_num_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size)
+    ref_inputs = step.feeds()
+    expected = paged_attention_ref(*ref_inputs.values(), **attrs)
+    output, key_cache_out, value_cache_out = make_session(library, **attrs).run(None, step.feeds())
+    np.testing.assert_allclose(output, expected, atol=1e-5, rtol=0, err_msg=str((seqs, attrs, head_dim, block_size)))
+    np.testing.assert_array_equal(key_cache_out, ref_inputs["key_cache"])
+    np.testing.assert_array_equal(value_cache_out, ref_inputs["value_cache"])
+
+
 def test_iobinding_writes_callers_pool_zero_copy(library: str) -> None:
     """As the runtime uses it: pools bound once as OrtValues over numpy, cache outputs dangling. Two steps
     (prefill, then decode) must leave the new K/V in the caller's own arrays and read them back."""
@@ -169,3 +194,14 @@ def test_library_path_names_the_fix_when_missing(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(oplib, "library_dir", lambda: tmp_path)
     with pytest.raises(OpLibraryError, match="make op"):
         oplib.library_path()
+
+
+def test_step_without_tokens_is_a_no_op(library: str) -> None:
+    attrs = dict(num_heads=4, kv_num_heads=2, scale=0.125)
+    session = make_session(library, **attrs)
+    step = random_step(np.random.default_rng(2), [(5, 0), (0, 0)], num_heads=4, kv_num_heads=2, head_dim=16,
+                       block_size=4)
+    feeds = step.feeds()
+    output, key_cache_out, _ = session.run(None, feeds)
+    assert output.shape == (0, 64)
+    np.testing.assert_array_equal(key_cache_out, step.key_cache)
