@@ -155,6 +155,24 @@ def test_launch_grid_covers_every_query_tile(seed: int) -> None:
     assert grid_x >= sum(math.ceil(n / block_m) for n in lengths)
 
 
+def test_cpu_side_imports_neither_triton_nor_tensorrt() -> None:
+    """The backend module, the builder, the CLI command and the plugin's launch geometry load without
+    triton or tensorrt (import-guarded), so no test here fixes triton's interpreter mode by accident."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import octavo.runtime.backends.tensorrt, octavo.build.tensorrt_builder, octavo.commands.build\n"
+        "from octavo.build.tensorrt_builder import load_plugin_module\n"
+        "load_plugin_module().launch_grid(10, 2, kv_num_heads=2, block_m=4)\n"
+        "print(sorted(m for m in ('triton', 'tensorrt', 'cuda') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_pool_blocks_for_memory() -> None:
     from octavo.runtime.backends.tensorrt import pool_blocks_for_memory
 

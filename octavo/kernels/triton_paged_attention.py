@@ -36,6 +36,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from octavo.kernels.triton_launch import block_h, block_m, num_tiles
+
 # Names of the kernel's runtime parameters, in order: 9 inputs, 3 int32 extras, 3 outputs.
 INPUT_NAMES = (
     "query", "key", "value", "key_cache_in", "value_cache_in",
@@ -190,12 +192,11 @@ class KernelConfig:
 
     @property
     def block_h(self) -> int:
-        return triton.next_power_of_2(self.num_heads // self.kv_num_heads)
+        return block_h(self.num_heads, self.kv_num_heads)
 
     @property
     def block_m(self) -> int:
-        """Query tokens per program: enough rows (tokens x group heads) for a 16-row dot tile."""
-        return max(1, 16 // self.block_h)
+        return block_m(self.num_heads, self.kv_num_heads)
 
     @property
     def block_d(self) -> int:
@@ -231,11 +232,6 @@ class KernelConfig:
         }
         sig.update({name: "constexpr" for name in self.constexprs()})
         return sig
-
-
-def num_tiles(num_tokens: int, num_seqs: int, block_m: int) -> int:
-    """Upper bound on query tiles: every sequence wastes at most one partial tile."""
-    return (num_tokens + block_m - 1) // block_m + num_seqs
 
 
 def compile_kernel(config: KernelConfig, arch: int = 90, ptx_version: int | None = None):  # noqa: ANN201

@@ -35,7 +35,7 @@ ATTRIBUTES = {"num_heads": int, "kv_num_heads": int, "scale": float, "sliding_wi
 
 def launch_grid(num_tokens: int, num_seqs: int, kv_num_heads: int, block_m: int) -> Tuple[int, int]:
     """The (grid_x, grid_y) the AOT implementation asks TensorRT for, evaluated for concrete sizes."""
-    from octavo.kernels.triton_paged_attention import num_tiles
+    from octavo.kernels.triton_launch import num_tiles
 
     return num_tiles(num_tokens, num_seqs, block_m), kv_num_heads
 
