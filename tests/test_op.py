@@ -188,6 +188,30 @@ def test_bad_attributes_fail_at_session_creation(library: str) -> None:
         make_session(library, num_heads=6, kv_num_heads=4, scale=0.1)
 
 
+def test_missing_headers_name_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    from octavo.errors import OpLibraryError
+
+    monkeypatch.setenv("ORT_INCLUDE_DIR", str(tmp_path))
+    with pytest.raises(OpLibraryError, match="ORT_INCLUDE_DIR"):
+        build_op.find_include_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_portable_builds_match_reference(arch: str, tmp_path) -> None:  # noqa: ANN001
+    """The SIMD code at 4 and 8 lanes (the default build uses the host's widest vectors)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 -march variants only")
+    library = str(build_op.build_library(native=False, extra_flags=(f"-march={arch}",),
+                                         output=tmp_path / "liboctavo_ort.so"))
+    for name in sorted(CASES):
+        test_op_matches_reference(library, name)
+    for seed in range(12):
+        test_op_matches_reference_on_random_shapes(library, seed)
+
+
 def test_library_path_names_the_fix_when_missing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     from octavo.errors import OpLibraryError
 

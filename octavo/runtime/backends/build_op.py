@@ -13,6 +13,8 @@ Rebuilds only when the sources, flags, headers or compiler change (a hash kept b
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +81,18 @@ class BuildPlan:
         return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """Serialises fetches/builds between processes (e.g. `make op` beside a test run)."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _compiler_version(compiler: str) -> str:
     result = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
     return result.stdout.splitlines()[0] if result.stdout else compiler
@@ -115,7 +130,9 @@ def find_include_dir(*, fetch: bool = True) -> Path:
             return folder
     if not fetch:
         raise OpLibraryError(f"ONNX Runtime headers not found: {HOW_TO_FIX_HEADERS}")
-    fetch_debian_headers()
+    with _exclusive(THIRD_PARTY / ".fetch.lock"):
+        if not _holds_header(fetched_include_dir()):  # another process may have fetched meanwhile
+            fetch_debian_headers()
     return fetched_include_dir()
 
 
@@ -183,22 +200,31 @@ def _user_name() -> str:
     return pwd.getpwuid(os.geteuid()).pw_name
 
 
-def plan_build(*, native: bool | None = None, fetch: bool = True) -> BuildPlan:
+def plan_build(*, native: bool | None = None, fetch: bool = True, extra_flags: tuple[str, ...] = (),
+               output: Path | None = None) -> BuildPlan:
     if native is None:
         native = os.environ.get("OCTAVO_OP_NATIVE", "1") != "0"
     flags = list(BASE_FLAGS)
     if native:
         flags.append("-march=native")
     flags += os.environ.get("OCTAVO_OP_CXXFLAGS", "").split()
+    flags += extra_flags
     sources = sorted(SOURCE_DIR.glob("*.cc"))
     if not sources:
         raise OpLibraryError(f"no C++ sources in {SOURCE_DIR}; is this a complete octavo checkout?")
-    return BuildPlan(find_compiler(), find_include_dir(fetch=fetch), sources, flags, library_dir() / LIBRARY_NAME)
+    return BuildPlan(find_compiler(), find_include_dir(fetch=fetch), sources, flags,
+                     output or library_dir() / LIBRARY_NAME)
 
 
-def build_library(*, force: bool = False, native: bool | None = None) -> Path:
-    """Build (or reuse) the custom-op library and return its path."""
-    plan = plan_build(native=native)
+def build_library(*, force: bool = False, native: bool | None = None, extra_flags: tuple[str, ...] = (),
+                  output: Path | None = None) -> Path:
+    """Build (or reuse) the custom-op library and return its path (default: octavo/_lib/liboctavo_ort.so)."""
+    plan = plan_build(native=native, extra_flags=extra_flags, output=output)
+    with _exclusive(plan.output.parent / ".build.lock"):
+        return _build(plan, force=force)
+
+
+def _build(plan: BuildPlan, *, force: bool) -> Path:
     stamp = plan.output.with_name(plan.output.name + ".sha256")
     fingerprint = plan.fingerprint()
     if not force and plan.output.is_file() and stamp.is_file() and stamp.read_text().strip() == fingerprint:
