@@ -27,6 +27,7 @@ from octavo.serving.triton_launcher import TritonServer, free_port  # noqa: E402
 MODEL = "octavo"
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
+MAX_CANCEL_TOKENS = 900  # far more than the ~1 s the cancellation test lets it run
 LONG_TOKENS = 48  # the 16 concurrent streams run long enough to overlap however the arrivals are spread
 NUM_BLOCKS = 128
 PROMPTS16 = [f"{w} request {i}: the capital of France" for i, w in enumerate(
@@ -261,25 +262,20 @@ def test_16_concurrent_streams_are_batched_in_flight(server: TritonServer, refer
 
 def test_cancelled_stream_frees_its_blocks(server: TritonServer, trace: Path) -> None:
     stream = Stream(server.grpc_url)
-    cancelled = False
     try:
-        stream.send("long", text_input=PROMPT * 4, max_tokens=400, ignore_eos=True, stream=True)
+        stream.send("long", text_input=PROMPT * 4, max_tokens=MAX_CANCEL_TOKENS, ignore_eos=True, stream=True)
         first = [stream.results.get(timeout=30) for _ in range(3)]
-        assert all(r["error"] is None and not r["final"] for r in first)
-        held = wait_for(lambda: engine_metrics(server).get("free_blocks", NUM_BLOCKS) < NUM_BLOCKS)
-        assert held, "the running request should hold KV blocks"
-        stream.close(cancel=True)
-        cancelled = True
+        assert all(r["error"] is None and not r["final"] for r in first), first
     finally:
-        if not cancelled:
-            stream.close(cancel=True)
+        stream.close(cancel=True)
     freed = wait_for(lambda: (m := engine_metrics(server)).get("num_running") == 0
                      and m.get("free_blocks") == NUM_BLOCKS)
     assert freed, f"blocks not freed after cancellation: {engine_metrics(server)}"
-    rows = trace_rows(trace)
-    long_rows = [r for r in rows if any(q["id"].endswith("-long") for q in r["requests"])]
-    assert long_rows and max(q["output_len"] for r in long_rows for q in r["requests"]) < 400, \
-        "the cancelled request must stop before its max_tokens"
+    rows = [r for r in trace_rows(trace) if any(q["id"].endswith("-long") for q in r["requests"])]
+    mine = [q for r in rows for q in r["requests"] if q["id"].endswith("-long")]
+    assert max(q["blocks"] for q in mine) >= 2, "the running request should have held KV blocks"
+    assert max(q["output_len"] for q in mine) < MAX_CANCEL_TOKENS, "the cancelled request must stop early"
+    print(f"cancelled after {max(q['output_len'] for q in mine)} tokens")
 
 
 def test_bad_request_errors_while_a_good_one_completes(server: TritonServer, reference: dict[str, str]) -> None:

@@ -118,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
     server.start(stdout_to_log=False)
     print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
           f"metrics 127.0.0.1:{args.metrics_port}  (Ctrl-C stops it)")
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     try:
-        return server.wait()
+        server.wait()
     except KeyboardInterrupt:
-        server.stop()
-        return 0
+        pass
+    finally:
+        code = server.stop()
+    return 0 if code in (0, -signal.SIGTERM, None) else int(code)

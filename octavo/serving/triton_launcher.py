@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -190,6 +191,11 @@ def server_env(install: TritonInstall, stub_bin: Path | None = None, base: dict[
     return env
 
 
+def shm_prefix() -> str:
+    """A /dev/shm name prefix unique to one server run."""
+    return f"octavo_triton_{os.getpid()}_{os.urandom(4).hex()}_"
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (bind to 0 and let the OS choose)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -211,10 +217,12 @@ class TritonServer:
     auto_install_numpy: bool = False  # run pip for the numpy<2 overlay when it is missing
     install: TritonInstall | None = None
     stub_bin: Path | None = None
+    shm_prefix: str = ""
     process: subprocess.Popen | None = None
     log_path: Path | None = None
 
     def command(self) -> list[str]:
+        self.shm_prefix = self.shm_prefix or shm_prefix()
         install = self.install or find_tritonserver()
         self.install = install
         backends = prepare_backend_dir(install, self.workdir)
@@ -231,6 +239,9 @@ class TritonServer:
             "--exit-on-error=true",
             "--exit-timeout-secs=10",
             f"--log-verbose={self.log_verbose}",
+            # the python backend names its /dev/shm regions from this prefix; the default is the same for every
+            # server on the machine, so two servers running at once would corrupt each other's messages
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *self.extra_args,
         ]
 
@@ -251,6 +262,14 @@ class TritonServer:
         finally:
             if out is not None:
                 out.close()
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()  # also sweeps stubs a half-started server leaves behind
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -261,7 +280,6 @@ class TritonServer:
             if self.ready():
                 return
             time.sleep(0.2)
-        self.stop()
         raise BackendUnavailableError(f"tritonserver was not ready within {timeout_s:.0f} s; its log:\n{self.log_tail()}")
 
     @property
@@ -288,8 +306,14 @@ class TritonServer:
         assert self.process is not None
         return self.process.wait()
 
+    def request_stop(self) -> None:
+        """Ask the server to shut down (SIGTERM) without waiting; safe in a signal handler."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL the server's process group if it does not exit in time."""
+        """SIGTERM, wait, then SIGKILL the server; finally sweep its process group (python-backend stubs orphaned
+        by a server that exited on its exit timeout keep running otherwise) and its /dev/shm regions."""
         proc, self.process = self.process, None
         if proc is None:
             return None
@@ -299,9 +323,12 @@ class TritonServer:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("tritonserver did not stop within %.0f s; killing it", timeout_s)
-                try:
-                    os.killpg(proc.pid, 9)
-                except ProcessLookupError:
-                    pass
+                proc.kill()
                 proc.wait(timeout=10)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group is the server's own (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*") if self.shm_prefix else []:
+            region.unlink(missing_ok=True)
         return proc.returncode
