@@ -31,18 +31,38 @@ def session(model_bytes: bytes, threads: int, custom: bool) -> ort.InferenceSess
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
-def time_binding(sess: ort.InferenceSession, binding: ort.IOBinding, iters: int) -> float:
-    for _ in range(max(3, iters // 10)):
-        sess.run_with_iobinding(binding)
+Runner = tuple[ort.InferenceSession, ort.IOBinding]
+
+
+def time_calls(runner: Runner, calls: int) -> float:
+    """Median µs of `calls` runs."""
+    sess, binding = runner
     samples = []
-    for _ in range(iters):
+    for _ in range(calls):
         start = time.perf_counter()
         sess.run_with_iobinding(binding)
         samples.append(time.perf_counter() - start)
     return float(np.median(samples)) * 1e6
 
 
-def bench_paged(batch: int, past: int, new: int, threads: int, iters: int) -> float:
+def compare(ours: Runner, peer: Runner | None, rounds: int, calls: int) -> tuple[float, float | None, float | None]:
+    """Interleaves the two in short rounds so that load from elsewhere hits both alike; returns the
+    medians over rounds of ours, the peer, and the per-round ratio peer/ours."""
+    for runner in (ours, peer):
+        if runner is not None:
+            time_calls(runner, 3)  # warm-up
+    ours_t, peer_t, ratios = [], [], []
+    for _ in range(rounds):
+        ours_t.append(time_calls(ours, calls))
+        if peer is not None:
+            peer_t.append(time_calls(peer, calls))
+            ratios.append(peer_t[-1] / ours_t[-1])
+    if peer is None:
+        return float(np.median(ours_t)), None, None
+    return float(np.median(ours_t)), float(np.median(peer_t)), float(np.median(ratios))
+
+
+def paged_runner(batch: int, past: int, new: int, threads: int) -> Runner:
     rng = np.random.default_rng(0)
     step = random_step(rng, [(past, new)] * batch, num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=HEAD_DIM,
                        block_size=BLOCK)
@@ -54,10 +74,10 @@ def bench_paged(batch: int, past: int, new: int, threads: int, iters: int) -> fl
     for name, array in feeds.items():
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
     binding.bind_output("output")
-    return time_binding(sess, binding, iters)
+    return sess, binding
 
 
-def bench_gqa(batch: int, past: int, new: int, threads: int, iters: int) -> float:
+def gqa_runner(batch: int, past: int, new: int, threads: int) -> Runner:
     f = TensorProto.FLOAT
     inputs = [
         helper.make_tensor_value_info("query", f, [batch, new, HEADS * HEAD_DIM]),
@@ -91,26 +111,28 @@ def bench_gqa(batch: int, past: int, new: int, threads: int, iters: int) -> floa
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
     for name in ("output", "present_key", "present_value"):
         binding.bind_output(name)
-    return time_binding(sess, binding, iters)
+    return sess, binding
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ORT default)")
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape")
     args = parser.parse_args()
-    shapes = {"decode B=32 ctx128": (32, 127, 1), "prefill 4x256": (4, 0, 256)}
+    shapes = {"decode B=32 ctx128": (32, 127, 1, 20), "prefill 4x256": (4, 0, 256, 2)}
     print(f"heads {HEADS}q/{KV_HEADS}kv, head_dim {HEAD_DIM}, block {BLOCK}, threads {args.threads or 'default'}")
-    for label, (batch, past, new) in shapes.items():
-        iters = args.iters if new == 1 else max(10, args.iters // 10)
-        ours = bench_paged(batch, past, new, args.threads, iters)
+    for label, (batch, past, new, calls) in shapes.items():
+        ours = paged_runner(batch, past, new, args.threads)
         try:
-            peer = bench_gqa(batch, past, new, args.threads, iters)
+            peer: Runner | None = gqa_runner(batch, past, new, args.threads)
         except Exception as error:  # noqa: BLE001 - the peer is optional
-            print(f"{label:20s} octavo {ours:9.1f} µs   GroupQueryAttention unavailable: {error}")
-            continue
-        print(f"{label:20s} octavo {ours:9.1f} µs   ORT GroupQueryAttention {peer:9.1f} µs   "
-              f"ratio (GQA / octavo) {peer / ours:5.2f}x")
+            print(f"  (GroupQueryAttention unavailable: {error})")
+            peer = None
+        ours_us, peer_us, ratio = compare(ours, peer, args.rounds, calls)
+        line = f"{label:20s} octavo.PagedAttention {ours_us:9.1f} µs"
+        if peer_us is not None:
+            line += f"   com.microsoft.GroupQueryAttention {peer_us:9.1f} µs   ratio GQA/octavo {ratio:5.2f}x"
+        print(line)
     return 0
 
 

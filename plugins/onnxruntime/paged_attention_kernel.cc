@@ -282,9 +282,10 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
       const int64_t pos = c0 + j;
       s.slots[j] = static_cast<int64_t>(table[pos / t.block_size]) * t.block_size + pos % t.block_size;
     }
-    // Ask for the next chunk's pool rows (all heads of the item) while this one is computed.
+    // Ask for the pool rows (all heads of the item) of this chunk, when it is the first, and of
+    // the next one, so many cache lines are in flight while this chunk is computed head by head.
     const int64_t span = heads * D;
-    for (int64_t pos = c0 + kKeyChunk; pos < std::min(key_hi, c0 + 2 * kKeyChunk); ++pos) {
+    for (int64_t pos = c0 == key_lo ? c0 : c0 + kKeyChunk; pos < std::min(key_hi, c0 + 2 * kKeyChunk); ++pos) {
       const int64_t slot = static_cast<int64_t>(table[pos / t.block_size]) * t.block_size + pos % t.block_size;
       const int64_t offset = slot * kv_row + item.kv_head_begin * D;
       for (int64_t d = 0; d < span; d += 64 / sizeof(float)) {
