@@ -2,7 +2,10 @@
 
 The kernel runs under TRITON_INTERPRET=1, which must be set before triton is first imported; so the
 kernel runs in ONE subprocess (this file's `_worker`, started with that variable) that executes every
-case and prints one JSON line per case. The pytest process itself never imports triton.
+case and prints one JSON line per case. A subprocess is required, not just careful: octavo's own code
+does not import triton in the pytest process, but torch does (measured: loading an HF model through
+transformers imports torch._dynamo, whose utils import triton), so the interpreter mode of the pytest
+process is decided by whichever test loads a model first.
 A second subprocess (no interpreter) compiles the kernel ahead of time for sm_90 with no GPU present.
 """
 from __future__ import annotations
