@@ -99,12 +99,25 @@ request_st = st.tuples(
 )
 
 
+workload = dict(reqs=st.lists(request_st, min_size=3, max_size=12), num_blocks=st.integers(6, 24),
+                block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 48), max_seqs=st.integers(1, 8),
+                caching=st.booleans(), base=st.lists(st.integers(5, 300), min_size=32, max_size=32))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=st.lists(request_st, min_size=3, max_size=12), num_blocks=st.integers(6, 24),
-       block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 48), max_seqs=st.integers(1, 8),
-       caching=st.booleans(), base=st.lists(st.integers(5, 300), min_size=32, max_size=32))
-def test_property_random_arrivals_aborts_budgets_pools(toy_dir, reqs, num_blocks, block_size, budget, max_seqs,
-                                                       caching, base) -> None:  # noqa: ANN001
+@given(**workload)
+def test_property_random_arrivals_aborts_budgets_pools(toy_dir, **kw) -> None:  # noqa: ANN001
+    check_random_workload(toy_dir, **kw)
+
+
+@pytest.mark.slow
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**workload)
+def test_slow_property_random_workloads(toy_dir, **kw) -> None:  # noqa: ANN001
+    check_random_workload(toy_dir, **kw)
+
+
+def check_random_workload(toy_dir, reqs, num_blocks, block_size, budget, max_seqs, caching, base) -> None:  # noqa: ANN001
     """No block leaked or double-owned; free + used == total after every step; the budget and the
     sequence cap hold; every request ends with exactly one finish; unaborted outputs equal the oracle
     and aborted ones are a prefix of it (prefix hits, chunking and preemption never change outputs)."""
