@@ -42,6 +42,7 @@ CASES: dict[str, tuple] = {
     "block64_fp16": ("float16", 4, 2, 16, 64, [(70, 3), (5, 1)], 0, 0.0, 8),
     "decode_fp16": ("float16", 4, 2, 32, 16, [(21, 1), (40, 1)], 0, 0.0, 10),
     "prefill_bf16": ("bfloat16", 4, 2, 16, 16, [(0, 5), (17, 2)], 0, 0.0, 8),
+    "empty_sequence_in_batch_fp32": ("float32", 4, 2, 16, 16, [(5, 0), (3, 2), (0, 0), (17, 1)], 0, 0.0, 8),
     "tiny_block4_fp32": ("float32", 4, 2, 8, 4, [(0, 5), (7, 1)], 0, 0.0, 12),
     # more sequences than the kernel's 64-wide sequence scan: the tile -> sequence search crosses chunks
     "many_seqs_mixed_fp32": ("float32", 4, 2, 16, 16, [(i * 7 % 37, 4 if i % 9 == 0 else 1) for i in range(70)],

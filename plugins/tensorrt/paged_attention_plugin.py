@@ -70,6 +70,15 @@ def register(arch: int, ptx_version: int | None = None) -> None:
 
     from octavo.kernels.triton_paged_attention import KernelConfig, check_aot_launchable, compile_kernel
 
+    compiled_variants: dict[KernelConfig, object] = {}  # TensorRT asks once per format/tactic; compile once
+
+    def compiled_for(config: KernelConfig):  # noqa: ANN202
+        if config not in compiled_variants:
+            compiled = compile_kernel(config, arch=arch, ptx_version=ptx_version)
+            check_aot_launchable(compiled)
+            compiled_variants[config] = compiled
+        return compiled_variants[config]
+
     @trtp.register(PLUGIN_ID)
     def _describe(
         query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc,
@@ -97,8 +106,7 @@ def register(arch: int, ptx_version: int | None = None) -> None:
             block_size=_constant(key_cache.shape_expr[1], "block size"),
             scale=scale, sliding_window=sliding_window, softcap=softcap,
         )
-        compiled = compile_kernel(config, arch=arch, ptx_version=ptx_version)
-        check_aot_launchable(compiled)
+        compiled = compiled_for(config)
 
         tokens = query.shape_expr[0]
         seqs = past_seqlens.shape_expr[0]
