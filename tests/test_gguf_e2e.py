@@ -96,7 +96,7 @@ def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, hf_gguf_
     finally:
         backend.close()
     assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, atol=2e-3, rtol=0)
+    np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)  # measured max |diff| ~1e-4 over 37 tokens
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
     with torch.no_grad():

@@ -141,12 +141,14 @@ def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[st
     heads = int(need("attention.head_count"))
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    vocab = meta.get(f"{arch}.vocab_size")
-    if vocab is None:
-        tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens else None
-    if vocab is None:
-        raise ModelFormatError(f"{path.name}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocab size")
+    # The embedding's row count is the model's vocabulary (it may be padded past the token list).
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise ModelFormatError(f"{path.name}: the GGUF file has no token_embd.weight tensor")
+    vocab = int(embedding.shape[-1]) if len(embedding.shape) == 2 else 0
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if len(tokens) > vocab:
+        raise ModelFormatError(f"{path.name}: the tokenizer has {len(tokens)} tokens but token_embd.weight only {vocab} rows")
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
