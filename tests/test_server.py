@@ -537,3 +537,60 @@ def test_fuzzed_bodies_never_500(server) -> None:  # noqa: ANN001
     with httpx.Client() as http:
         check()
     assert wait_idle(server)["octavo:kv_cache_usage_perc"] == 0
+
+
+class _SlowBackend:
+    """The real backend plus a fixed delay per step: stands in for a model whose steps take tens of ms."""
+
+    def __init__(self, inner, delay: float) -> None:  # noqa: ANN001
+        self.inner, self.delay = inner, delay
+        self.num_blocks, self.block_size, self.vocab_size = inner.num_blocks, inner.block_size, inner.vocab_size
+
+    def run(self, inputs):  # noqa: ANN001, ANN201
+        time.sleep(self.delay)
+        return self.inner.run(inputs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_event_loop_stays_responsive_while_steps_run(model_dir) -> None:  # noqa: ANN001
+    """AsyncEngine holds its lock for a whole step; submitting from the event loop would stall every
+    stream for a step or more per arrival. /health must stay fast while requests keep arriving."""
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    step = 0.06
+    ea = engine_args(model_dir, num_blocks=128)
+
+    def load() -> AsyncEngine:
+        inner = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), 128, 16, num_threads=1)
+        return AsyncEngine(ea, backend=_SlowBackend(inner, step))
+
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), load, shutdown_timeout=2)
+    with ServerThread(srv) as s:
+        stop = threading.Event()
+
+        def arrivals() -> None:  # a steady stream of short requests, each one a submit + (later) a finish
+            with httpx.Client(timeout=30) as h:
+                while not stop.is_set():
+                    h.post(s.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+
+        threads = [threading.Thread(target=arrivals) for _ in range(6)]
+        for t in threads:
+            t.start()
+        lat = []
+        try:
+            with httpx.Client(timeout=30) as h:
+                time.sleep(3 * step)
+                for _ in range(25):
+                    t0 = time.perf_counter()
+                    assert h.get(s.base_url + "/health").status_code == 200
+                    lat.append(time.perf_counter() - t0)
+                    time.sleep(0.01)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        lat.sort()
+        assert lat[len(lat) // 2] < step / 2, lat  # median well under one step

@@ -22,6 +22,7 @@ from octavo.errors import EngineDeadError, InvalidRequestError, OctavoError
 from octavo.serving import responses as R
 from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request, error_body
+from octavo.serving.engine_client import EngineClient
 from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.serving.protocol import ChatRequest, CompletionRequest, Limits, check_model, parse_chat, parse_completion
@@ -46,6 +47,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     engine: Any | None = None  # octavo.AsyncEngine
+    client: EngineClient | None = None  # how routes reach it
     tokenizer: Any | None = None
     limits: Limits | None = None
     max_model_len: int | None = None
@@ -56,14 +58,14 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.served_model_names[0]
 
-    def ready_engine(self) -> Any:
+    def ready_engine(self) -> EngineClient:
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         if self.load_error is not None:
             raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
-        if self.engine is None:
+        if self.client is None:
             raise ApiError(503, "the model is still loading; retry when /health returns 200", code="loading")
-        return self.engine
+        return self.client
 
 
 STATE = web.AppKey("octavo_state", ServerState)

@@ -3,7 +3,7 @@
 The engine yields cumulative RequestOutputs; a Generation turns them into ChoiceUpdates (new text,
 new tokens, new logprobs, finish reason) for the route handlers, observes latency metrics, and aborts
 its engine requests when it is closed early (client gone, handler cancelled, shutdown), so their KV
-blocks are freed at once. It never sees block tables: it talks to AsyncEngine only.
+blocks are freed at once. It never sees block tables: it talks to the AsyncEngine (via EngineClient) only.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from octavo.errors import UnknownRequestError
 from octavo.runtime.outputs import Logprob, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.serving.engine_client import EngineClient
 from octavo.serving.metrics import RequestTimer, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ _END = object()
 
 
 class Generation:
-    def __init__(self, engine: Any, metrics: ServerMetrics, prompts: list[Any], params: SamplingParams,
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, prompts: list[Any], params: SamplingParams,
                  request_id: str) -> None:
         self._engine = engine
         self._params = params
@@ -94,12 +94,7 @@ class Generation:
             if sub.finished:
                 continue
             sub.finished = True
-            try:
-                self._engine.abort_nowait(sub.request_id)
-            except UnknownRequestError:
-                pass  # finished or never admitted
-            except Exception:  # noqa: BLE001 - an abort must never mask the original outcome
-                log.exception("aborting request %s failed", sub.request_id)
+            self._engine.abort(sub.request_id)  # queued, never blocks the event loop
             if sub.choices:  # it was admitted and ran: count it as aborted (a rejected prompt is not counted)
                 sub.timer.finish(time.monotonic(), "abort", None)
 
