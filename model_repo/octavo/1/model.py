@@ -334,17 +334,21 @@ class TritonPythonModel:
             with self.live_lock:
                 live_now = list(self.live.values())
             for live in live_now:
-                try:
-                    cancelled = live.request.is_cancelled()
-                except Exception:  # noqa: BLE001
-                    cancelled = False
-                if cancelled:
-                    with live.lock:
-                        if live.done:
-                            continue
-                        self._close(live, cancelled=True)
-                    self._abort(live.request_id)
-                    log.info("octavo: %s cancelled by the client; aborted", live.request_id)
+                # Under live.lock and only while no final response was sent: once the final response is out,
+                # Triton frees the request's response factory and is_cancelled() would read freed memory
+                # (measured: tritonserver 2.51 segfaults in TRITONBACKEND_ResponseFactoryIsCancelled).
+                with live.lock:
+                    if live.done:
+                        continue
+                    try:
+                        cancelled = bool(live.request.is_cancelled())
+                    except Exception:  # noqa: BLE001
+                        cancelled = False
+                    if not cancelled:
+                        continue
+                    self._close(live, cancelled=True)
+                self._abort(live.request_id)
+                log.info("octavo: %s cancelled by the client; aborted", live.request_id)
             try:
                 self._publish_metrics()
             except Exception as exc:  # noqa: BLE001 - metrics are best effort; cancellation polling must go on
