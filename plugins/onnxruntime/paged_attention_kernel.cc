@@ -59,7 +59,10 @@ void qk_gemm_tile(const float* const* k_rows, const float* __restrict__ q_t, int
   vf acc[KB][NV] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
     vf q[NV];
-    for (int v = 0; v < NV; ++v) q[v] = simd::load(q_t + d * rows_p + col + v * kWidth);
+    for (int v = 0; v < NV; ++v) {
+      q[v] = simd::load(q_t + d * rows_p + col + v * kWidth);
+      simd::keep_in_register(q[v]);
+    }
     for (int i = 0; i < KB; ++i) {
       const float k = k_rows[i][d];
       for (int v = 0; v < NV; ++v) acc[i][v] += k * q[v];
