@@ -203,6 +203,19 @@ def test_build_command_without_tensorrt_is_a_clear_error(tmp_path, capsys) -> No
     assert "Traceback" not in err
 
 
+@pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed: the missing-TensorRT error cannot occur")
+def test_engine_with_tensorrt_backend_says_why(tmp_path, hf_model_dir) -> None:  # noqa: ANN001
+    """EngineArgs(backend="tensorrt") through the real engine: a clear BackendUnavailableError."""
+    export = pytest.importorskip("octavo.export.exporter")
+    engine_mod = pytest.importorskip("octavo.runtime.engine")
+    from octavo.runtime.engine_args import EngineArgs
+
+    folder = tmp_path / "m"
+    export.export_model(hf_model_dir("llama"), folder, progress=False)
+    with pytest.raises(BackendUnavailableError, match="TensorRT is not installed"):
+        engine_mod.LLMEngine(EngineArgs(model=str(folder), backend="tensorrt"))
+
+
 def test_build_command_rejects_bad_block_size(tmp_path, capsys) -> None:  # noqa: ANN001
     from octavo.cli import main
 
