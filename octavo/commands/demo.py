@@ -85,6 +85,7 @@ def _prediction(config: DemoConfig, prompt_total: int) -> str:
     if config.arrivals == "together" and prompt_total <= budget:
         return (f"All {prompt_total} prompt tokens fit step 1's budget of {budget}: every prompt is prefilled in "
                 "step 1, which also samples each request's first token, so a request of g tokens finishes at step g.")
-    return (f"The prompts ({prompt_total} tokens) do not all fit one step's budget of {budget}, or arrive staggered: "
-            "prompts are prefilled in chunks beside running decodes, so a request finishes g - 1 steps after its "
-            "prefill completes.")
+    why = "arrive staggered" if config.arrivals == "staggered" else f"do not all fit step 1's budget of {budget}"
+    return (f"The prompts ({prompt_total} tokens) {why}: they are prefilled (in chunks when the budget is short) "
+            "beside running decodes, and a request of g tokens finishes g - 1 steps after the step that completes "
+            "its prompt (later if the pool is too small and it is preempted).")

@@ -136,13 +136,14 @@ def format_memory_report(m: MemoryReport) -> str:
         f"the requests held {m.peak_request_blocks} blocks = {m.peak_request_blocks * bs} slots for {m.peak_tokens} "
         f"tokens: {m.peak_unused} slots ({_pct(m.peak_unused, m.peak_request_blocks * bs)}) allocated but empty.",
         "",
-        "Per request (at its last step): slots = blocks × block_size; unused = the empty tail of its last block",
+        "Per request, at its last step (sum: over requests, each at its own last step): slots = blocks × block_size; "
+        "unused = the empty tail of its last block",
     ]
     body = [[label_of(r.id), str(r.tokens), str(r.blocks), str(r.slots), str(r.unused), _pct(r.unused, r.slots)]
             for r in m.requests]
     tot_tokens = sum(r.tokens for r in m.requests)
     tot_slots = sum(r.slots for r in m.requests)
-    body.append(["all", str(tot_tokens), str(sum(r.blocks for r in m.requests)), str(tot_slots),
+    body.append(["sum", str(tot_tokens), str(sum(r.blocks for r in m.requests)), str(tot_slots),
                  str(tot_slots - tot_tokens), _pct(tot_slots - tot_tokens, tot_slots)])
     out.append(grid(["seq", "tokens", "blocks", "slots", "unused", "unused %"], body, right={1, 2, 3, 4, 5}))
     out += [

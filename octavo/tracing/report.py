@@ -54,15 +54,18 @@ def summary_line(report: TraceReport) -> str:
     return text
 
 
-def format_answers(report: TraceReport, width: int = 100) -> str:
+def format_answers(report: TraceReport, max_lines: int = 12) -> str:
+    """Each answer under its label, indented, newlines kept (code stays readable)."""
     out = []
     for span in report.spans:
         if span.id not in report.answers:
             continue
         kind = report.labels.get(span.id, "")
-        text = report.answers[span.id].strip().replace("\n", " ⏎ ")
-        out.append(f"{label_of(span.id)} {kind} [{span.output_len} tok]".replace("  ", " "))
-        out.append("    " + (text if len(text) <= 4 * width else text[: 4 * width] + " …"))
+        out.append(" ".join(filter(None, [label_of(span.id), kind, f"[{span.output_len} tok]"])))
+        lines = report.answers[span.id].strip().splitlines() or [""]
+        if len(lines) > max_lines:
+            lines = lines[:max_lines] + [f"… ({len(lines) - max_lines} more lines)"]
+        out += ["    " + ln for ln in lines]
     return "\n".join(out)
 
 
