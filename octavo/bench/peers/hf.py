@@ -1,0 +1,75 @@
+"""HF transformers peer: greedy `generate` one request at a time, and padded static batching.
+
+Static batching (what serving looked like before continuous batching): requests are taken in workload
+order in batches of `batch_size`, left-padded to the batch's longest prompt with an attention mask,
+and the whole batch generates the batch's largest max_tokens; each request keeps its first max_tokens.
+EOS is ignored (min_new_tokens = max_new_tokens), so every request produces exactly what it asked for.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from octavo.bench.peers.requests import IdWorkload
+from octavo.bench.peers.result import PeerResult
+
+PAD_ID = 2
+
+
+def load(hf_dir: Path, threads: int) -> Any:
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _generate(model: Any, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], int]:
+    """Left-padded batch -> (generated ids per row, padded prompt length)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                             do_sample=False, pad_token_id=PAD_ID, eos_token_id=None)
+    return out[:, width:].tolist(), width
+
+
+def run_sequential(model: Any, workload: IdWorkload) -> PeerResult:
+    res = PeerResult("hf-sequential", workload.name, len(workload.requests), workload.prompt_tokens)
+    t0 = time.perf_counter()
+    for r in workload.requests:
+        (gen,), _ = _generate(model, [r.prompt], r.max_tokens)
+        res.outputs.append(gen[: r.max_tokens])
+        res.generated_tokens += len(gen)
+    res.elapsed_s = time.perf_counter() - t0
+    res.output_tokens = sum(len(o) for o in res.outputs)
+    return res
+
+
+def run_static(model: Any, workload: IdWorkload, batch_size: int) -> PeerResult:
+    res = PeerResult("hf-static-batch", workload.name, len(workload.requests), workload.prompt_tokens)
+    reqs = workload.requests
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch_size):
+        batch = reqs[start:start + batch_size]
+        max_new = max(r.max_tokens for r in batch)
+        gen, _ = _generate(model, [r.prompt for r in batch], max_new)
+        res.outputs.extend(g[: r.max_tokens] for g, r in zip(gen, batch))
+        res.generated_tokens += max_new * len(batch)
+    res.elapsed_s = time.perf_counter() - t0
+    res.output_tokens = sum(len(o) for o in res.outputs)
+    res.extra = {"batch_size": batch_size}
+    return res
+
+
+def warm_up(model: Any) -> None:
+    _generate(model, [[5, 6, 7, 8], [9, 10]], 4)

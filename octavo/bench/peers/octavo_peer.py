@@ -1,0 +1,63 @@
+"""octavo itself: offline through octavo.LLM (token-id prompts, greedy, ignore_eos), and online through
+`octavo serve` in its own process. A fresh engine per workload, so no prefix cache carries over."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from octavo.bench.peers.online import free_port, poisson_run, server_process
+from octavo.bench.peers.requests import IdWorkload
+from octavo.bench.peers.result import PeerResult
+
+BLOCK_SIZE = 16
+
+
+def pool_blocks(workload: IdWorkload, block_size: int = BLOCK_SIZE) -> int:
+    """Enough KV blocks for every request at once (no preemption), plus a little slack."""
+    return sum(-(-(len(r.prompt) + r.max_tokens) // block_size) for r in workload.requests) + 16
+
+
+def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_caching: bool = True,
+                max_num_seqs: int = 64, name: str = "octavo", profile: bool = False) -> PeerResult:
+    from octavo.runtime.llm import LLM
+    from octavo.runtime.sampling_params import SamplingParams
+
+    llm = LLM(str(octavo_dir), num_threads=threads, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE,
+              num_blocks=pool_blocks(workload), enable_prefix_caching=prefix_caching)
+    try:
+        warm = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        prof = None
+        if profile:
+            from octavo.bench.profile import attach_profiler
+
+            prof = attach_profiler(llm.engine)
+        prompts = [{"prompt_token_ids": r.prompt} for r in workload.requests]
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests]
+        steps0 = llm.engine.step_count
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        stats = llm.engine.stats()
+    finally:
+        llm.close()
+    res = PeerResult(name, workload.name, len(outs), workload.prompt_tokens, elapsed_s=elapsed)
+    res.outputs = [list(o.outputs[0].token_ids) for o in outs]
+    res.output_tokens = res.generated_tokens = sum(len(o) for o in res.outputs)
+    res.extra = {"prefix_caching": prefix_caching, "steps": stats.step_count - steps0,
+                 "prefix_cache_hit_tokens": stats.prefix_cache_hits, "max_num_seqs": max_num_seqs}
+    if prof is not None:
+        res.extra["profile"] = prof.to_dict()
+    return res
+
+
+def run_online(octavo_dir: Path, workload: IdWorkload, *, threads: int, rate: float, seed: int = 0,
+               max_num_seqs: int = 64) -> PeerResult:
+    port = free_port()
+    cmd = [sys.executable, "-m", "octavo", "serve", str(octavo_dir), "--port", str(port), "--num-threads", str(threads),
+           "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(pool_blocks(workload)),
+           "--served-model-name", "perf"]
+    base = f"http://127.0.0.1:{port}"
+    with server_process(cmd, base):
+        return poisson_run("octavo serve", base, workload, rate, seed, model="perf")

@@ -1,0 +1,69 @@
+"""onnxruntime-genai peer: its batched Generator on the CPU EP, the model from its own model builder.
+
+A genai Generator runs one static batch: the prompts are padded with the config's pad token (genai
+derives the attention mask from it), all rows grow to one max_length, and min_length = max_length keeps
+EOS out. Padding goes on the right: measured here (0.18), right-padded rows reproduce each prompt's
+unbatched greedy output, left-padded rows do not. Batches are taken in workload order; each request keeps its first max_tokens outputs.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from octavo.bench.peers.requests import IdWorkload
+from octavo.bench.peers.result import PeerResult
+
+NAME = "onnxruntime-genai"
+
+
+def load(genai_dir: Path, threads: int) -> tuple[Any, int]:
+    """(og.Model with `threads` intra-op threads, pad token id)."""
+    import onnxruntime_genai as og
+
+    config = og.Config(str(genai_dir))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    pad = json.loads((genai_dir / "genai_config.json").read_text())["model"]["pad_token_id"]
+    return og.Model(config), int(pad[0] if isinstance(pad, list) else pad)
+
+
+def _generate(model: Any, pad: int, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad, dtype=np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=width + max_new, min_length=width + max_new,
+                              batch_size=len(prompts))
+    gen = og.Generator(model, params)
+    gen.append_tokens(ids)
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [list(map(int, gen.get_sequence(i)[width:])) for i in range(len(prompts))]
+
+
+def run(loaded: tuple[Any, int], workload: IdWorkload, batch_size: int) -> PeerResult:
+    model, pad = loaded
+    res = PeerResult(NAME, workload.name, len(workload.requests), workload.prompt_tokens)
+    reqs = workload.requests
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch_size):
+        batch = reqs[start:start + batch_size]
+        max_new = max(r.max_tokens for r in batch)
+        gen = _generate(model, pad, [r.prompt for r in batch], max_new)
+        res.outputs.extend(g[: r.max_tokens] for g, r in zip(gen, batch))
+        res.generated_tokens += max_new * len(batch)
+    res.elapsed_s = time.perf_counter() - t0
+    res.output_tokens = sum(len(o) for o in res.outputs)
+    res.extra = {"batch_size": batch_size}
+    return res
+
+
+def warm_up(loaded: tuple[Any, int]) -> None:
+    model, pad = loaded
+    _generate(model, pad, [[5, 6, 7, 8], [9, 10]], 4)

@@ -1,0 +1,229 @@
+"""octavo beside its peers on one machine, in one run: same model, same token-id workloads, greedy,
+fixed output lengths (EOS ignored), the same thread count everywhere.
+
+Peers: HF transformers (one request at a time, and padded static batches), onnxruntime-genai (its
+batched Generator, CPU), llama.cpp's llama-server (-np slots; only with --llama-server PATH or
+$LLAMA_SERVER). Each peer runs in its own process. Prints the table of output tokens/s with the
+octavo/peer ratio and whether each peer produced HF's greedy tokens, the roofline, an engine profile
+and online latency (Poisson arrivals against `octavo serve`, and llama-server when given); saves JSON.
+
+    .venv/bin/python scripts/compare_peers.py [--quick] [--json FILE] [--llama-server PATH]
+
+Speed is only ever claimed as a ratio between peers measured here, in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from octavo.bench.peers.model import PerfModelConfig, prepare_models
+from octavo.bench.peers.requests import IdWorkload, random_uniform, seed10, shared_prefix
+from octavo.bench.peers.result import REFERENCE, PeerResult, compare, format_table
+from octavo.bench.peers.worker import run_worker, thread_env
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller workloads (minutes instead of most of an hour)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model and tiny workloads instead of the perf model (the test)")
+    p.add_argument("--threads", type=int, default=2, help="threads for every peer (default 2)")
+    p.add_argument("--workdir", type=Path, default=Path(os.environ.get("OCTAVO_PERF_DIR", Path.home() / ".cache/octavo/perf")),
+                   help="where the models (HF, octavo export, genai, GGUF) are made once and kept")
+    p.add_argument("--json", type=Path, default=None, help="save the result here (default: perf-<date>.json in workdir)")
+    p.add_argument("--peers", default="octavo,hf,genai,llamacpp", help="comma list of octavo,hf,genai,llamacpp")
+    p.add_argument("--hf-batch", type=int, default=None, help="HF static batch size (default: the workload size)")
+    p.add_argument("--genai-batch", type=int, default=None, help="onnxruntime-genai batch size (default: workload size)")
+    p.add_argument("--no-hf-sequential", action="store_true", help="skip HF one-request-at-a-time (the reference)")
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="llama-server binary (or $LLAMA_SERVER)")
+    p.add_argument("--llama-server-args", default="", help="extra llama-server arguments (one string)")
+    p.add_argument("--slots", type=int, default=64, help="llama-server -np and octavo max_num_seqs")
+    p.add_argument("--rate", type=float, default=None, help="online Poisson rate, requests/s (default 2, quick 4)")
+    p.add_argument("--no-online", action="store_true", help="skip the online latency run")
+    p.add_argument("--no-roofline", action="store_true", help="skip the roofline measurement")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one peer may take for all its workloads")
+    return p.parse_args(argv)
+
+
+def make_workloads(vocab: int, quick: bool, tiny: bool = False) -> tuple[list[IdWorkload], IdWorkload, IdWorkload]:
+    """(offline workloads, shared-prefix workload, online workload)."""
+    if tiny:  # the test's run: seconds per peer
+        offline = [seed10(vocab, seed=1, scale=0.125), random_uniform(vocab, 6, (8, 32), (4, 8), seed=2)]
+        return offline, shared_prefix(vocab, 4, prefix_len=64, suffix_len=4, output_len=4, seed=3), \
+            random_uniform(vocab, 4, (8, 32), (4, 8), seed=4)
+    if quick:
+        offline = [seed10(vocab, seed=1, scale=0.25), random_uniform(vocab, 16, (16, 64), (8, 32), seed=2)]
+        return offline, shared_prefix(vocab, 8, prefix_len=128, suffix_len=8, output_len=8, seed=3), \
+            random_uniform(vocab, 8, (16, 64), (8, 16), seed=4)
+    offline = [seed10(vocab, seed=1), random_uniform(vocab, 64, (16, 256), (16, 128), seed=2)]
+    return offline, shared_prefix(vocab, 32, prefix_len=512, suffix_len=16, output_len=16, seed=3), \
+        random_uniform(vocab, 32, (16, 256), (16, 128), seed=4)
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+def loadavg() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+def targets(table: dict[str, dict[str, Any]], offline: list[IdWorkload], shared: IdWorkload,
+            roof: dict[str, Any] | None, online: list[PeerResult]) -> dict[str, Any]:
+    """The issue's targets, each with the measured value (None: not measured in this run)."""
+    def ratio(workload: str, peer: str) -> float | None:
+        return table.get(workload, {}).get(peer, {}).get("octavo_over_peer")
+
+    big = offline[-1].name
+    seed = offline[0].name
+    seed_ratios = {peer: e.get("octavo_over_peer") for peer, e in table.get(seed, {}).items()
+                   if peer != "octavo" and e.get("ok") and not peer.startswith("octavo")}
+    cached = table.get(shared.name, {}).get("octavo", {}).get("output_tok_s")
+    uncached = table.get(shared.name, {}).get("octavo (no prefix cache)", {}).get("output_tok_s")
+    big_on = table.get(big, {}).get("octavo", {}).get("output_tok_s")
+    big_off = table.get(big, {}).get("octavo (no prefix cache)", {}).get("output_tok_s")
+    by_peer = {r.peer: r.extra for r in online if r.ok}
+    mine, llama = by_peer.get("octavo serve"), by_peer.get("llama.cpp llama-server")
+    return {
+        f"{big}: octavo / llama-server >= 1.3": ratio(big, "llama.cpp llama-server"),
+        f"{big}: octavo / HF static batch >= 2.5": ratio(big, "hf-static-batch"),
+        f"{seed}: octavo ahead of every peer (min ratio > 1)": min((v for v in seed_ratios.values() if v), default=None),
+        "large-batch decode share of sgemm peak >= 0.6": roof.get("batch_vs_peak") if roof else None,
+        f"{shared.name}: prefix cache on / off >= 2": cached / uncached if cached and uncached else None,
+        f"{big}: prefix cache costs < 1% when nothing is shared (on / off)": big_on / big_off if big_on and big_off else None,
+        "online p50 TTFT octavo / llama-server <= 1": (mine["p50_ttft_ms"] / llama["p50_ttft_ms"]) if mine and llama else None,
+        "online p50 TPOT octavo / llama-server <= 1": (mine["p50_tpot_ms"] / llama["p50_tpot_ms"]) if mine and llama else None,
+    }
+
+
+def run_roofline(octavo_dir: Path, threads: int, batch: int, tmp: Path, timeout: float) -> tuple[dict | None, str]:
+    import subprocess
+
+    out = tmp / "roofline.json"
+    cmd = [sys.executable, "-m", "octavo.bench.roofline", str(octavo_dir), "--threads", str(threads),
+           "--batch", str(batch), "--json", str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, **thread_env(threads)}, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.is_file():
+        return None, f"roofline failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
+    return json.loads(out.read_text()), proc.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    peers = {p.strip() for p in args.peers.split(",") if p.strip()}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = loadavg()
+    cfg = PerfModelConfig.tiny() if args.tiny else PerfModelConfig()
+    want_llama = "llamacpp" in peers and bool(args.llama_server)
+    models = prepare_models(args.workdir, cfg, genai="genai" in peers, gguf=want_llama)
+    offline, shared, online_wl = make_workloads(cfg.vocab_size, args.quick, args.tiny)
+    everything = [*offline, shared]
+    rate = args.rate or (4.0 if args.quick else 2.0)
+    paths = {"hf": str(models.hf_dir), "octavo": str(models.octavo_dir),
+             "genai": str(models.genai_dir) if models.genai_dir else "",
+             "gguf": str(models.gguf_path) if models.gguf_path else "", "llama_server": args.llama_server or ""}
+    notes: list[str] = []
+    results: list[PeerResult] = []
+    online: list[PeerResult] = []
+    tmp = Path(tempfile.mkdtemp(prefix="compare-peers-"))
+
+    def worker(peer: str, workloads: list[IdWorkload], label: str, **options: Any) -> list[PeerResult]:
+        spec = {"peer": peer, "threads": args.threads, "paths": paths, "workloads": [w.to_dict() for w in workloads],
+                "options": options}
+        print(f"... {label}", flush=True)
+        return run_worker(spec, tmp, args.timeout, label)
+
+    roof, roof_text = None, "roofline: not measured (--no-roofline)"
+    if not args.no_roofline:
+        roof, roof_text = run_roofline(models.octavo_dir, args.threads, min(args.slots, 64), tmp, args.timeout)
+    if "octavo" in peers:
+        results += worker("octavo", everything, "octavo", max_num_seqs=args.slots, profile=True)
+        results += worker("octavo", [offline[-1], shared], "octavo-nocache", prefix_caching=False, max_num_seqs=args.slots)
+    if "hf" in peers:
+        results += worker("hf", everything, "hf", batch=args.hf_batch, sequential=not args.no_hf_sequential)
+    if "genai" in peers:
+        if models.genai_dir is None:
+            notes.append(f"onnxruntime-genai not run: {models.genai_error}")
+            results += [PeerResult("onnxruntime-genai", w.name, error=models.genai_error) for w in everything]
+        else:
+            results += worker("genai", everything, "genai", batch=args.genai_batch)
+    if "llamacpp" in peers:
+        if not args.llama_server:
+            notes.append("llama.cpp not run: no llama-server binary given (--llama-server PATH or $LLAMA_SERVER)")
+        elif models.gguf_path is None:
+            notes.append(f"llama.cpp not run: {models.gguf_error}")
+        else:
+            results += worker("llamacpp", everything, "llamacpp", slots=args.slots,
+                              extra_args=args.llama_server_args.split())
+    if not args.no_online:
+        if "octavo" in peers:
+            online += worker("octavo-online", [online_wl], "octavo-online", rate=rate, max_num_seqs=args.slots)
+        if "llamacpp" in peers and args.llama_server and models.gguf_path is not None:
+            online += worker("llamacpp-online", [online_wl], "llamacpp-online", rate=rate, slots=args.slots,
+                             extra_args=args.llama_server_args.split())
+
+    table = compare(results)
+    checks = targets(table, offline, shared, roof, online)
+    profile = next((r.extra.get("profile") for r in results if r.peer == "octavo" and r.workload == offline[-1].name
+                    and r.ok), None)
+    load_after = loadavg()
+    report = {
+        "date": started, "machine": machine(), "loadavg_before": load_before, "loadavg_after": load_after,
+        "threads": args.threads, "quick": args.quick, "model": asdict(models.config),
+        "workloads": [{"name": w.name, "note": w.note, "num_requests": len(w.requests), "prompt_tokens": w.prompt_tokens,
+                       "output_tokens": w.output_tokens} for w in [*everything, online_wl]],
+        "reference": REFERENCE, "results": [r.to_dict() for r in results], "table": table,
+        "online": [r.to_dict() for r in online], "roofline": roof, "engine_profile": profile,
+        "targets": checks, "notes": notes,
+    }
+    out = args.json or args.workdir / f"perf-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print_report(report, table, roof_text, online)
+    print(f"saved {out}")
+    return 0
+
+
+def print_report(report: dict[str, Any], table: dict[str, dict[str, Any]], roof_text: str, online: list[PeerResult]) -> None:
+    m = report["machine"]
+    print(f"\n{report['date']}  {m['cpu']} ({m['cores']} cores), {report['threads']} threads per peer, "
+          f"load average before {report['loadavg_before']} after {report['loadavg_after']}")
+    print(format_table(table))
+    print(roof_text)
+    for s in (report["engine_profile"] or {}).get("summaries", []):
+        secs = s["seconds"]
+        parts = ", ".join(f"{k} {v / s['total'] * 100:.0f}%" for k, v in secs.items())
+        print(f"engine profile, {s['label']} ({s['steps']} steps, mean batch {s['mean_batch']:.0f}): "
+              f"{s['total'] / s['steps'] * 1e3:.1f} ms/step: {parts}; engine overhead {s['engine_overhead'] * 100:.1f}%")
+    for r in online:
+        if r.ok:
+            e = r.extra
+            print(f"online {r.workload} {r.peer:24s} TTFT p50 {e['p50_ttft_ms']:.0f} ms p99 {e['p99_ttft_ms']:.0f} ms, "
+                  f"TPOT p50 {e['p50_tpot_ms']:.1f} ms p99 {e['p99_tpot_ms']:.1f} ms ({e['completed']} done, {e['failed']} failed)")
+        else:
+            print(f"online {r.workload} {r.peer}: not run: {r.error}")
+    print("targets:")
+    for k, v in report["targets"].items():
+        print(f"  {k}: {'not measured' if v is None else f'{v:.2f}'}")
+    for n in report["notes"]:
+        print(f"note: {n}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

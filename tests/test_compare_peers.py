@@ -1,0 +1,91 @@
+"""scripts/compare_peers.py in --quick --tiny mode: the JSON it saves is well-formed and consistent.
+
+Not a speed test (speed is only claimed as ratios from a real run, see docs/performance.md). What must
+hold for the comparison to be fair: every peer produced the same number of tokens for a workload,
+the ratios are the throughputs divided, and octavo's greedy tokens are HF transformers' greedy tokens
+for the same requests (so is HF's own padded static batch, and onnxruntime-genai when it ran).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:  # noqa: ANN001
+    tmp = tmp_path_factory.mktemp("compare_peers")
+    out = tmp / "result.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "compare_peers.py"), "--quick", "--tiny", "--workdir", str(tmp / "work"),
+           "--json", str(out), "--peers", "octavo,hf,genai,llamacpp", "--llama-server", ""]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "octavo/peer" in proc.stdout and "targets:" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_every_peer_made_the_workloads_tokens(report: dict) -> None:
+    wanted = {w["name"]: w["output_tokens"] for w in report["workloads"]}
+    ran = [r for r in report["results"] if r["error"] is None]
+    peers = {r["peer"] for r in ran}
+    assert {"octavo", "octavo (no prefix cache)", "hf-sequential", "hf-static-batch"} <= peers
+    for r in ran:
+        assert r["output_tokens"] == wanted[r["workload"]], r["peer"]
+        assert r["num_requests"] == len(r["outputs"])
+        assert r["elapsed_s"] > 0
+        assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["elapsed_s"])
+    for name, row in report["table"].items():  # every workload ran on octavo and on both HF variants
+        assert {"octavo", "hf-sequential", "hf-static-batch"} <= set(row), name
+
+
+def test_ratios_are_throughputs_divided(report: dict) -> None:
+    for name, row in report["table"].items():
+        ours = row["octavo"]["output_tok_s"]
+        for peer, e in row.items():
+            if e["ok"]:
+                assert e["octavo_over_peer"] == pytest.approx(ours / e["output_tok_s"]), (name, peer)
+    big = report["workloads"][1]["name"]
+    assert report["targets"][f"{big}: octavo / HF static batch >= 2.5"] == pytest.approx(
+        report["table"][big]["hf-static-batch"]["octavo_over_peer"])
+
+
+def test_octavo_greedy_tokens_equal_hf(report: dict) -> None:
+    by = {(r["peer"], r["workload"]): r for r in report["results"] if r["error"] is None}
+    for name in report["table"]:
+        hf = by[("hf-sequential", name)]["outputs"]
+        assert by[("octavo", name)]["outputs"] == hf, name
+        assert by[("hf-static-batch", name)]["outputs"] == hf, name
+        if ("octavo (no prefix cache)", name) in by:
+            assert by[("octavo (no prefix cache)", name)]["outputs"] == hf, name
+        if ("onnxruntime-genai", name) in by:
+            assert by[("onnxruntime-genai", name)]["outputs"] == hf, name
+        assert report["table"][name]["octavo"]["agreement_with_hf"] == 1.0
+
+
+def test_what_was_not_measured_is_said(report: dict) -> None:
+    targets = report["targets"]
+    assert len(targets) == 8
+    llama = [k for k in targets if "llama-server" in k]
+    assert llama and all(targets[k] is None for k in llama)  # no binary given
+    assert any("llama.cpp not run" in n for n in report["notes"])
+    genai = [r for r in report["results"] if r["peer"] == "onnxruntime-genai"]
+    assert genai and all(r["error"] is None or r["error"] for r in genai)  # ran, or says why not
+
+
+def test_roofline_profile_and_online(report: dict) -> None:
+    roof = report["roofline"]
+    assert roof["sgemm_gflops"] > 0 and roof["copy_gbs"] > 0 and roof["step_ms_batch"] > 0
+    assert roof["batch_vs_peak"] == pytest.approx(roof["achieved_gflops_batch"] / roof["sgemm_gflops"])
+    assert sum(roof["op_share_batch"].values()) == pytest.approx(1.0)
+    assert "PagedAttention" in roof["op_share_batch"]
+    prof = report["engine_profile"]["summaries"][0]
+    assert prof["steps"] > 0 and prof["seconds"]["backend"] > 0
+    assert sum(prof["seconds"].values()) == pytest.approx(prof["total"], rel=1e-6)
+    (online,) = report["online"]
+    assert online["error"] is None and online["extra"]["completed"] == online["num_requests"]
+    assert online["extra"]["p50_ttft_ms"] > 0
