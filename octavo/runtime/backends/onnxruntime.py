@@ -34,7 +34,9 @@ class OnnxRuntimeBackend:
         num_blocks: int,
         block_size: int,
         num_threads: int | None = None,
+        profile_prefix: str | None = None,
     ) -> None:
+        """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling()."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.model_dir = Path(model_dir)
@@ -50,6 +52,9 @@ class OnnxRuntimeBackend:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.register_custom_ops_library(str(library_path()))
+        if profile_prefix is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = profile_prefix
         onnx_path = self.model_dir / manifest.onnx_file
         if not onnx_path.is_file():
             raise ModelFormatError(f"{onnx_path} is missing; re-export the model with `octavo export`")
