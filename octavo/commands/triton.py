@@ -108,21 +108,25 @@ def run(args: argparse.Namespace) -> int:
     repo = Path(args.repo_out) if args.repo_out else Path(tempfile.mkdtemp(prefix="octavo-triton-repo-"))
     params = {k: getattr(args, k) for k in PARAMETER_KEYS[1:] if getattr(args, k) is not None}
     write_model_repository(repo, model, parameters=params, instance_count=args.instances, template=args.template)
-    print(f"model repository: {repo} (model {model})")
+    print(f"model repository: {repo} (model {model})", flush=True)
     if args.no_serve:
         return 0
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="octavo-triton-run-"))
     server = TritonServer(repo, workdir, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_verbose=args.log_verbose,
                           auto_install_numpy=args.install_numpy)
-    server.start(stdout_to_log=False)
-    print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
-          f"metrics 127.0.0.1:{args.metrics_port}  (Ctrl-C stops it)")
-    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM = Ctrl-C: stop the server, also while it starts
     try:
-        server.wait()
+        server.start(stdout_to_log=False)
+        print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+              f"metrics 127.0.0.1:{args.metrics_port}  (Ctrl-C stops it)", flush=True)
+        code = server.wait()
     except KeyboardInterrupt:
-        pass
+        code = 0
     finally:
-        code = server.stop()
-    return 0 if code in (0, -signal.SIGTERM, None) else int(code)
+        server.stop()
+    return 0 if code in (0, -signal.SIGTERM) else int(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -306,11 +306,6 @@ class TritonServer:
         assert self.process is not None
         return self.process.wait()
 
-    def request_stop(self) -> None:
-        """Ask the server to shut down (SIGTERM) without waiting; safe in a signal handler."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM, wait, then SIGKILL the server; finally sweep its process group (python-backend stubs orphaned
         by a server that exited on its exit timeout keep running otherwise) and its /dev/shm regions."""
