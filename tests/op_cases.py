@@ -66,7 +66,7 @@ def random_step(
     for b, count in enumerate(blocks_per_seq):
         block_table[b, :count] = physical[used:used + count]
         used += count
-    block_table[block_table < 0] = physical[-1]  # unused columns may hold anything valid
+    # unused columns stay -1: neither the op nor the reference may look at them
 
     num_tokens = sum(new for _, new in seqs)
     slots = []

@@ -13,6 +13,9 @@
 
 #include "paged_attention_kernel.h"
 
+static_assert(ORT_API_VERSION >= 20,
+              "ONNX Runtime headers >= 1.20 are needed (OrtCustomOp::GetAliasMap); point ORT_INCLUDE_DIR at newer ones");
+
 namespace {
 
 constexpr const char* kDomain = "octavo";
