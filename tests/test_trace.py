@@ -24,7 +24,7 @@ from octavo.tracing.memory import memory_report
 from octavo.tracing.plot import render_png_bytes
 from octavo.tracing.reader import check_rows, read_trace, write_trace
 from octavo.tracing.report import build_report, format_terminal
-from octavo.tracing.spans import DECODE, PREEMPTED, PREFILL, WAITING, build_spans, format_table
+from octavo.tracing.spans import DECODE, PREEMPTED, PREFILL, build_spans, format_table
 from octavo.tracing.steplog import format_step
 from octavo.tracing.timeline import render_timeline
 

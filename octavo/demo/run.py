@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from octavo.demo.profiles import SEED_PROFILES, Profile, prompt_ids
 from octavo.errors import InvalidRequestError
@@ -18,6 +18,9 @@ from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.tracing.reader import check_rows
 from octavo.tracing.report import TraceReport, build_report
+
+if TYPE_CHECKING:
+    from octavo.runtime.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ def fit_context(requests: Sequence[DemoRequest], max_model_len: int) -> list[str
     return notes
 
 
-def run_requests(engine: Any, requests: Sequence[DemoRequest],
+def run_requests(engine: LLMEngine, requests: Sequence[DemoRequest],
                  on_step: Callable[[dict[str, Any]], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, RequestOutput]]:
     """Add each request before its arrival step, step the engine until all finish; (rows, outputs).
 
@@ -148,6 +151,8 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
     requests = profile_requests(tokenizer, profiles, config.use_chat_template)
     notes = fit_context(requests, manifest.max_context)
     if config.arrivals == "staggered":
+        if config.stagger_every < 1:
+            raise InvalidRequestError(f"stagger_every must be >= 1, got {config.stagger_every}")
         requests = stagger(requests, config.stagger_every)
     elif config.arrivals != "together":
         raise InvalidRequestError(f"arrivals must be 'together' or 'staggered', got {config.arrivals!r}")

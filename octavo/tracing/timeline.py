@@ -119,5 +119,5 @@ def _events(rows: list[dict[str, Any]]) -> list[str]:
             continue
         sizes = ([before] if i > 0 and before != this else []) + [this] + ([after] if after != this else [])
         text = f"step {row['step']:>3}: " + "; ".join(parts)
-        lines.append(f"{text:<62} batch {' → '.join(map(str, sizes))}")
+        lines.append(f"{text:<62} batch {' → '.join(map(str, sizes)):<12} free blocks {row['free_blocks']}")
     return lines
