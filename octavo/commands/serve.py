@@ -6,7 +6,12 @@ import asyncio
 import logging
 import signal
 
+from typing import TYPE_CHECKING
+
 from octavo.runtime.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    from octavo.serving.server import OpenAIServer
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)"
 log = logging.getLogger(__name__)
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(server, args.host, args.port))
 
 
-async def _serve(server, host: str, port: int) -> int:  # noqa: ANN001
+async def _serve(server: OpenAIServer, host: str, port: int) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

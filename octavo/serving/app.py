@@ -21,7 +21,7 @@ import octavo
 from octavo.errors import EngineDeadError, InvalidRequestError, OctavoError
 from octavo.serving import responses as R
 from octavo.serving import sse
-from octavo.serving.api_error import ApiError, bad_request, error_body
+from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.engine_client import EngineClient
 from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -41,7 +41,7 @@ class ServerConfig:
 
 @dataclass(slots=True)
 class ServerState:
-    """What the routes share. `engine` is set once the model is loaded and started."""
+    """What the routes share. `engine`, `client` and the model facts are set once the model is loaded and started."""
 
     config: ServerConfig
     metrics: ServerMetrics
@@ -395,4 +395,4 @@ async def _stream(request: web.Request, shape: _CompletionShape | _ChatShape, fi
     return resp
 
 
-__all__ = ["STATE", "ServerConfig", "ServerState", "build_app", "error_body"]
+__all__ = ["STATE", "ServerConfig", "ServerState", "build_app"]
