@@ -315,3 +315,13 @@ def test_repository_generator(tmp_path: Path) -> None:
     assert "count: 2" in config and (repo / MODEL / "1" / "model.py").is_file()
     with pytest.raises(InvalidRequestError):
         render_config(config, {"no_such_knob": "1"})
+
+
+def test_cli_writes_a_repository(exported: Path, tmp_path: Path) -> None:
+    from octavo.cli import main
+
+    assert main(["triton", str(exported), "--repo-out", str(tmp_path / "r"), "--no-serve", "--num-threads", "2",
+                 "--instances", "3"]) == 0
+    config = (tmp_path / "r" / MODEL / "config.pbtxt").read_text()
+    assert f'string_value: "{exported.resolve()}"' in config and "count: 3" in config
+    assert 'key: "num_threads" value: { string_value: "2" }' in config

@@ -236,6 +236,10 @@ class TritonPythonModel:
             except (InvalidRequestError, ValueError, TypeError, OverflowError) as exc:
                 sender.send(_error_response(f"octavo: {exc}"), flags=FINAL)
                 continue
+            except Exception as exc:  # noqa: BLE001 - one odd request must not fail the others of this call
+                log.exception("octavo: could not read a request")
+                sender.send(_error_response(f"octavo: could not read the request: {exc}", "INTERNAL"), flags=FINAL)
+                continue
             request_id = f"triton-{self.instance_name}-{next(self.ids)}"
             client_id = "".join(c for c in str(request.request_id() or "") if c.isalnum() or c in "-_.:")[:64]
             if client_id:
@@ -246,7 +250,7 @@ class TritonPythonModel:
             try:
                 self.engine.submit(parsed.prompt, parsed.params, request_id,
                                    lambda out, live=live: self._on_output(live, out))
-            except OctavoError as exc:
+            except Exception as exc:  # noqa: BLE001 - InvalidRequestError, PromptTooLongError, EngineDeadError, ...
                 self._finish_with_error(live, f"octavo: {exc}",
                                         "INVALID_ARG" if isinstance(exc, InvalidRequestError) else "INTERNAL")
         return None
