@@ -126,8 +126,9 @@ def render_png_bytes(
     ax_t.bar(steps, pre, width=0.85, bottom=dec, color=COLORS[PREFILL], label="prefill tokens")
     top = max((p + d for p, d in zip(pre, dec)), default=1)
     if max(pre, default=0) > 8 * max(max(dec, default=1), 1):  # one big prefill would flatten the decodes
-        ax_t.set_yscale("symlog", linthresh=max(max(dec, default=1), 1) * 2)
-        ticks = [0] + [m * 10**e for e in range(0, 7) for m in (1, 2, 5) if 1 < m * 10**e <= top * 1.5]
+        lin = max(max(dec, default=1), 1) * 2
+        ax_t.set_yscale("symlog", linthresh=lin)
+        ticks = [0] + [m * 10**e for e in range(0, 7) for m in (1, 2, 5) if lin / 2 <= m * 10**e <= top * 1.5]
         ax_t.set_yticks(ticks if len(ticks) <= 12 else ticks[::2])
         ax_t.set_yticklabels([str(t) for t in (ticks if len(ticks) <= 12 else ticks[::2])])
     ax_t.set_ylabel("tokens")
