@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = sub.add_parser("throughput", help="offline: every request at once through octavo.LLM")
     t.add_argument("model", help="export folder, HF checkpoint folder or .gguf file")
     _workload_args(t)
+    t.add_argument("--profile", action="store_true",
+                   help="time each step's phases (schedule, pack, backend, sample, detokenize, other) and print them")
     add_engine_arguments(t)
     s = sub.add_parser("serve", help="online: replay a workload against a running server's /v1/completions")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
@@ -83,13 +85,23 @@ def _throughput(args: argparse.Namespace) -> int:
         tok = llm.get_tokenizer()
         vocab = Vocab(llm.engine.vocab_size, frozenset(t for t in (tok.bos_token_id, *tok.eos_token_ids) if t is not None))
         requests = _workload(args, vocab)
+        profile = None
+        if args.profile:
+            from octavo.bench.profile import attach_profiler
+
+            profile = attach_profiler(llm.engine)
         result = run_throughput(llm, requests, temperature=args.temperature, seed=args.seed)
     finally:
         llm.close()
     print(result.table())
+    if profile is not None:
+        print("where a step's time goes (overhead = share of the step outside the backend):")
+        print(profile.table())
     if args.save_result:
         data = {"date": time.strftime("%Y%m%d-%H%M%S"), "model": args.model, "workload": args.workload,
                 **result.to_dict()}
+        if profile is not None:
+            data["profile"] = profile.to_dict()
         print(f"saved {save_json(args.save_result, data)}")
     return 0
 
