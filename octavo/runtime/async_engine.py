@@ -4,8 +4,11 @@
   RequestOutputs, the last one finished), `await abort(id)`, `await shutdown()`.
 - threads (Triton's python backend): `submit(prompt, params, request_id, callback)`; callback
   (RequestOutput) runs on the engine thread; `abort_nowait(id)`.
-The engine itself is not thread-safe: every call into it holds `_lock`. Requests are validated in
-the caller's thread, so a bad request raises right there (InvalidRequestError, PromptTooLongError).
+
+Only the engine thread touches the LLMEngine. `submit` validates and tokenizes in the caller's
+thread (so a bad request raises right there: InvalidRequestError, PromptTooLongError) and drops the
+prepared request into an inbox; `abort_nowait` queues behind it. Neither waits for a step: the
+inbox lock is never held while the engine computes. The thread drains the inbox before every step.
 """
 from __future__ import annotations
 
@@ -14,13 +17,14 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from octavo.errors import EngineDeadError, InvalidRequestError
+from octavo.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
-from octavo.runtime.engine import LLMEngine, Prompt
+from octavo.runtime.engine import LLMEngine, Prompt, RequestGroup
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import CompletionOutput, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
+from octavo.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 Callback = Callable[[RequestOutput], None]
@@ -29,32 +33,39 @@ Callback = Callable[[RequestOutput], None]
 class AsyncEngine:
     def __init__(self, args: EngineArgs, backend: Backend | None = None) -> None:
         self.engine = LLMEngine(args, backend)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the inbox, the live ids and the flags (never held during a step)
         self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, RequestGroup | str]] = []  # ("add", group) | ("abort", request_id)
+        self._live: set[str] = set()  # submitted and not finished yet
         self._callbacks: dict[str, Callback] = {}
+        self._stats = self.engine.stats()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None
 
     @property
-    def tokenizer(self):  # noqa: ANN201
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start_thread(self) -> None:
-        if self._thread is None:
+        with self._lock:
+            if self._thread is not None:
+                return
             self._thread = threading.Thread(target=self._loop, name="octavo-engine", daemon=True)
-            self._thread.start()
+        self._thread.start()
 
     async def start(self) -> None:
         self.start_thread()
 
     def shutdown_nowait(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop (outstanding requests end with "abort") and release the backend."""
         with self._lock:
             self._stopping = True
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
         self.engine.close()
 
     async def shutdown(self) -> None:
@@ -63,27 +74,36 @@ class AsyncEngine:
     # -- thread API ---------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str, callback: Callback,
                *, priority: int = 0) -> None:
+        """Queue a request; raises at once if it is invalid. callback gets every output, on the engine thread."""
+        request_id = str(request_id)
+        self._check_alive()
+        group = self.engine.make_group(request_id, prompt, params, priority=priority)
         with self._lock:
-            if self._dead is not None or self._stopping:
-                raise EngineDeadError(self._dead or "the engine is shutting down")
-            self.engine.add_request(request_id, prompt, params, priority=priority)
-            self._callbacks[str(request_id)] = callback
+            self._check_alive()
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._live.add(request_id)
+            self._callbacks[request_id] = callback
+            self._inbox.append(("add", group))
             self._wake.notify_all()
         self.start_thread()
 
     def abort_nowait(self, request_id: str) -> None:
-        """Abort a request; its callback gets a final output with finish_reason "abort"."""
+        """Abort a request; its callback gets a final output with finish_reason "abort".
+        Raises UnknownRequestError if no such request is running (never submitted, or already over)."""
+        request_id = str(request_id)
         with self._lock:
-            self.engine.abort_request(request_id)
+            if request_id not in self._live:
+                raise UnknownRequestError(f"no running request has id {request_id!r} (finished, aborted or never added)")
+            self._inbox.append(("abort", request_id))
             self._wake.notify_all()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        """The counters as of the end of the latest step (or inbox drain)."""
+        return self._stats
 
     def add_step_listener(self, fn: Callable[[dict], None]) -> None:
-        with self._lock:
-            self.engine.add_step_listener(fn)
+        self.engine.add_step_listener(fn)  # a list append: safe while the thread runs
 
     # -- asyncio API --------------------------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None, request_id: str,
@@ -102,58 +122,74 @@ class AsyncEngine:
             if not finished:  # the consumer went away (client disconnect, cancellation)
                 try:
                     self.abort_nowait(request_id)
-                except (KeyError, EngineDeadError):
+                except UnknownRequestError:
                     pass
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
     # -- the step loop ------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
     def _loop(self) -> None:
+        engine = self.engine
         while True:
             with self._lock:
-                while not self._stopping and not self.engine.has_unfinished_requests():
+                while not self._stopping and not self._inbox and not engine.has_unfinished_requests():
                     self._wake.wait()
-                if self._stopping:
-                    self._fail_all("the engine was shut down", reason="abort")
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            try:
+                for op, arg in inbox:
+                    if op == "add":
+                        engine.add_group(arg)  # type: ignore[arg-type]
+                    else:
+                        try:
+                            engine.abort_request(arg)  # type: ignore[arg-type]
+                        except UnknownRequestError:
+                            pass  # it finished meanwhile
+                if stopping:
+                    self._end_all("the engine was shut down", reason="abort")
                     return
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - an engine bug: end every request, refuse new ones
-                    logger.exception("engine step loop died")
+                outputs = engine.step()
+                self._stats = engine.stats()
+            except Exception as exc:  # noqa: BLE001 - an engine bug: end every request, refuse new ones
+                logger.exception("engine step loop died")
+                with self._lock:
                     self._dead = f"the engine stopped after an internal error: {type(exc).__name__}: {exc}"
-                    self._fail_all(self._dead, reason="error")
-                    return
-                calls = []
-                for out in outputs:
-                    cb = self._callbacks.get(out.request_id)
-                    if out.finished:
-                        self._callbacks.pop(out.request_id, None)
-                    if cb is not None:
-                        calls.append((cb, out))
-            for cb, out in calls:
-                self._call(cb, out)
+                self._end_all(self._dead, reason="error")
+                return
+            for out in outputs:
+                self._deliver(out)
 
-    def _fail_all(self, message: str, reason: str) -> None:
-        """(lock held) End every outstanding request with a final output."""
-        for rid, group in list(self.engine.groups.items()):
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            cb = self._callbacks.get(out.request_id)
+            if out.finished:
+                self._callbacks.pop(out.request_id, None)
+                self._live.discard(out.request_id)
+        if cb is not None:
+            try:
+                cb(out)
+            except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
+                logger.exception("output callback for %s failed", out.request_id)
+
+    def _end_all(self, message: str, reason: str) -> None:
+        """End every outstanding request (in the engine or still in the inbox) with a final output."""
+        with self._lock:
+            pending = [g for op, g in self._inbox if op == "add"]
+            self._inbox = []
+        groups = list(self.engine.groups.values()) + pending  # type: ignore[operator]
+        for group in groups:
             outs = [CompletionOutput(index=c.index, text=c.detokenizer.text if c.detokenizer else "",
                                      token_ids=list(c.output_token_ids), finish_reason=reason,
                                      error=message if reason == "error" else None) for c in group.children]
-            out = RequestOutput(request_id=rid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                                outputs=outs, finished=True,
-                                metrics=group.children[0].metrics)
-            cb = self._callbacks.pop(rid, None)
-            if cb is not None:
-                self._call(cb, out)
+            self._deliver(RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                                        prompt_token_ids=group.prompt_token_ids, outputs=outs, finished=True,
+                                        metrics=group.children[0].metrics))
         self.engine.groups.clear()
-
-    @staticmethod
-    def _call(cb: Callback, out: RequestOutput) -> None:
-        try:
-            cb(out)
-        except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
-            logger.exception("output callback for %s failed", out.request_id)
-
-
-__all__ = ["AsyncEngine", "InvalidRequestError"]
+        self._stats = self.engine.stats()

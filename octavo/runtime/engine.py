@@ -9,6 +9,8 @@ with finish_reason "error" (their blocks are freed) and the engine keeps serving
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -129,7 +131,7 @@ class LLMEngine:
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.vocab_size = self.manifest.vocab_size
         self.groups: dict[str, RequestGroup] = {}
-        self._arrival_counter = 0
+        self._arrival_counter = itertools.count(1)  # thread-safe under the GIL (make_group)
         self._arrived: list[str] = []
         self._finished_since_step: list[dict[str, str]] = []
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
@@ -142,25 +144,31 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue a request; raises InvalidRequestError / PromptTooLongError (nothing queued)."""
+        self.add_group(self.make_group(request_id, prompt, params, arrival_time=arrival_time, priority=priority))
+
+    def make_group(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                   arrival_time: float | None = None, priority: int = 0) -> RequestGroup:
+        """Validate and tokenize a request without touching the engine's state (safe from any thread)."""
         request_id = str(request_id)
-        if request_id in self.groups:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
+        params = dataclasses.replace(params)  # a private, normalised and validated copy
         text, ids = self._prompt_ids(prompt)
         max_tokens = self._check_fits(len(ids), params)
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         now = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
-            self._arrival_counter += 1
+            order = next(self._arrival_counter)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
-                request_id=rid, prompt_token_ids=ids, params=params, generator=self._generator(params, i),
-                max_tokens=max_tokens, arrival_order=self._arrival_counter, priority=priority,
+                request_id=rid, prompt_token_ids=ids, params=params, generator=self._generator(params, i, order),
+                max_tokens=max_tokens, arrival_order=order, priority=priority,
                 parent_id=request_id, index=i, metrics=RequestMetrics(arrival_time=now),
                 logprobs=[] if params.logprobs is not None else None,
             )
@@ -168,9 +176,15 @@ class LLMEngine:
                 self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
             children.append(req)
         # children 1..n-1 join once child 0 has computed the prompt: they then share its cached blocks
-        self.groups[request_id] = RequestGroup(request_id, text, ids, children, now, pending=children[1:])
-        self.scheduler.add(children[0])
-        self._arrived.append(request_id)
+        return RequestGroup(request_id, text, ids, children, now, pending=children[1:])
+
+    def add_group(self, group: RequestGroup) -> None:
+        """Queue a request made by make_group."""
+        if group.request_id in self.groups:
+            raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
+        self.scheduler.add(group.children[0])
+        self._arrived.append(group.request_id)
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text: str | None = None
@@ -217,9 +231,9 @@ class LLMEngine:
                 f"raise num_blocks/kv_cache_memory or lower max_tokens")
         return params.max_tokens
 
-    def _generator(self, params: SamplingParams, index: int) -> np.random.Generator:
+    def _generator(self, params: SamplingParams, index: int, order: int) -> np.random.Generator:
         if params.seed is None:
-            return np.random.default_rng([self.args.seed % (1 << 64), self._arrival_counter])
+            return np.random.default_rng([self.args.seed % (1 << 64), order])
         seed = params.seed % (1 << 64)
         return np.random.default_rng(seed if index == 0 else [seed, index])
 
