@@ -20,12 +20,12 @@ th { background: #f4f4f4; } td.l, th.l { text-align: left; }
 pre { background: #fafafa; border: 1px solid #eee; padding: 0.8em; overflow-x: auto; font-size: 0.85em;
       line-height: 1.2; }
 img { max-width: 100%; border: 1px solid #eee; }
-.note { color: #555; }
+.note { color: #555; } td.pre { white-space: pre-wrap; font-family: ui-monospace, monospace; }
 """
 
 
-def _table(head: list[str], body: list[list[object]], left: set[int] = frozenset()) -> str:
-    cls = lambda i: ' class="l"' if i in left else ""  # noqa: E731
+def _table(head: list[str], body: list[list[object]], left: set[int] = frozenset(), pre: set[int] = frozenset()) -> str:
+    cls = lambda i: ' class="l pre"' if i in pre else ' class="l"' if i in left else ""  # noqa: E731
     th = "".join(f"<th{cls(i)}>{html.escape(h)}</th>" for i, h in enumerate(head))
     trs = "".join(
         "<tr>" + "".join(f"<td{cls(i)}>{html.escape(str(c))}</td>" for i, c in enumerate(row)) + "</tr>"
@@ -62,7 +62,7 @@ def render_html(report: TraceReport, png: bytes | None = None) -> str:
         parts.append("<h2>Answers</h2>")
         body = [[label_of(s.id), report.labels.get(s.id, ""), report.answers[s.id]]
                 for s in report.spans if s.id in report.answers]
-        parts.append(_table(["seq", "type", "text"], body, left={0, 1, 2}))
+        parts.append(_table(["seq", "type", "text"], body, left={0, 1}, pre={2}))
     parts.append("<h2>Per-step log</h2>")
     parts.append('<p class="note">per request: prompt_len / total_len (tokens in its KV cache after the step) / '
                  "blocks held; * = prefill this step, ✓ = finished this step</p>")
