@@ -113,6 +113,11 @@ def test_greedy_completions_equal_llm_generate_stream_and_not(client, llm) -> No
     assert [c.text for c in r.choices] == ref
     assert r.usage.completion_tokens == 48
     assert r.usage.prompt_tokens == sum(len(llm.get_tokenizer().encode(p)) for p in PROMPTS[:4])
+    # two prompts x n=2: choice index = prompt index * n + sample index
+    r = client.completions.create(model=NAME, prompt=PROMPTS[:2], n=2, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [ref[0], ref[0], ref[1], ref[1]]
 
 
 def test_token_id_prompt_and_chat_equal_llm(client, llm) -> None:  # noqa: ANN001
@@ -594,3 +599,41 @@ def test_event_loop_stays_responsive_while_steps_run(model_dir) -> None:  # noqa
                 t.join()
         lat.sort()
         assert lat[len(lat) // 2] < step / 2, lat  # median well under one step
+
+
+def test_shutdown_aborts_what_outlives_the_timeout(model_dir) -> None:  # noqa: ANN001
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    ea = engine_args(model_dir, num_blocks=64)
+    engines: list[AsyncEngine] = []
+
+    def load() -> AsyncEngine:
+        inner = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), 64, 16, num_threads=1)
+        engines.append(AsyncEngine(ea, backend=_SlowBackend(inner, 0.02)))
+        return engines[0]
+
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), load, shutdown_timeout=0.5)
+    s = ServerThread(srv).start()
+    got: list[str] = []
+
+    def stream() -> None:  # 500 tokens at >= 20 ms a step: ~10 s if it were allowed to finish
+        body = {"prompt": "Hello", "max_tokens": 500, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", s.base_url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError as exc:
+            got.append(f"error: {exc}")
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while not got and t.is_alive():
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    s.stop()
+    t.join(10)
+    assert time.monotonic() - t0 < 5 and not t.is_alive()
+    assert "data: [DONE]" not in got  # cut off, not finished
+    stats = engines[0].engine.stats()
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
