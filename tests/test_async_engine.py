@@ -101,3 +101,48 @@ def test_thread_callback_api(model) -> None:  # noqa: ANN001
     for i, (p, m) in enumerate(reqs):
         assert got[f"t{i}"][-1].outputs[0].token_ids == hf_reference(hf, p, m)
     eng.shutdown_nowait()
+
+
+def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa: ANN001
+    import time
+
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    hf, folder = model
+
+    class Slow:
+        def __init__(self) -> None:
+            self.inner = OnnxRuntimeBackend(folder, Manifest.load(folder), 64, 16)
+            self.num_blocks, self.block_size, self.vocab_size = 64, 16, self.inner.vocab_size
+            self.running = threading.Event()
+
+        def run(self, inputs):  # noqa: ANN001, ANN201
+            self.running.set()
+            time.sleep(0.5)
+            return self.inner.run(inputs)
+
+        def close(self) -> None:
+            self.inner.close()
+
+    backend = Slow()
+    eng = AsyncEngine(EngineArgs(model=str(folder), num_blocks=64), backend)
+    finals: dict[str, object] = {}
+    done = threading.Event()
+
+    def cb(out) -> None:  # noqa: ANN001
+        if out.finished:
+            finals[out.request_id] = out
+            if len(finals) == 2:
+                done.set()
+
+    eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(3), "a", cb)
+    assert backend.running.wait(10)
+    t0 = time.perf_counter()
+    eng.submit({"prompt_token_ids": [8, 9]}, greedy(2), "b", cb)
+    eng.abort_nowait("a")
+    assert time.perf_counter() - t0 < 0.25  # a step takes 0.5 s here
+    assert done.wait(30)
+    assert finals["a"].outputs[0].finish_reason == "abort"
+    assert finals["b"].outputs[0].token_ids == hf_reference(hf, [8, 9], 2)
+    eng.shutdown_nowait()
