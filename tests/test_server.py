@@ -565,7 +565,7 @@ def test_event_loop_stays_responsive_while_steps_run(model_dir) -> None:  # noqa
     from octavo.export.manifest import Manifest
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    step = 0.06
+    step = 0.1
     ea = engine_args(model_dir, num_blocks=128)
 
     def load() -> AsyncEngine:
