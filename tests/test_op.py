@@ -37,6 +37,10 @@ CASES = {
     "softcap_gqa2": ([(20, 12), (0, 17), (33, 1)], 4, 2, 64, 16, 0, 5.0),
     "window_softcap_hd40_block1": ([(30, 6), (0, 9), (5, 1)], 8, 4, 40, 1, 5, 3.0),
     "long_chunk_tiles": ([(70, 130)], 2, 1, 64, 16, 0, 0.0),
+    # Few work items + long contexts: key ranges split into parts, combined afterwards.
+    "split_long_decode": ([(1000, 1), (700, 1)], 4, 1, 64, 16, 0, 0.0),
+    "split_window_rows_without_keys": ([(400, 40)], 2, 2, 64, 16, 250, 0.0),
+    "split_chunked_softcap_hd40": ([(600, 5), (0, 3)], 4, 2, 40, 32, 0, 3.0),
 }
 
 

@@ -228,7 +228,7 @@ void softmax_rows(float* scores, int64_t rows, int64_t keys, int64_t c0, int64_t
 
 }  // namespace
 
-void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item) {
+void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials) {
   const int64_t D = t.head_dim;
   const int64_t dim_p = round_up(D, kWidth);
   const int64_t group = p.num_heads / p.kv_num_heads;
@@ -276,8 +276,8 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   // Absolute positions of the item's first and last query tokens, and the keys any of them sees.
   const int64_t pos_first = past + (item.token_begin - seq_begin);
   const int64_t pos_last = past + (item.token_end - 1 - seq_begin);
-  const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0;
-  const int64_t key_hi = pos_last + 1;  // exclusive
+  const int64_t key_lo = std::max(item.key_begin, window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0);
+  const int64_t key_hi = std::min(item.key_end, pos_last + 1);  // exclusive
 
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
     const int64_t keys = std::min(key_hi - c0, kKeyChunk);
@@ -352,6 +352,19 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
       for (; m < rows; ++m)
         pv_rows<1>(scores + m * layout.row_stride, layout, s.v_rows.data(), keys, out + m * dim_p, dim_p);
     }
+  }
+
+  if (item.partial >= 0) {  // one part of a split key range: leave the raw result for combine_split
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t r = h * rows + m;
+        partials.max[item.partial * partials.row_stride + r] = s.row_max[h * rows_p + m];
+        partials.sum[item.partial * partials.row_stride + r] = s.row_sum[h * rows_p + m];
+        std::memcpy(partials.out + item.partial * partials.out_stride + r * D, s.out.data() + r * dim_p,
+                    sizeof(float) * D);
+      }
+    }
+    return;
   }
 
   // Normalise and write this item's output rows.

@@ -46,13 +46,43 @@ struct StepTensors {
 
 // One unit of parallel work: query tokens [token_begin, token_end) (packed indices, all in
 // sequence `seq`) against kv heads [kv_head_begin, kv_head_end), each with all the query heads of
-// its group. Several kv heads per item let one pass over a chunk of pool rows serve all of them.
+// its group, over the keys at positions [key_begin, key_end) (clipped to what each token sees).
+// Several kv heads per item let one pass over a chunk of pool rows serve all of them.
+// An item with partial >= 0 covers one part of a split key range: instead of the output it writes
+// its unnormalised result, row maxima and row sums to that slot of PartialResults.
 struct WorkItem {
   int32_t seq;
   int32_t token_begin;
   int32_t token_end;
   int32_t kv_head_begin;
   int32_t kv_head_end;
+  int64_t key_begin;
+  int64_t key_end;
+  int32_t partial;  // -1: writes the final output rows
+};
+
+// Items that together cover one (tokens, kv heads) pair whose keys were split; combined afterwards.
+struct SplitGroup {
+  WorkItem whole;         // the unsplit item (keys: everything)
+  int32_t first_partial;  // its parts use partial slots [first_partial, first_partial + parts)
+  int32_t parts;
+};
+
+// Memory for the parts of split items; slot i: out at out + i * out_stride ([heads][rows][head_dim]),
+// max/sum at max/sum + i * row_stride ([heads][rows]).
+struct PartialResults {
+  float* out = nullptr;
+  float* max = nullptr;
+  float* sum = nullptr;
+  int64_t out_stride = 0;
+  int64_t row_stride = 0;
+};
+
+struct WorkPlan {
+  std::vector<WorkItem> items;    // most expensive first (for a dynamic thread pool)
+  std::vector<SplitGroup> splits;  // run after all items
+  int64_t num_partials = 0;
+  int64_t partial_rows = 0;  // heads x rows, the most any split item has
 };
 
 // Checks the index tensors against each other and the pool; returns "" when consistent, else a
@@ -62,10 +92,15 @@ std::string validate_indices(const StepTensors& t);
 // Copies the new tokens' K/V rows into the pools at slot_mapping (negative slots are skipped).
 void write_new_kv(const StepTensors& t, const AttentionParams& p);
 
-// Splits the step into independent work items, most expensive first (for a dynamic thread pool).
-std::vector<WorkItem> plan_work(const StepTensors& t, const AttentionParams& p);
+// Splits the step into independent work items. When there are too few (small batches, long
+// contexts) the key ranges are split too ("flash decoding") and the parts combined afterwards.
+WorkPlan plan_work(const StepTensors& t, const AttentionParams& p);
 
-// Computes the output rows of one work item (reads the pools; writes only its output rows).
-void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item);
+// Computes one work item (reads the pools; writes only its output rows or its partial slot).
+void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials);
+
+// Merges the parts of one split group into its output rows.
+void combine_split(const StepTensors& t, const AttentionParams& p, const SplitGroup& group,
+                   const PartialResults& partials);
 
 }  // namespace octavo

@@ -115,12 +115,30 @@ T* data_of(const OrtApi* api, const OrtValue* value) {
 struct ParallelJob {
   const octavo::StepTensors* tensors;
   const octavo::AttentionParams* params;
-  const std::vector<octavo::WorkItem>* items;
+  const octavo::WorkPlan* plan;
+  const octavo::PartialResults* partials;
 };
 
-void run_one(void* user_data, size_t index) {
+void run_item(void* user_data, size_t index) {
   const auto* job = static_cast<const ParallelJob*>(user_data);
-  octavo::run_work_item(*job->tensors, *job->params, (*job->items)[index]);
+  octavo::run_work_item(*job->tensors, *job->params, job->plan->items[index], *job->partials);
+}
+
+void run_combine(void* user_data, size_t index) {
+  const auto* job = static_cast<const ParallelJob*>(user_data);
+  octavo::combine_split(*job->tensors, *job->params, job->plan->splits[index], *job->partials);
+}
+
+// fn(job, 0..count-1) on ORT's intra-op thread pool, or serially if there is none.
+void parallel_for(const OrtApi* api, OrtKernelContext* context, void (*fn)(void*, size_t), size_t count,
+                  ParallelJob* job) {
+  if (count == 0) return;
+  if (count > 1) {
+    OrtStatus* status = api->KernelContext_ParallelFor(context, fn, count, 0, job);
+    if (status == nullptr) return;
+    api->ReleaseStatus(status);
+  }
+  for (size_t i = 0; i < count; ++i) fn(job, i);
 }
 
 struct PagedAttentionKernel {
@@ -208,13 +226,20 @@ struct PagedAttentionKernel {
 
     octavo::write_new_kv(t, params);
     if (num_tokens > 0) {
-      const std::vector<octavo::WorkItem> items = octavo::plan_work(t, params);
-      ParallelJob job{&t, &params, &items};
-      OrtStatus* status = api->KernelContext_ParallelFor(context, run_one, items.size(), 0, &job);
-      if (status != nullptr) {  // no thread pool available: run serially
-        api->ReleaseStatus(status);
-        for (size_t i = 0; i < items.size(); ++i) run_one(&job, i);
+      const octavo::WorkPlan plan = octavo::plan_work(t, params);
+      octavo::PartialResults partials;
+      std::vector<float> partial_memory;
+      if (plan.num_partials > 0) {
+        partials.row_stride = plan.partial_rows;
+        partials.out_stride = plan.partial_rows * head_dim;
+        partial_memory.resize(static_cast<size_t>(plan.num_partials * (partials.out_stride + 2 * partials.row_stride)));
+        partials.out = partial_memory.data();
+        partials.max = partials.out + plan.num_partials * partials.out_stride;
+        partials.sum = partials.max + plan.num_partials * partials.row_stride;
       }
+      ParallelJob job{&t, &params, &plan, &partials};
+      parallel_for(api, context, run_item, plan.items.size(), &job);
+      parallel_for(api, context, run_combine, plan.splits.size(), &job);
     }
 
     const size_t pool_bytes = sizeof(float) * static_cast<size_t>(num_blocks * block_size * params.kv_num_heads * head_dim);

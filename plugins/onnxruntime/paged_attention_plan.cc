@@ -1,6 +1,8 @@
 // octavo.PagedAttention bookkeeping: index checks, the paged KV write, and the work split.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "paged_attention_kernel.h"
@@ -10,8 +12,11 @@ namespace {
 
 // Target rows (query tokens x query heads of one kv group) per work item; they share K/V rows.
 constexpr int64_t kRowsPerItem = 64;
-// Enough work items for a thread pool to balance, before kv heads are split across items.
+// Enough work items for a thread pool to balance, before kv heads are split across items and
+// then key ranges split into parts.
 constexpr int64_t kMinItems = 32;
+// Fewest keys a part of a split key range gets (a multiple of the kernel's key chunk).
+constexpr int64_t kMinKeysPerPart = 128;
 
 }  // namespace
 
@@ -77,22 +82,26 @@ void write_new_kv(const StepTensors& t, const AttentionParams& p) {
   }
 }
 
-std::vector<WorkItem> plan_work(const StepTensors& t, const AttentionParams& p) {
+WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
   const int64_t group = p.num_heads / p.kv_num_heads;
   const int32_t tile = static_cast<int32_t>(std::max<int64_t>(1, kRowsPerItem / group));
   struct Tile {
     int32_t seq, begin, end;
-    int64_t cost;  // query tokens x keys they see
+    int64_t key_lo, key_hi;  // keys any of its tokens sees
+    int64_t cost;            // query tokens x keys
   };
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < t.num_seqs; ++b) {
     const int32_t begin = t.cumulative_sequence_length[b];
     const int32_t end = t.cumulative_sequence_length[b + 1];
+    const int64_t past = t.past_seqlens[b];
     for (int32_t tile_begin = begin; tile_begin < end; tile_begin += tile) {
       const int32_t tile_end = std::min(end, tile_begin + tile);
-      int64_t keys = t.past_seqlens[b] + (tile_end - begin);
-      if (p.sliding_window > 0) keys = std::min<int64_t>(keys, p.sliding_window + (tile_end - tile_begin));
-      tiles.push_back({static_cast<int32_t>(b), tile_begin, tile_end, keys * (tile_end - tile_begin)});
+      const int64_t first = past + (tile_begin - begin);
+      const int64_t key_hi = past + (tile_end - begin);
+      const int64_t key_lo = p.sliding_window > 0 ? std::max<int64_t>(0, first - p.sliding_window + 1) : 0;
+      tiles.push_back({static_cast<int32_t>(b), tile_begin, tile_end, key_lo, key_hi,
+                       (key_hi - key_lo) * (tile_end - tile_begin)});
     }
   }
   // As many kv heads per item as still leaves kMinItems items (a divisor of kv_num_heads).
@@ -102,15 +111,72 @@ std::vector<WorkItem> plan_work(const StepTensors& t, const AttentionParams& p) 
           static_cast<int64_t>(tiles.size()) * (p.kv_num_heads / heads_per_item) < kMinItems)) {
     --heads_per_item;
   }
+  const int64_t whole_items = static_cast<int64_t>(tiles.size()) * (p.kv_num_heads / heads_per_item);
+  // Still too few: split each tile's key range into parts of >= kMinKeysPerPart keys.
+  const int64_t wanted_parts = whole_items > 0 ? (kMinItems + whole_items - 1) / whole_items : 1;
+
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
-  std::vector<WorkItem> items;
-  items.reserve(tiles.size() * (p.kv_num_heads / heads_per_item));
+  WorkPlan plan;
   for (const Tile& tl : tiles) {
+    const int64_t keys = tl.key_hi - tl.key_lo;
+    const int64_t parts = std::max<int64_t>(1, std::min(wanted_parts, keys / kMinKeysPerPart));
+    // Part boundaries on multiples of kMinKeysPerPart keys (chunk-aligned from key_lo).
+    const int64_t part_keys = (keys + parts - 1) / parts;
+    const int64_t step = (part_keys + kMinKeysPerPart - 1) / kMinKeysPerPart * kMinKeysPerPart;
     for (int64_t g = 0; g < p.kv_num_heads; g += heads_per_item) {
-      items.push_back({tl.seq, tl.begin, tl.end, static_cast<int32_t>(g), static_cast<int32_t>(g + heads_per_item)});
+      const WorkItem whole{tl.seq, tl.begin, tl.end, static_cast<int32_t>(g), static_cast<int32_t>(g + heads_per_item),
+                           0, std::numeric_limits<int64_t>::max(), -1};
+      if (parts == 1) {
+        plan.items.push_back(whole);
+        continue;
+      }
+      SplitGroup split{whole, static_cast<int32_t>(plan.num_partials), 0};
+      for (int64_t k = tl.key_lo; k < tl.key_hi; k += step) {
+        WorkItem part = whole;
+        part.key_begin = k;
+        part.key_end = std::min(tl.key_hi, k + step);
+        part.partial = static_cast<int32_t>(plan.num_partials++);
+        plan.items.push_back(part);
+        ++split.parts;
+      }
+      plan.partial_rows = std::max<int64_t>(plan.partial_rows, heads_per_item * (tl.end - tl.begin) * group);
+      plan.splits.push_back(split);
     }
   }
-  return items;
+  return plan;
+}
+
+void combine_split(const StepTensors& t, const AttentionParams& p, const SplitGroup& split,
+                   const PartialResults& partials) {
+  const WorkItem& item = split.whole;
+  const int64_t D = t.head_dim;
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const int64_t rows = (item.token_end - item.token_begin) * group;
+  const int64_t heads = item.kv_head_end - item.kv_head_begin;
+  const int64_t q_stride = p.num_heads * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t m = 0; m < rows; ++m) {
+      const int64_t r = h * rows + m;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int32_t i = 0; i < split.parts; ++i) top = std::max(top, partials.max[(split.first_partial + i) * partials.row_stride + r]);
+      float* dst = t.output + (item.token_begin + m / group) * q_stride + ((item.kv_head_begin + h) * group + m % group) * D;
+      std::fill(dst, dst + D, 0.0f);
+      float total = 0.0f;
+      for (int32_t i = 0; i < split.parts; ++i) {
+        const int64_t slot = split.first_partial + i;
+        const float part_max = partials.max[slot * partials.row_stride + r];
+        if (part_max == -std::numeric_limits<float>::infinity()) continue;  // saw no key of this part
+        const float weight = std::exp(part_max - top);
+        total += weight * partials.sum[slot * partials.row_stride + r];
+        const float* src = partials.out + slot * partials.out_stride + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] += weight * src[d];
+      }
+      const float inv = 1.0f / total;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+    }
+  }
 }
 
 }  // namespace octavo
