@@ -184,7 +184,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
         self.groups[group.request_id] = group
         self.scheduler.add(group.children[0])
-        self._arrived.append(group.request_id)
+        self._arrived.extend(c.request_id for c in group.children)  # sequence ids, as in "requests"
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text: str | None = None
