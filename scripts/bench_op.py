@@ -119,7 +119,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ORT default)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape")
     args = parser.parse_args()
-    shapes = {"decode B=32 ctx128": (32, 127, 1, 20), "prefill 4x256": (4, 0, 256, 2)}
+    shapes = {"decode B=32 ctx128": (32, 127, 1, 20), "prefill 4x256": (4, 0, 256, 2),
+              "decode B=1 ctx2048": (1, 2047, 1, 20)}
     print(f"heads {HEADS}q/{KV_HEADS}kv, head_dim {HEAD_DIM}, block {BLOCK}, threads {args.threads or 'default'}")
     for label, (batch, past, new, calls) in shapes.items():
         ours = paged_runner(batch, past, new, args.threads)
