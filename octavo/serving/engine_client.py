@@ -21,6 +21,11 @@ from octavo.runtime.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class EngineClient:
     def __init__(self, engine: Any) -> None:
         self.engine = engine  # octavo.AsyncEngine, started
@@ -45,6 +50,7 @@ class EngineClient:
         finally:
             if not finished:
                 self.abort(request_id)
+                submitted.add_done_callback(_retrieve)  # a submit error after we left is not "unretrieved"
 
     def abort(self, request_id: str) -> None:
         """Abort without waiting (queued after the request's submit); unknown/finished ids are ignored."""
