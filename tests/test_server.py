@@ -223,6 +223,11 @@ def test_logprobs(client) -> None:  # noqa: ANN001
         assert 1 <= len(top) <= 4 and chosen <= 0
         assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
     assert lp.text_offset == sorted(lp.text_offset)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=NAME, prompt="Hello world", max_tokens=6, temperature=0, logprobs=3, stream=True) if c.choices[0].logprobs]
+    assert [t for x in streamed for t in x.tokens] == lp.tokens
+    assert [t for x in streamed for t in x.token_logprobs] == lp.token_logprobs
+    assert [t for x in streamed for t in x.text_offset] == lp.text_offset
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                        temperature=0, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
