@@ -109,6 +109,8 @@ def test_together_report_and_files(together, tmp_path):
         assert re.search(rf"^seq\[{rid}\]\s+[▓█]+ ✓{g}$", text, re.M), rid  # timeline row
         assert re.search(rf"^{rid}\s+.*\b{g} tok\b.*step {g}$", text, re.M), rid  # table row
     assert re.search(r"step\s+4: seq\[0\] leaves \(length\)\s+batch 10 → 9", text)
+    mean = sum(GEN.values()) / len(GEN)
+    assert f"on average after {mean:.1f} steps" in text and f"all {max(GEN.values())} steps" in text
     # memory: per-request slots and unused tail, measured from the rows
     for m in run.report.memory.requests:
         assert m.slots == math.ceil(m.tokens / BLOCK) * BLOCK and 0 <= m.unused < BLOCK

@@ -54,6 +54,20 @@ def summary_line(report: TraceReport) -> str:
     return text
 
 
+def static_batching_line(report: TraceReport) -> str:
+    """When all arrived together and finished: mean steps to finish here vs under static batching."""
+    spans = report.spans
+    if not spans or len({s.arrived_step for s in spans}) != 1 or any(s.finished_step is None for s in spans):
+        return ""
+    start = spans[0].arrived_step
+    waits = [s.finished_step - start + 1 for s in spans]  # type: ignore[operator]
+    longest = max(waits)
+    return (
+        f"Each request left as soon as it was done: on average after {sum(waits) / len(waits):.1f} steps. Static "
+        f"batching would hold every one of them for all {longest} steps of the longest, with its KV reserved."
+    )
+
+
 def format_answers(report: TraceReport, max_lines: int = 12) -> str:
     """Each answer under its label, indented, newlines kept (code stays readable)."""
     out = []
@@ -80,6 +94,9 @@ def format_terminal(report: TraceReport, *, step_log: bool = True, answers: bool
     parts += report.notes
     parts.append(summary_line(report))
     parts += [section("Requests"), format_table(report.spans, report.labels)]
+    static = static_batching_line(report)
+    if static:
+        parts.append(static)
     if step_log:
         parts += [section("Per-step log"), format_step_log(report.rows)]
     parts += [section("Timeline"), render_timeline(report.rows, report.spans)]
