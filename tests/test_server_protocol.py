@@ -41,6 +41,7 @@ def test_max_tokens_cap() -> None:
     {"prompt": "x", "best_of": 2}, {"prompt": "x", "suffix": "y"}, {"prompt": []}, {"prompt": [True]},
     {"prompt": "x", "stop_token_ids": [100]}, {"prompt": "x", "min_tokens": 20}, {"prompt": "x", "top_k": -2},
     {"prompt": "x", "presence_penalty": 3}, {"prompt": ["a"] * 65}, {"prompt": "x", "n": 17},
+    {"prompt": ["a"] * 64, "n": 5},
 ])
 def test_rejected(body: dict) -> None:
     with pytest.raises(ApiError) as e:

@@ -29,6 +29,7 @@ class Limits:
     max_tokens_cap: int | None = None  # explicit max_tokens above this -> 400; unset max_tokens -> this
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions batch
+    max_choices: int = 256  # prompts x n in one request
 
 
 @dataclass(slots=True)
@@ -270,9 +271,13 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
     stream, include_usage = _stream(b)
     max_tokens = _max_tokens(b, ("max_tokens",), 16, limits)
+    prompts = _prompts(b, limits)
+    params = _sampling(b, limits, max_tokens, logprobs)
+    if len(prompts) * params.n > limits.max_choices:
+        raise bad_request(f"{len(prompts)} prompts x n={params.n} is more than {limits.max_choices} choices "
+                          "in one request", "n")
     return CompletionRequest(
-        model=_model(b), prompts=_prompts(b, limits),
-        params=_sampling(b, limits, max_tokens, logprobs),
+        model=_model(b), prompts=prompts, params=params,
         stream=stream, include_usage=include_usage, echo=b.boolean("echo", False), logprobs=logprobs,
     )
 
