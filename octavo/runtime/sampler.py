@@ -33,9 +33,6 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
-NUCLEUS_CANDIDATES = 1024  # top_p looks at this many best tokens first
-
-
 class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
@@ -112,32 +109,31 @@ class Sampler:
     @staticmethod
     def candidates(row: np.ndarray, req: Request) -> tuple[np.ndarray, np.ndarray]:
         """Token ids a sampled row may take and their unnormalised weights, after temperature, top_k,
-        top_p (on the top_k-restricted distribution) and min_p. Avoids a full-vocabulary sort: it looks
-        at the top candidates only (all of them if the nucleus turns out larger)."""
+        top_p (on the top_k-restricted distribution) and min_p, without sorting the vocabulary: top_k
+        is a partition; top_p sorts only tokens with p >= (1 - top_p) / n, a superset of the nucleus
+        (a token below that could only be reached after tokens of mass > 1 - top_p, all as small)."""
         p = req.params
         x = row.astype(np.float32) / np.float32(p.temperature)
         v = x.shape[0]
-        k = p.top_k if 0 < p.top_k < v else v
-        tentative = k == v and p.top_p < 1.0 and v > NUCLEUS_CANDIDATES
-        if tentative:
-            k = NUCLEUS_CANDIDATES
         m = x.max()
-        if k == v and p.top_p >= 1.0:  # plain temperature sampling (maybe min_p): no gather
-            ids, w = np.arange(v), np.exp(x - m)
-        else:
-            ids = np.argpartition(-x, k - 1)[:k] if k < v else np.arange(v)
-            if p.top_p < 1.0:
-                ids = ids[np.argsort(-x[ids], kind="stable")]
+        ids: np.ndarray | None = None
+        if 0 < p.top_k < v:
+            kth = np.partition(x, v - p.top_k)[v - p.top_k]
+            ids = np.flatnonzero(x >= kth)  # ties with the k-th value stay (as in transformers)
             w = np.exp(x[ids] - m)
+        else:
+            w = np.exp(x - m)
         if p.top_p < 1.0:
-            total = np.exp(x - m).sum(dtype=np.float64) if tentative else w.sum(dtype=np.float64)
-            cum = np.cumsum(w, dtype=np.float64) / total
-            if tentative and cum[-1] < p.top_p:  # the nucleus is wider than the candidates: use them all
-                ids = np.argsort(-x, kind="stable")
-                w = np.exp(x[ids] - m)
-                cum = np.cumsum(w, dtype=np.float64) / total
-            n_keep = max(1, int(np.count_nonzero(cum - w / total < p.top_p)))
-            ids, w = ids[:n_keep], w[:n_keep]
+            total = w.sum(dtype=np.float64)
+            sel = np.flatnonzero(w >= (1.0 - p.top_p) * total / w.shape[0])
+            order = sel[np.argsort(-w[sel], kind="stable")]
+            ws = w[order]
+            before = (np.cumsum(ws, dtype=np.float64) - ws) / total
+            order = order[: max(1, int(np.count_nonzero(before < p.top_p)))]
+            ids = order if ids is None else ids[order]
+            w = w[order]
+        if ids is None:
+            ids = np.arange(v)
         if p.min_p > 0.0:
             keep = w >= p.min_p * w.max()
             ids, w = ids[keep], w[keep]
