@@ -78,16 +78,24 @@ def server(exported: Path, trace: Path, tmp_path_factory):  # noqa: ANN001, ANN2
 
 
 @pytest.fixture(scope="module")
-def reference(exported: Path) -> dict[str, str]:
-    """Greedy text of octavo.LLM (no Triton): PROMPT with MAX_TOKENS, PROMPTS16 with LONG_TOKENS."""
-    from octavo import LLM, SamplingParams
+def offline(exported: Path):  # noqa: ANN201
+    """octavo.LLM on the same export, in this process (no Triton): the reference."""
+    from octavo import LLM
 
     llm = LLM(str(exported), num_threads=1, num_blocks=NUM_BLOCKS)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def reference(offline) -> dict[str, str]:  # noqa: ANN001
+    """Greedy text of octavo.LLM: PROMPT with MAX_TOKENS, PROMPTS16 with LONG_TOKENS."""
+    from octavo import SamplingParams
+
     prompts = [PROMPT, *PROMPTS16]
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS if p == PROMPT else LONG_TOKENS, ignore_eos=True)
               for p in prompts]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.close()
+    outs = offline.generate(prompts, params, use_tqdm=False)
     return {p: o.outputs[0].text for p, o in zip(prompts, outs)}
 
 
@@ -304,6 +312,28 @@ def test_bad_request_errors_while_a_good_one_completes(server: TritonServer, ref
         assert "".join(r["text"] for r in good) == reference[PROMPT]
     finally:
         stream.close()
+
+
+def test_sampling_inputs_reach_the_engine(server: TritonServer, offline, reference: dict[str, str]) -> None:  # noqa: ANN001
+    from octavo import SamplingParams
+
+    knobs = dict(temperature=0.9, top_k=40, top_p=0.9, seed=1234, repetition_penalty=1.2, presence_penalty=0.5,
+                 frequency_penalty=0.4)
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **knobs),
+                            use_tqdm=False)[0].outputs[0].text
+    status, body = http_post(server, "generate", dict(text_input=PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                      exclude_input_in_output=True, **knobs))
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == want  # seeded sampling is reproducible across both paths
+    assert want != reference[PROMPT]  # and the knobs did change the text
+    greedy_text = reference[PROMPT]
+    stop = greedy_text[len(greedy_text) // 2:len(greedy_text) // 2 + 2]
+    want_stop = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                        stop=[stop]), use_tqdm=False)[0].outputs[0]
+    status, body = http_post(server, "generate", greedy(PROMPT, stop_words=[stop], exclude_input_in_output=True))
+    out = json.loads(body)
+    assert status == 200 and out["text_output"] == want_stop.text and out["finish_reason"] == "stop", body
+    assert len(out["text_output"]) < len(greedy_text)
 
 
 def test_repository_generator(tmp_path: Path) -> None:
