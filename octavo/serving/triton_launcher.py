@@ -1,6 +1,6 @@
 """Find, prepare and run a real NVIDIA Triton Inference Server for octavo's model repository.
 
-Two installations are recognised, in this order:
+Three installations are recognised, in this order:
 1. an explicit one: `$TRITONSERVER_DIR` (a folder holding bin/tritonserver and backends/, e.g. /opt/tritonserver
    in NVIDIA's container);
 2. the tritonserver bundled by the `nvidia-pytriton` wheel (`pip install --no-deps nvidia-pytriton==0.7.0`),
@@ -239,8 +239,8 @@ class TritonServer:
             "--exit-on-error=true",
             "--exit-timeout-secs=10",
             f"--log-verbose={self.log_verbose}",
-            # the python backend names its /dev/shm regions from this prefix; the default is the same for every
-            # server on the machine, so two servers running at once would corrupt each other's messages
+            # the python backend names its /dev/shm regions from this prefix; our own prefix lets stop() remove
+            # the regions a killed server leaves behind (1 MiB and up each)
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *self.extra_args,
         ]
