@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from octavo.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
@@ -155,8 +156,11 @@ class AsyncEngine:
                 if stopping:
                     self._end_all("the engine was shut down", reason="abort")
                     return
+                steps = engine.step_count
                 outputs = engine.step()
                 self._stats = engine.stats()
+                if not outputs and engine.step_count == steps:
+                    time.sleep(0.001)  # nothing could run (should not happen): do not spin
             except Exception as exc:  # noqa: BLE001 - an engine bug: end every request, refuse new ones
                 logger.exception("engine step loop died")
                 with self._lock:

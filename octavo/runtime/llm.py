@@ -109,6 +109,11 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+            left = [i for i in ids if i not in done and i in self.engine.groups]
+            for rid in left:  # interrupted (Ctrl-C, an exception): leave the engine clean
+                self.engine.abort_request(rid)
+            if left:
+                self.engine.step()
         return [done[i] for i in ids]
 
     def close(self) -> None:
