@@ -292,8 +292,14 @@ class LLMEngine:
         if error is None:
             now = time.time()
             for req, tok, lp in zip(to_sample, sampled.token_ids, sampled.logprobs):
-                self._append_token(req, tok, lp, now)
                 touched[req.parent_id] = self.groups[req.parent_id]
+                try:
+                    self._append_token(req, tok, lp, now)
+                except Exception as exc:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode: end only this one
+                    logger.exception("request %s failed after sampling token %d", req.request_id, tok)
+                    if not req.finished:
+                        req.error = f"{type(exc).__name__}: {exc}"
+                        self._finish(req, "error")
         for row, req in zip(rows, sched.scheduled):
             row["output_len"] = req.num_output_tokens
         for group in touched.values():
@@ -341,7 +347,10 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.detokenizer is not None:
-            req.detokenizer.flush()
+            try:
+                req.detokenizer.flush()
+            except Exception:  # noqa: BLE001 - never let text decoding keep blocks allocated
+                logger.exception("detokenizer flush failed for %s", req.request_id)
         self.scheduler.finish(req, reason)
         req.metrics.finished_time = time.time()
         self._finished_since_step.append({"id": req.request_id, "reason": reason})
