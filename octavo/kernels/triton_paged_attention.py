@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import triton
@@ -180,6 +180,8 @@ class KernelConfig:
     sliding_window: int = 0
     softcap: float = 0.0
     num_warps: int = 4
+    num_stages: int = 3  # software-pipelining depth of the KV loop (shared memory grows with it)
+    kv_tile: int = 0  # KV positions per loop iteration; 0 = max(64, block_size)
     upcast: bool = False  # run the dots in fp32 (used under TRITON_INTERPRET=1 for bf16, see below)
 
     def __post_init__(self) -> None:
@@ -205,7 +207,7 @@ class KernelConfig:
     @property
     def block_n(self) -> int:
         """KV positions per loop iteration: several small pages at once (block ids gathered per row)."""
-        return max(64, self.block_size)
+        return self.kv_tile or max(64, self.block_size)
 
     @property
     def use_dot(self) -> bool:
@@ -241,7 +243,7 @@ def compile_kernel(config: KernelConfig, arch: int = 90, ptx_version: int | None
     from triton.compiler import ASTSource
 
     src = ASTSource(fn=_paged_attention_kernel, signature=config.signature(), constexprs=config.constexprs())
-    options: dict[str, Any] = {"num_warps": config.num_warps}
+    options: dict[str, Any] = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if ptx_version is not None:
         options["ptx_version"] = ptx_version
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
@@ -258,6 +260,27 @@ def check_aot_launchable(compiled) -> None:  # noqa: ANN001
                                "launch cannot provide Triton scratch memory")
     if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False):
         raise RuntimeError(f"kernel {meta.name} needs a cluster/cooperative launch TensorRT's AOT path lacks")
+
+
+# Triton's own launcher opts a kernel in to more than 48 KiB of dynamic shared memory; TensorRT's AOT
+# launch is not documented to, so AOT variants are kept within the default limit.
+AOT_SHARED_LIMIT = 48 * 1024
+_AOT_FALLBACKS = ((3, 0), (2, 0), (1, 0), (2, 32), (1, 32), (1, 16))  # (num_stages, kv_tile)
+
+
+def compile_for_aot(config: KernelConfig, arch: int, ptx_version: int | None = None,
+                    shared_limit: int = AOT_SHARED_LIMIT):  # noqa: ANN201
+    """Compile for TensorRT's AOT launch: the deepest pipelining / widest KV tile that fits SHARED_LIMIT."""
+    tried = []
+    for stages, tile in _AOT_FALLBACKS:
+        variant = replace(config, num_stages=stages, kv_tile=tile)
+        compiled = compile_kernel(variant, arch=arch, ptx_version=ptx_version)
+        check_aot_launchable(compiled)
+        if compiled.metadata.shared <= shared_limit:
+            return compiled
+        tried.append(f"stages={stages} kv_tile={variant.block_n}: {compiled.metadata.shared} B")
+    raise RuntimeError(f"no paged-attention variant for {config} fits {shared_limit} B of shared memory "
+                       f"({'; '.join(tried)})")
 
 
 def paged_attention(
@@ -285,12 +308,20 @@ def paged_attention(
     if num_tokens == 0:
         return output
     grid = (num_tiles(num_tokens, num_seqs, config.block_m), kv_num_heads)
-    _paged_attention_kernel[grid](
+    args = (
         query.contiguous(), key.contiguous(), value.contiguous(), key_cache, value_cache,
         cumulative_sequence_length.to(torch.int32).contiguous(), past_seqlens.to(torch.int32).contiguous(),
         block_table.to(torch.int32).contiguous(), slot_mapping.to(torch.int64).contiguous(),
         num_tokens, num_seqs, block_table.shape[1],
         output, key_cache, value_cache,
-        num_warps=num_warps, **config.constexprs(),
     )
-    return output
+    from triton.runtime.errors import OutOfResources
+
+    for stages, tile in _AOT_FALLBACKS:  # shallower pipelines / narrower KV tiles on smaller-smem GPUs
+        variant = replace(config, num_stages=stages, kv_tile=tile)
+        try:
+            _paged_attention_kernel[grid](*args, num_warps=num_warps, num_stages=stages, **variant.constexprs())
+            return output
+        except OutOfResources as exc:  # raised before the launch: nothing was written yet
+            last = exc
+    raise last

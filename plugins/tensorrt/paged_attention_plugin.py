@@ -68,15 +68,13 @@ def register(arch: int, ptx_version: int | None = None) -> None:
     if trt.get_plugin_registry().get_creator(PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE) is not None:
         return  # already registered in this process (TensorRT's registry is per process)
 
-    from octavo.kernels.triton_paged_attention import KernelConfig, check_aot_launchable, compile_kernel
+    from octavo.kernels.triton_paged_attention import KernelConfig, compile_for_aot
 
     compiled_variants: dict[KernelConfig, object] = {}  # TensorRT asks once per format/tactic; compile once
 
     def compiled_for(config: KernelConfig):  # noqa: ANN202
         if config not in compiled_variants:
-            compiled = compile_kernel(config, arch=arch, ptx_version=ptx_version)
-            check_aot_launchable(compiled)
-            compiled_variants[config] = compiled
+            compiled_variants[config] = compile_for_aot(config, arch=arch, ptx_version=ptx_version)
         return compiled_variants[config]
 
     @trtp.register(PLUGIN_ID)
