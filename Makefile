@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	# a real Triton Inference Server (tritonserver + python backend); --no-deps keeps numpy>=2
 	$(PIP) install -q --no-deps nvidia-pytriton==0.7.0
 	$(PIP) install -q 'tritonclient[grpc,http]>=2.50'
+	# the bundled python-backend stub was built against numpy 1.x: give it (only it) numpy 1.26
+	$(PIP) install -q --no-deps --target $(VENV)/triton-numpy numpy==1.26.4
 	touch $@
 
 op: $(VENV)/.installed
