@@ -146,3 +146,56 @@ def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa
     assert finals["a"].outputs[0].finish_reason == "abort"
     assert finals["b"].outputs[0].token_ids == hf_reference(hf, [8, 9], 2)
     eng.shutdown_nowait()
+
+
+def test_many_threads_submitting_and_aborting_at_random(tmp_path) -> None:  # noqa: ANN001
+    """Every request gets exactly one final output, finished ones equal the oracle, no block leaks."""
+    import random
+    import time
+
+    from toy_backend import ToyBackend, make_toy_model_dir, toy_greedy
+
+    folder = make_toy_model_dir(tmp_path / "toy")
+    eng = AsyncEngine(EngineArgs(model=str(folder), block_size=4, max_num_batched_tokens=16, max_num_seqs=6),
+                      ToyBackend(24, 4))
+    finals: dict[str, list] = {}
+    prompts: dict[str, list[int]] = {}
+    lock = threading.Lock()
+
+    def cb(out) -> None:  # noqa: ANN001
+        if out.finished:
+            with lock:
+                finals.setdefault(out.request_id, []).append(out)
+
+    def worker(w: int) -> None:
+        rng = random.Random(w)
+        for k in range(15):
+            rid = f"w{w}-{k}"
+            p = [rng.randrange(5, 300) for _ in range(rng.randrange(1, 30))]
+            prompts[rid] = p
+            eng.submit({"prompt_token_ids": p}, greedy(rng.randrange(1, 12)), rid, cb)
+            time.sleep(rng.random() * 0.005)
+            if rng.random() < 0.3:
+                try:
+                    eng.abort_nowait(rid)
+                except UnknownRequestError:
+                    pass  # already finished
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.time() + 60
+    while len(finals) < len(prompts) and time.time() < deadline:
+        time.sleep(0.01)
+    assert set(finals) == set(prompts)
+    for rid, outs in finals.items():
+        assert len(outs) == 1
+        c = outs[0].outputs[0]
+        ref = toy_greedy(prompts[rid], len(c.token_ids))
+        assert c.token_ids == ref and c.finish_reason in ("length", "abort")
+    time.sleep(0.05)
+    st = eng.stats()
+    assert st.num_free_blocks == st.num_total_blocks and st.num_running == st.num_waiting == 0
+    eng.shutdown_nowait()
