@@ -258,8 +258,10 @@ def check_aot_launchable(compiled) -> None:  # noqa: ANN001
         if getattr(meta, field, 0):
             raise RuntimeError(f"kernel {meta.name} needs {field}={getattr(meta, field)}; the TensorRT AOT "
                                "launch cannot provide Triton scratch memory")
-    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False):
-        raise RuntimeError(f"kernel {meta.name} needs a cluster/cooperative launch TensorRT's AOT path lacks")
+    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False) \
+            or getattr(meta, "launch_pdl", False) or getattr(meta, "tmem_size", 0):
+        raise RuntimeError(f"kernel {meta.name} needs a cluster/cooperative/PDL launch or tensor memory, "
+                           "which TensorRT's AOT launch (grid, block, shared memory only) does not set up")
 
 
 # Triton's own launcher opts a kernel in to more than 48 KiB of dynamic shared memory; TensorRT's AOT
