@@ -39,7 +39,7 @@ CASES = {
     "long_chunk_tiles": ([(70, 130)], 2, 1, 64, 16, 0, 0.0),
     # Few work items + long contexts: key ranges split into parts, combined afterwards.
     "split_long_decode": ([(1000, 1), (700, 1)], 4, 1, 64, 16, 0, 0.0),
-    "split_window_rows_without_keys": ([(400, 40)], 2, 2, 64, 16, 250, 0.0),
+    "split_window": ([(600, 40)], 2, 2, 64, 16, 500, 0.0),
     "split_chunked_softcap_hd40": ([(600, 5), (0, 3)], 4, 2, 40, 32, 0, 3.0),
 }
 
@@ -88,6 +88,29 @@ def test_op_matches_reference_on_random_shapes(library: str, seed: int) -> None:
     np.testing.assert_allclose(output, expected, atol=1e-5, rtol=0, err_msg=str((seqs, attrs, head_dim, block_size)))
     np.testing.assert_array_equal(key_cache_out, ref_inputs["key_cache"])
     np.testing.assert_array_equal(value_cache_out, ref_inputs["value_cache"])
+
+
+def test_sequence_result_is_bit_identical_alone_or_in_any_batch(library: str) -> None:
+    """How work is split (kv heads per item, key-range parts) may depend on the batch, but a
+    sequence's numbers may not: the engine promises batch-invariant greedy output."""
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.125)
+    session = make_session(library, **attrs)
+    rng = np.random.default_rng(11)
+    batch_seqs = [(1500, 1), (40, 30), (3, 1), (0, 70), (700, 2)]
+    batch = random_step(rng, batch_seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                        block_size=block_size)
+    (batch_out, *_) = session.run(None, batch.feeds())
+    cu = batch.cumulative_sequence_length
+    for b in range(len(batch_seqs)):
+        rows = slice(cu[b], cu[b + 1])
+        alone = batch.feeds()
+        alone.update(query=batch.query[rows], key=batch.key[rows], value=batch.value[rows],
+                     cumulative_sequence_length=np.array([0, cu[b + 1] - cu[b]], dtype=np.int32),
+                     past_seqlens=batch.past_seqlens[b:b + 1], block_table=batch.block_table[b:b + 1],
+                     slot_mapping=batch.slot_mapping[rows])
+        (alone_out, *_) = session.run(None, alone)
+        np.testing.assert_array_equal(alone_out, batch_out[rows], err_msg=f"sequence {b}")
 
 
 def test_iobinding_writes_callers_pool_zero_copy(library: str) -> None:

@@ -12,11 +12,11 @@ namespace {
 
 // Target rows (query tokens x query heads of one kv group) per work item; they share K/V rows.
 constexpr int64_t kRowsPerItem = 64;
-// Enough work items for a thread pool to balance, before kv heads are split across items and
-// then key ranges split into parts.
+// Enough work items for a thread pool to balance, before kv heads are split across items.
 constexpr int64_t kMinItems = 32;
-// Fewest keys a part of a split key range gets (a multiple of the kernel's key chunk).
-constexpr int64_t kMinKeysPerPart = 128;
+// Key ranges of single-tile sequences (decode, short chunks) are split into parts of at least
+// this many keys (a multiple of the kernel's key chunk).
+constexpr int64_t kMinKeysPerPart = 256;
 
 }  // namespace
 
@@ -111,18 +111,18 @@ WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
           static_cast<int64_t>(tiles.size()) * (p.kv_num_heads / heads_per_item) < kMinItems)) {
     --heads_per_item;
   }
-  const int64_t whole_items = static_cast<int64_t>(tiles.size()) * (p.kv_num_heads / heads_per_item);
-  // Still too few: split each tile's key range into parts of >= kMinKeysPerPart keys.
-  const int64_t wanted_parts = whole_items > 0 ? (kMinItems + whole_items - 1) / whole_items : 1;
 
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   WorkPlan plan;
   for (const Tile& tl : tiles) {
+    // A sequence with one tile (decode, a short chunk) but a long context has too little work
+    // per item for a thread pool: its keys are split into parts, combined afterwards. The split
+    // depends only on the sequence itself, never on the rest of the batch, so a sequence's
+    // result is bit-identical whatever batch it runs in.
     const int64_t keys = tl.key_hi - tl.key_lo;
-    const int64_t parts = std::max<int64_t>(1, std::min(wanted_parts, keys / kMinKeysPerPart));
-    // Part boundaries on multiples of kMinKeysPerPart keys (chunk-aligned from key_lo).
-    const int64_t part_keys = (keys + parts - 1) / parts;
-    const int64_t step = (part_keys + kMinKeysPerPart - 1) / kMinKeysPerPart * kMinKeysPerPart;
+    const bool single_tile = tl.end - tl.begin == t.cumulative_sequence_length[tl.seq + 1] - t.cumulative_sequence_length[tl.seq];
+    const int64_t parts = single_tile ? std::max<int64_t>(1, keys / kMinKeysPerPart) : 1;
+    const int64_t step = ((keys + parts - 1) / parts + 63) / 64 * 64;  // part length, chunk-aligned
     for (int64_t g = 0; g < p.kv_num_heads; g += heads_per_item) {
       const WorkItem whole{tl.seq, tl.begin, tl.end, static_cast<int32_t>(g), static_cast<int32_t>(g + heads_per_item),
                            0, std::numeric_limits<int64_t>::max(), -1};
