@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup op demo test test-slow lint clean
+.PHONY: setup op demo test test-slow gpu-check clean
 
 setup: $(VENV)/.installed op
 
@@ -32,6 +32,9 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+gpu-check: setup
+	$(PY) scripts/gpu_check.py
 
 clean:
 	rm -rf build octavo/_lib .pytest_cache
