@@ -1,7 +1,7 @@
 """The aiohttp application: OpenAI-compatible routes over one shared AsyncEngine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE), GET /v1/models,
-/health, /version, /metrics. Errors leave in OpenAI's JSON shape. Every route except /health needs the
+/health, /version, /metrics, /openapi.json. Errors leave in OpenAI's JSON shape. Every route except /health needs the
 API key when one is set. While the model loads (or the server drains) the API answers 503.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.engine_client import EngineClient
 from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
+from octavo.serving.openapi import add_openapi_route, server_schema
 from octavo.serving.protocol import ChatRequest, CompletionRequest, Limits, check_model, parse_chat, parse_completion
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_openapi_route(app, lambda: server_schema(state))
     return app
 
 
@@ -155,10 +157,12 @@ async def _read_json(request: web.Request) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    try:  # strict UTF-8 (json.loads(bytes) would let encoded surrogates through)
+        body = json.loads(raw.decode("utf-8"))
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # no lone surrogates from \ud800 escapes
+        return body
+    except (ValueError, UnicodeError, RecursionError) as exc:  # JSONDecodeError, int digits limit, nesting
+        raise bad_request(f"the request body is not valid JSON in UTF-8: {str(exc)[:200]}") from None
 
 
 def _engine_error(exc: BaseException) -> ApiError:
