@@ -1,0 +1,245 @@
+"""The server's OpenAPI 3.0 description, served at GET /openapi.json (behind the API key like every route
+but /health). It is written by hand from what octavo/serving/protocol.py accepts, with this server's
+limits filled in (served model names, max_tokens cap, n cap), so a schema-driven fuzzer
+(schemathesis) can generate valid and invalid requests and check every answer against it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from octavo.serving.protocol import MAX_LOGPROBS
+
+OPENAPI_PATH = "/openapi.json"
+_JSON = "application/json"
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _int(lo: int | None = None, hi: int | None = None, **kw: Any) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "integer", **kw}
+    if lo is not None:
+        s["minimum"] = lo
+    if hi is not None:
+        s["maximum"] = hi
+    return s
+
+
+def _num(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "number", "nullable": True}
+    if lo is not None:
+        s["minimum"] = lo
+        if lo_open:
+            s["exclusiveMinimum"] = True
+    if hi is not None:
+        s["maximum"] = hi
+    return s
+
+
+def _sampling(max_tokens_cap: int | None, max_n: int, vocab_size: int | None) -> dict[str, Any]:
+    """Fields shared by completions and chat completions."""
+    token = _int(0, vocab_size - 1 if vocab_size else None)
+    return {
+        "model": {"type": "string", "nullable": True, "description": "absent = the served model"},
+        "n": _int(1, max_n, nullable=True),
+        "best_of": _int(1, max_n, nullable=True, description="must equal n"),
+        "temperature": _num(0.0),
+        "top_p": _num(0.0, 1.0, lo_open=True),
+        "top_k": _int(-1, nullable=True, description="-1 or 0: off"),
+        "min_p": _num(0.0, 1.0),
+        "seed": _int(-(2**63), 2**64 - 1, nullable=True),
+        "repetition_penalty": _num(0.0, lo_open=True),
+        "presence_penalty": _num(-2.0, 2.0),
+        "frequency_penalty": _num(-2.0, 2.0),
+        "logit_bias": {"type": "object", "nullable": True, "additionalProperties": _num(-100.0, 100.0),
+                       "description": "token id (as a string) -> bias"},
+        "max_tokens": _int(1, max_tokens_cap, nullable=True),
+        "min_tokens": _int(0, max_tokens_cap, nullable=True),
+        "stop": {"nullable": True, "oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}}]},
+        "stop_token_ids": {"type": "array", "nullable": True, "items": token},
+        "include_stop_str_in_output": {"type": "boolean", "nullable": True},
+        "ignore_eos": {"type": "boolean", "nullable": True},
+        "skip_special_tokens": {"type": "boolean", "nullable": True},
+        "user": {"type": "string", "nullable": True},
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {"type": "object", "nullable": True, "description": "only with stream: true",
+                           "properties": {"include_usage": {"type": "boolean"}}},
+    }
+
+
+def _completion_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, Any]:
+    token = _int(0, vocab - 1 if vocab else None)
+    props = _sampling(cap, max_n, vocab)
+    props.update({
+        "prompt": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string", "minLength": 1}},
+            {"type": "array", "minItems": 1, "items": token},
+            {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "array", "minItems": 1, "items": token}},
+        ]},
+        "logprobs": _int(0, MAX_LOGPROBS, nullable=True),
+        "echo": {"type": "boolean", "nullable": True},
+    })
+    return {"type": "object", "required": ["prompt"], "properties": props}
+
+
+def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, Any]:
+    props = _sampling(cap, max_n, vocab)
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
+        "name": {"type": "string"},
+    }}
+    props.update({
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_completion_tokens": _int(1, cap, nullable=True),
+        "logprobs": {"type": "boolean", "nullable": True},
+        "top_logprobs": _int(0, MAX_LOGPROBS, nullable=True, description="needs logprobs: true"),
+        "response_format": {"type": "object", "nullable": True, "required": ["type"],
+                            "properties": {"type": {"type": "string", "enum": ["text"]}}},
+    })
+    return {"type": "object", "required": ["messages"], "properties": props}
+
+
+_NULLABLE_STR = {"type": "string", "nullable": True}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_FINISH = {"type": "string", "nullable": True, "enum": ["stop", "length", "abort", "error", None]}
+
+
+def _responses_schemas() -> dict[str, Any]:
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STR,
+                "code": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "integer"}]}}}}},
+        "Usage": _USAGE,
+        "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                       "properties": {
+                           "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]},
+                           "created": {"type": "integer"}, "model": {"type": "string"},
+                           "choices": {"type": "array", "items": {
+                               "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
+                               "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
+                                              "logprobs": {"type": "object", "nullable": True},
+                                              "finish_reason": _FINISH}}},
+                           "usage": _ref("Usage")}},
+        "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                           "properties": {
+                               "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},
+                               "created": {"type": "integer"}, "model": {"type": "string"},
+                               "choices": {"type": "array", "items": {
+                                   "type": "object", "required": ["index", "message", "finish_reason"],
+                                   "properties": {
+                                       "index": {"type": "integer", "minimum": 0},
+                                       "message": {"type": "object", "required": ["role", "content"], "properties": {
+                                           "role": {"type": "string", "enum": ["assistant"]},
+                                           "content": {"type": "string"}}},
+                                       "logprobs": {"type": "object", "nullable": True},
+                                       "finish_reason": _FINISH}}},
+                               "usage": _ref("Usage")}},
+        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                                                "properties": {"id": {"type": "string"},
+                                                               "object": {"type": "string", "enum": ["model"]},
+                                                               "created": {"type": "integer"},
+                                                               "owned_by": {"type": "string"}}}}}},
+    }
+
+
+# one server-sent event: `data: <chunk JSON>`, or `data: [DONE]` last
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string", "minLength": 1}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {_JSON: {"schema": _ref("Error")}}}
+
+
+_COMMON_ERRORS = {
+    "401": _error("missing or wrong API key"),
+    "503": _error("the model is loading, failed to load, or the server is shutting down"),
+}
+
+
+def _generate_op(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {_JSON: {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "the whole response, or an event stream when stream is true", "content": {
+                _JSON: {"schema": _ref(response)},
+                "text/event-stream": {"schema": _SSE_EVENT}}},
+            "400": _error("the body is not valid JSON or a parameter is invalid (the error names it)"),
+            "404": _error("the request names a model this server does not serve"),
+            "413": _error("the body is larger than --max-body-bytes"),
+            "500": _error("the engine step computing this request failed (other requests are unaffected)"),
+            **_COMMON_ERRORS,
+        },
+    }
+
+
+def _get_op(summary: str, content: dict[str, Any], *, auth: bool = True) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "ok", "content": content},
+                                                            **(_COMMON_ERRORS if auth else {"503": _COMMON_ERRORS["503"]})}}
+    if not auth:
+        op["security"] = []
+    return op
+
+
+def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int | None = None, max_n: int = 16,
+                   vocab_size: int | None = None, version: str = "0") -> dict[str, Any]:
+    """The OpenAPI 3.0.3 document of this server, with its limits filled in."""
+    schemas = _responses_schemas()
+    schemas["CompletionRequest"] = _completion_request(max_tokens_cap, max_n, vocab_size)
+    schemas["ChatCompletionRequest"] = _chat_request(max_tokens_cap, max_n, vocab_size)
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "octavo OpenAI-compatible server", "version": version,
+                 "description": f"serves {', '.join(served_model_names)}"},
+        "components": {"schemas": schemas,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/completions": {"post": _generate_op("text completion", "CompletionRequest", "Completion")},
+            "/v1/chat/completions": {"post": _generate_op("chat completion", "ChatCompletionRequest",
+                                                          "ChatCompletion")},
+            "/v1/models": {"get": _get_op("the served model names", {_JSON: {"schema": _ref("ModelList")}})},
+            "/health": {"get": _get_op("200 once the model is loaded (no API key needed)", {}, auth=False)},
+            "/version": {"get": _get_op("octavo's version", {_JSON: {"schema": {
+                "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}})},
+            "/metrics": {"get": _get_op("Prometheus metrics", text)},
+            OPENAPI_PATH: {"get": _get_op("this document", {_JSON: {"schema": {"type": "object"}}})},
+        },
+    }
+
+
+def server_schema(state: Any) -> dict[str, Any]:
+    """The document for a running server (an octavo.serving.app.ServerState): its names and limits."""
+    import octavo
+
+    cfg = state.config
+    vocab = state.limits.vocab_size if state.limits is not None else None
+    return openapi_schema(cfg.served_model_names, max_tokens_cap=cfg.max_tokens_cap, max_n=cfg.max_n,
+                          vocab_size=vocab, version=octavo.__version__)
+
+
+def add_openapi_route(app: web.Application, schema: Any) -> None:
+    """Serve GET /openapi.json. SCHEMA is a dict, or a callable returning one (evaluated per request, so it
+    can reflect facts known only once the model has loaded)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(schema() if callable(schema) else schema)
+
+    app.router.add_get(OPENAPI_PATH, handler)
+
+
+__all__ = ["OPENAPI_PATH", "add_openapi_route", "openapi_schema", "server_schema"]
