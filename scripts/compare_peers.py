@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=None, help="online Poisson rate, requests/s (default 2, quick 4)")
     p.add_argument("--no-online", action="store_true", help="skip the online latency run")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline measurement")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of the offline runs (peers interleaved); the fastest round of each counts")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one peer may take for all its workloads")
     return p.parse_args(argv)
 
@@ -112,6 +115,22 @@ def targets(table: dict[str, dict[str, Any]], offline: list[IdWorkload], shared:
     }
 
 
+def best_of_rounds(results: list[PeerResult]) -> list[PeerResult]:
+    """One result per (peer, workload): the fastest round that ran; every round's time goes to extra."""
+    best: dict[tuple[str, str], PeerResult] = {}
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in results:
+        key = (r.peer, r.workload)
+        if r.ok:
+            times.setdefault(key, []).append(r.elapsed_s)
+        if key not in best or (r.ok and (not best[key].ok or r.elapsed_s < best[key].elapsed_s)):
+            best[key] = r
+    for key, r in best.items():
+        if len(times.get(key, [])) > 1:
+            r.extra["elapsed_s_rounds"] = times[key]
+    return list(best.values())
+
+
 def run_roofline(octavo_dir: Path, threads: int, batch: int, tmp: Path, timeout: float) -> tuple[dict | None, str]:
     import subprocess
 
@@ -152,25 +171,28 @@ def main(argv: list[str] | None = None) -> int:
     roof, roof_text = None, "roofline: not measured (--no-roofline)"
     if not args.no_roofline:
         roof, roof_text = run_roofline(models.octavo_dir, args.threads, min(args.slots, 64), tmp, args.timeout)
-    if "octavo" in peers:
-        results += worker("octavo", everything, "octavo", max_num_seqs=args.slots, profile=True)
-        results += worker("octavo", [offline[-1], shared], "octavo-nocache", prefix_caching=False, max_num_seqs=args.slots)
-    if "hf" in peers:
-        results += worker("hf", everything, "hf", batch=args.hf_batch, sequential=not args.no_hf_sequential)
-    if "genai" in peers:
-        if models.genai_dir is None:
-            notes.append(f"onnxruntime-genai not run: {models.genai_error}")
-            results += [PeerResult("onnxruntime-genai", w.name, error=models.genai_error) for w in everything]
-        else:
-            results += worker("genai", everything, "genai", batch=args.genai_batch)
-    if "llamacpp" in peers:
-        if not args.llama_server:
-            notes.append("llama.cpp not run: no llama-server binary given (--llama-server PATH or $LLAMA_SERVER)")
-        elif models.gguf_path is None:
-            notes.append(f"llama.cpp not run: {models.gguf_error}")
-        else:
-            results += worker("llamacpp", everything, "llamacpp", slots=args.slots,
+    for rnd in range(args.repeat):  # rounds: each peer once per round; the best round counts
+        tag = f"-{rnd + 1}" if args.repeat > 1 else ""
+        if "octavo" in peers:
+            results += worker("octavo", everything, f"octavo{tag}", max_num_seqs=args.slots, profile=True)
+            results += worker("octavo", [offline[-1], shared], f"octavo-nocache{tag}", prefix_caching=False,
+                              max_num_seqs=args.slots)
+        if "hf" in peers:
+            results += worker("hf", everything, f"hf{tag}", batch=args.hf_batch,
+                              sequential=rnd == 0 and not args.no_hf_sequential)
+        if "genai" in peers and models.genai_dir is not None:
+            results += worker("genai", everything, f"genai{tag}", batch=args.genai_batch)
+        if "llamacpp" in peers and args.llama_server and models.gguf_path is not None:
+            results += worker("llamacpp", everything, f"llamacpp{tag}", slots=args.slots,
                               extra_args=args.llama_server_args.split())
+    results = best_of_rounds(results)
+    if "genai" in peers and models.genai_dir is None:
+        notes.append(f"onnxruntime-genai not run: {models.genai_error}")
+        results += [PeerResult("onnxruntime-genai", w.name, error=models.genai_error) for w in everything]
+    if "llamacpp" in peers and not args.llama_server:
+        notes.append("llama.cpp not run: no llama-server binary given (--llama-server PATH or $LLAMA_SERVER)")
+    elif "llamacpp" in peers and models.gguf_path is None:
+        notes.append(f"llama.cpp not run: {models.gguf_error}")
     if not args.no_online:
         if "octavo" in peers:
             online += worker("octavo-online", [online_wl], "octavo-online", rate=rate, max_num_seqs=args.slots)
@@ -178,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             online += worker("llamacpp-online", [online_wl], "llamacpp-online", rate=rate, slots=args.slots,
                              extra_args=args.llama_server_args.split())
 
+    shutil.rmtree(tmp, ignore_errors=True)
     table = compare(results)
     checks = targets(table, offline, shared, roof, online)
     profile = next((r.extra.get("profile") for r in results if r.peer == "octavo" and r.workload == offline[-1].name

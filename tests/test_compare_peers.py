@@ -67,6 +67,14 @@ def test_octavo_greedy_tokens_equal_hf(report: dict) -> None:
         assert report["table"][name]["octavo"]["agreement_with_hf"] == 1.0
 
 
+def test_prefix_cache_hits_only_with_the_cache_on(report: dict) -> None:
+    by = {(r["peer"], r["workload"]): r for r in report["results"] if r["error"] is None}
+    shared = next(w for w in report["workloads"] if w["name"] == "shared-prefix")
+    assert by[("octavo", "shared-prefix")]["extra"]["prefix_cache_hit_tokens"] >= shared["num_requests"] * 48
+    assert by[("octavo (no prefix cache)", "shared-prefix")]["extra"]["prefix_cache_hit_tokens"] == 0
+    assert by[("octavo", "seed10")]["extra"]["prefix_cache_hit_tokens"] == 0  # random prompts share nothing
+
+
 def test_what_was_not_measured_is_said(report: dict) -> None:
     targets = report["targets"]
     assert len(targets) == 8

@@ -3,7 +3,9 @@
 - seed10:        the seed's 10-request mix: its prompt lengths (2 .. 507 tokens) and generation lengths
                  (4 .. 64) from octavo.bench.workloads.SEED10, prompts of random ids of those lengths.
 - random64:      64 requests, prompt lengths uniform in 16..256, output lengths uniform in 16..128.
-- shared-prefix: one long random prefix shared by every request, then a short distinct suffix.
+- shared-prefix: one long random prefix shared by every request, then a short distinct suffix. Engines
+                 with a prefix cache see the prefix once before the timed run (one untimed request), as a
+                 server that has served this system prompt before would; see octavo_peer.run_offline.
 Ids are drawn from the non-special part of the vocabulary, seeded: same seed, same workload everywhere.
 Fixed output lengths: every peer generates exactly max_tokens tokens, ignoring EOS.
 """
@@ -28,6 +30,7 @@ class IdWorkload:
     name: str
     requests: list[IdRequest]
     note: str = ""
+    shared_prefix_len: int = 0  # leading tokens every prompt shares (a server would have them cached)
 
     @property
     def output_tokens(self) -> int:
@@ -38,12 +41,13 @@ class IdWorkload:
         return sum(len(r.prompt) for r in self.requests)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "note": self.note,
+        return {"name": self.name, "note": self.note, "shared_prefix_len": self.shared_prefix_len,
                 "requests": [{"prompt": r.prompt, "max_tokens": r.max_tokens} for r in self.requests]}
 
     @classmethod
     def from_dict(cls, d: dict) -> IdWorkload:
-        return cls(d["name"], [IdRequest(list(r["prompt"]), int(r["max_tokens"])) for r in d["requests"]], d.get("note", ""))
+        return cls(d["name"], [IdRequest(list(r["prompt"]), int(r["max_tokens"])) for r in d["requests"]], d.get("note", ""),
+                   int(d.get("shared_prefix_len", 0)))
 
 
 def _ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -75,4 +79,5 @@ def shared_prefix(vocab_size: int, num: int = 32, prefix_len: int = 512, suffix_
     prefix = _ids(rng, prefix_len, vocab_size)
     reqs = [IdRequest(prefix + _ids(rng, suffix_len, vocab_size), output_len) for _ in range(num)]
     return IdWorkload("shared-prefix", reqs,
-                      f"{num} requests sharing a {prefix_len}-token prefix, {suffix_len}-token suffixes, {output_len} out")
+                      f"{num} requests sharing a {prefix_len}-token prefix, {suffix_len}-token suffixes, {output_len} out",
+                      prefix_len)
