@@ -65,14 +65,14 @@ def test_op_matches_reference(library: str, name: str) -> None:
     np.testing.assert_array_equal(feeds["value_cache"], ref_inputs["value_cache"])
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_op_matches_reference_on_random_shapes(library: str, seed: int) -> None:
-    """Random configurations reach the kernel's other paths: tile tails, head_dim tails (80, 96, 128,
+    """Random configurations reach the kernel's other paths: tile tails, head_dim tails (8..128,
     24), odd block sizes, windows longer than the context, several kv heads per work item."""
     rng = np.random.default_rng(1000 + seed)
     kv_heads = int(rng.choice([1, 2, 3, 4]))
     group = int(rng.choice([1, 2, 4, 8]))
-    head_dim = int(rng.choice([24, 40, 64, 80, 96, 128]))
+    head_dim = int(rng.choice([8, 16, 24, 40, 64, 80, 96, 128]))
     block_size = int(rng.choice([1, 3, 16, 32]))
     seqs = [(int(rng.integers(0, 90)), int(rng.integers(0, 40))) for _ in range(int(rng.integers(1, 6)))]
     seqs[0] = (seqs[0][0], max(seqs[0][1], 1))
@@ -235,7 +235,7 @@ def test_portable_builds_match_reference(arch: str, tmp_path) -> None:  # noqa: 
                                          output=tmp_path / "liboctavo_ort.so"))
     for name in sorted(CASES):
         test_op_matches_reference(library, name)
-    for seed in range(12):
+    for seed in range(16):
         test_op_matches_reference_on_random_shapes(library, seed)
 
 
