@@ -67,8 +67,8 @@ def test_op_matches_reference(library: str, name: str) -> None:
 
 @pytest.mark.parametrize("seed", range(16))
 def test_op_matches_reference_on_random_shapes(library: str, seed: int) -> None:
-    """Random configurations reach the kernel's other paths: tile tails, head_dim tails (8..128,
-    24), odd block sizes, windows longer than the context, several kv heads per work item."""
+    """Random configurations reach the kernel's other paths: tile tails, head_dim 8..128 (vector
+    tails), odd block sizes, windows longer than the context, several kv heads per work item."""
     rng = np.random.default_rng(1000 + seed)
     kv_heads = int(rng.choice([1, 2, 3, 4]))
     group = int(rng.choice([1, 2, 4, 8]))
