@@ -200,3 +200,24 @@ def test_chat_template_is_sandboxed(tmp_path) -> None:  # noqa: ANN001
     eng = LLMEngine(EngineArgs(model=str(folder), block_size=4), ToyBackend(8, 4))
     with pytest.raises(InvalidRequestError, match="roles must alternate"):
         eng.tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_engine_args_are_checked(toy_dir) -> None:  # noqa: ANN001
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        LLMEngine(EngineArgs(model=str(toy_dir), block_size=4, max_model_len=100000), ToyBackend(8, 4))
+    with pytest.raises(InvalidRequestError, match="block_size"):
+        LLMEngine(EngineArgs(model=str(toy_dir), block_size=8), ToyBackend(8, 4))
+    with pytest.raises(InvalidRequestError, match="block_size"):
+        LLMEngine(EngineArgs(model=str(toy_dir), block_size=6), ToyBackend(8, 6))
+
+
+def test_default_pool_size(toy_dir) -> None:  # noqa: ANN001
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.engine import default_num_blocks
+
+    m = Manifest.load(toy_dir)  # 1 layer, 1 KV head of 4: 2*1*16*1*4*4 = 512 bytes per block of 16
+    assert default_num_blocks(EngineArgs(model="x", num_blocks=7, kv_cache_memory=10**9), m, 256) == 7
+    assert default_num_blocks(EngineArgs(model="x", kv_cache_memory=512 * 10 + 100), m, 256) == 10
+    with pytest.raises(InvalidRequestError, match="less than one KV block"):
+        default_num_blocks(EngineArgs(model="x", kv_cache_memory=100), m, 256)
+    assert default_num_blocks(EngineArgs(model="x", max_num_seqs=8), m, 256) == 8 * 256 // 16

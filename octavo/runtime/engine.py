@@ -116,7 +116,10 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(args.model)
         self.manifest = Manifest.load(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir, self.manifest)
-        self.max_model_len = min(args.max_model_len or self.manifest.max_context, self.manifest.max_context)
+        if args.max_model_len is not None and not 1 <= args.max_model_len <= self.manifest.max_context:
+            raise InvalidRequestError(f"max_model_len must be in [1, {self.manifest.max_context}] (the model's "
+                                      f"context), got {args.max_model_len}")
+        self.max_model_len = args.max_model_len or self.manifest.max_context
         if backend is None:
             backend = make_backend(args, self.model_dir, self.manifest, self.max_model_len)
         elif backend.block_size != args.block_size:
