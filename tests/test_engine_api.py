@@ -221,3 +221,13 @@ def test_default_pool_size(toy_dir) -> None:  # noqa: ANN001
     with pytest.raises(InvalidRequestError, match="less than one KV block"):
         default_num_blocks(EngineArgs(model="x", kv_cache_memory=100), m, 256)
     assert default_num_blocks(EngineArgs(model="x", max_num_seqs=8), m, 256) == 8 * 256 // 16
+
+
+def test_priority_decides_who_runs_first(toy_dir) -> None:  # noqa: ANN001
+    m = llm(toy_dir, max_num_seqs=1)
+    prompts = [{"prompt_token_ids": [10 + i, 11, 12]} for i in range(3)]
+    outs = m.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False,
+                      priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert order == [1, 2, 0]
+    assert all(o.outputs[0].token_ids == toy_greedy(p["prompt_token_ids"], 2) for o, p in zip(outs, prompts))

@@ -35,8 +35,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in input order. A bad prompt raises before any runs."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order. A bad prompt raises before any runs.
+        priority: per prompt, lower is scheduled first (default: first come, first served)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: a string, a dict or a list of token ids
         prompts = list(prompts)
@@ -46,12 +47,15 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        prios = priority or [0] * len(prompts)
         batch = uuid.uuid4().hex[:8]
         ids = [f"{batch}-{i}" for i in range(len(prompts))]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, prio in zip(ids, prompts, params, prios):
+                self.engine.add_request(rid, prompt, p, priority=prio)
                 added.append(rid)
         except Exception:
             for rid in added:
