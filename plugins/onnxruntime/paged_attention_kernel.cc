@@ -89,13 +89,13 @@ void qk_gemm_keys(const float* const* k_rows, const float* q_t, int64_t rows_p, 
 // one shuffle-tree reduction.
 void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, int64_t keys, float* scores) {
   const int64_t D = head_dim;
-  if (D % kWidth != 0) {
+  const int64_t vector_dims = D / kWidth * kWidth;  // the rest (head_dim % kWidth) is summed in scalar
+  if (vector_dims == 0) {
     for (int64_t j = 0; j < keys; ++j) {
       for (int64_t m = 0; m < rows; ++m) {
         const float* qm = q + m * D;
         const float* k = s.k_rows[j];
         float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < D; ++d) acc += qm[d] * k[d];
         scores[m * kKeyChunk + j] = acc;
       }
@@ -110,11 +110,19 @@ void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, in
       vf acc[kWidth];
       const vf q0 = simd::load(qm);
       for (int l = 0; l < kWidth; ++l) acc[l] = q0 * simd::load(k[l]);
-      for (int64_t d = kWidth; d < D; d += kWidth) {  // kWidth independent FMA chains
+      for (int64_t d = kWidth; d < vector_dims; d += kWidth) {  // kWidth independent FMA chains
         const vf qd = simd::load(qm + d);
         for (int l = 0; l < kWidth; ++l) acc[l] += qd * simd::load(k[l] + d);
       }
-      simd::store(scores + m * kKeyChunk + j0, simd::reduce_lanes<kWidth>(acc));
+      vf sums = simd::reduce_lanes<kWidth>(acc);
+      if (vector_dims < D) {
+        for (int l = 0; l < kWidth; ++l) {
+          float tail = 0.0f;
+          for (int64_t d = vector_dims; d < D; ++d) tail += qm[d] * k[l][d];
+          sums[l] += tail;
+        }
+      }
+      simd::store(scores + m * kKeyChunk + j0, sums);
     }
   }
 }
