@@ -48,18 +48,20 @@ class Tokenizer:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.globals["raise_exception"] = _raise_exception
-            self._template = env.from_string(self.chat_template)
-        from jinja2.exceptions import TemplateError
-
         try:
+            if self._template is None:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=["jinja2.ext.loopcontrols"])
+                env.globals["raise_exception"] = _raise_exception
+                self._template = env.from_string(self.chat_template)
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **kwargs,
             )
-        except TemplateError as exc:
-            raise InvalidRequestError(f"chat template failed: {exc}") from exc
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - TemplateError, and what the sandbox raises (OverflowError for
+            # range() over its cap, TypeError for {% include %} without a loader): all the template's fault
+            raise InvalidRequestError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
