@@ -22,7 +22,7 @@ def load(hf_dir: Path, threads: int) -> Any:
     import transformers
 
     torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_safetensors=True)
     model.eval()
     return model
 
