@@ -6,8 +6,8 @@
 
 What it can do, per call of `run` (calls are numbered from 1, one call per engine step):
 - raise: on the calls in `fail_on_calls`, or when `fail_if(inputs)` is true (e.g. a poison token),
-  before the inner backend runs (nothing written) or, with `fail_after_run`, after it ran (the KV
-  pool was written, as a real mid-step crash would leave it);
+  before the inner backend runs (nothing written); on the calls in `fail_after_run_on`, after it ran
+  (the KV pool was written, as a real mid-step crash would leave it);
 - return bad logits: NaN rows on `nan_on_calls`, one row too few on `short_on_calls`;
 - be slow: sleep `delay_s` (or `delay_fn(call)`) seconds before running.
 Everything it did is counted in `calls`, `failures` and `failed_request_counts` for assertions.
@@ -32,7 +32,7 @@ class InjectedFault(RuntimeError):
 class FaultPlan:
     fail_on_calls: set[int] = field(default_factory=set)
     fail_if: Callable[[StepInputs], bool] | None = None
-    fail_after_run: bool = False  # raise after the inner backend wrote the pool
+    fail_after_run_on: set[int] = field(default_factory=set)  # raise after the inner backend wrote the pool
     nan_on_calls: set[int] = field(default_factory=set)
     short_on_calls: set[int] = field(default_factory=set)
     delay_s: float = 0.0
@@ -61,12 +61,11 @@ class FaultyBackend:
         delay = plan.delay_fn(call) if plan.delay_fn is not None else plan.delay_s
         if delay > 0:
             time.sleep(delay)
-        fail = call in plan.fail_on_calls or (plan.fail_if is not None and plan.fail_if(inputs))
-        if fail and not plan.fail_after_run:
+        if call in plan.fail_on_calls or (plan.fail_if is not None and plan.fail_if(inputs)):
             self._count_failure(inputs)
             raise InjectedFault(f"injected backend failure on call {call}")
         logits = self.inner.run(inputs)
-        if fail:
+        if call in plan.fail_after_run_on:
             self._count_failure(inputs)
             raise InjectedFault(f"injected backend failure after running call {call}")
         if call in plan.nan_on_calls:
