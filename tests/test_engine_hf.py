@@ -47,9 +47,10 @@ def test_seed_mix_alone_and_all_at_once(model) -> None:  # noqa: ANN001
     assert together == alone
 
 
-def test_preemption_under_a_tiny_pool(model) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_under_a_tiny_pool(model, caching) -> None:  # noqa: ANN001
     hf, folder = model
-    llm = LLM(str(folder), num_blocks=40, block_size=16, enable_prefix_caching=False)
+    llm = LLM(str(folder), num_blocks=40, block_size=16, enable_prefix_caching=caching)
     reqs = _workload(llm, 16)
     got = _run(llm, reqs)
     assert llm.engine.stats().num_preemptions > 0
