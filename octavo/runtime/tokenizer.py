@@ -20,7 +20,10 @@ class Tokenizer:
         path = folder / manifest.tokenizer_file
         if not path.is_file():
             raise ModelFormatError(f"{folder}: tokenizer file {manifest.tokenizer_file} is missing; re-export the model")
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - `tokenizers` raises a bare Exception for a malformed file
+            raise ModelFormatError(f"{path}: not a valid tokenizer file ({exc}); re-export the model") from exc
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = list(manifest.eos_token_ids)
         self.bos_token_id = manifest.bos_token_id
