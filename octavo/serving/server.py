@@ -79,11 +79,16 @@ class OpenAIServer:
         return self.state.load_error is not None
 
     async def shutdown(self) -> None:
-        """Stop accepting, wait up to shutdown_timeout for in-flight requests, abort what is left, stop the engine."""
+        """Stop accepting, wait up to shutdown_timeout for in-flight requests, abort what is left, stop the engine.
+
+        Aborting goes through the engine (not by cancelling handlers), so every open stream still gets its
+        last chunk (finish_reason "abort") and [DONE], and a non-streamed request its response."""
         self.state.draining = True
-        if self._runner is not None:
-            await self._runner.cleanup()  # closes the listener, waits for handlers, then cancels them
-            self._runner = None
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            for site in list(runner.sites):
+                await site.stop()  # no new connections from here on
+            await self._drain(self._shutdown_timeout)
         if self._load_task is not None and not self._load_task.done():
             await asyncio.wait([self._load_task])
         client, self.state.client = self.state.client, None
@@ -91,7 +96,19 @@ class OpenAIServer:
             await asyncio.to_thread(client.close)  # queued aborts run first
         engine, self.state.engine = self.state.engine, None
         if engine is not None:
-            await engine.shutdown()
+            await engine.shutdown()  # what is still running ends with "abort"; its handlers write the end
+        if runner is not None:
+            await runner.cleanup()  # handlers finish writing, then connections close
+
+    async def _drain(self, timeout: float) -> None:
+        """Wait until the engine has nothing running or waiting (or TIMEOUT seconds pass)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        idle = 0
+        while loop.time() < deadline and idle < 2:
+            stats = self._stats()
+            idle = idle + 1 if stats is None or stats.num_running + stats.num_waiting == 0 else 0
+            await asyncio.sleep(0.02)
 
 
 def _engine_facts(engine: Any) -> tuple[Any, int, int | None]:
