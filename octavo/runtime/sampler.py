@@ -16,6 +16,11 @@ import numpy as np
 from octavo.runtime.request import Request
 
 
+# temperatures below this sample as if at this (practically greedy): logits / 1e-38 overflow float32 to
+# inf, and inf - inf = NaN weights made every such row pick the last vocabulary id
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
@@ -113,7 +118,7 @@ class Sampler:
         is a partition; top_p sorts only tokens with p >= (1 - top_p) / n, a superset of the nucleus
         (a token below that could only be reached after tokens of mass > 1 - top_p, all as small)."""
         p = req.params
-        x = row.astype(np.float32) / np.float32(p.temperature)
+        x = row.astype(np.float32) / np.float32(max(p.temperature, MIN_TEMPERATURE))
         v = x.shape[0]
         m = x.max()
         ids: np.ndarray | None = None
