@@ -36,7 +36,10 @@ class Tokenizer:
         self._template: Any = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError as exc:  # e.g. a lone surrogate ("\ud800"): not encodable text
+            raise InvalidRequestError(f"the text cannot be tokenized (is it valid Unicode?): {exc}") from None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
