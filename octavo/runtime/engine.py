@@ -201,9 +201,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
             if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
                 raise InvalidRequestError("prompt_token_ids must be integers")
+            ids = [int(t) for t in prompt]
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         else:
