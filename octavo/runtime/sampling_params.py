@@ -30,6 +30,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -68,6 +72,13 @@ class SamplingParams:
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a non-empty string or a list of non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise bad(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         if self.logit_bias is not None:
             for k, v in self.logit_bias.items():
                 if not isinstance(k, int) or not _finite(v) or not -100 <= v <= 100:
