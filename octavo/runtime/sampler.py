@@ -51,6 +51,10 @@ class Sampler:
         lp = log_softmax(logits[logprob_rows]) if logprob_rows else None
 
         tokens = np.argmax(logits, axis=-1)  # greedy rows keep this
+        best = logits[np.arange(len(tokens)), tokens]  # NaN if the row holds a NaN (argmax picks it), else its max
+        if not np.isfinite(best).all():  # a broken backend step: fail it rather than sample garbage
+            bad = [reqs[i].request_id for i in np.flatnonzero(~np.isfinite(best))]
+            raise FloatingPointError(f"the backend returned non-finite logits (NaN/inf) for {', '.join(bad)}")
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
             tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand])
