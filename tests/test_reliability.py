@@ -112,10 +112,9 @@ def test_async_engine_failed_steps_end_only_their_requests(folder) -> None:  # n
     assert st.num_free_blocks == st.num_total_blocks and st.num_running == 0 and st.num_waiting == 0
 
 
-def test_bad_logits_are_step_failures_or_harmless(folder) -> None:  # noqa: ANN001
-    """A backend returning too few logits rows fails that step (detected, not a crash); NaN logits never
-    crash the engine or leak blocks. (They are not checked explicitly: a step with a sampled row fails in
-    the sampler, a greedy-only step picks an arbitrary token.)"""
+def test_bad_logits_are_step_failures(folder) -> None:  # noqa: ANN001
+    """A backend returning too few logits rows, or NaN logits, fails that step (detected: an error result
+    for its requests, not a crash and not a garbage token); blocks are freed and the engine keeps serving."""
     backend = faulty(folder, 32, 16, FaultPlan(short_on_calls={2}, nan_on_calls={4}))
     eng = LLMEngine(EngineArgs(model=str(folder), num_blocks=32, block_size=16, num_threads=1), backend)
     for i in range(3):
@@ -135,10 +134,9 @@ def test_bad_logits_are_step_failures_or_harmless(folder) -> None:  # noqa: ANN0
         for o in eng.step():
             if o.finished:
                 final[o.request_id] = o.outputs[0]
-    for rid in ("nan", "nan2"):  # either the sampler refused the NaN row (step error) or a token was picked
+    for rid in ("nan", "nan2"):  # the NaN step fails (greedy and sampled rows alike), nothing is sampled from it
         c = final[rid]
-        assert (c.finish_reason == "error" and c.error) or (c.finish_reason == "length" and len(c.token_ids) == 4)
-        assert all(0 <= t < VOCAB for t in c.token_ids)
+        assert c.finish_reason == "error" and "non-finite logits" in (c.error or ""), c
     assert eng.stats().num_free_blocks == 32
     eng.add_request("healthy", [5, 6, 7], greedy(4))  # and the engine still serves
     while eng.has_unfinished_requests():
