@@ -92,7 +92,9 @@ class Sampler:
                 seen = np.union1d(np.asarray(r.prompt_token_ids, np.int64), out_ids)
                 seen = seen[seen < v]
                 x = logits[i, seen]
-                logits[i, seen] = np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+                # a tiny penalty (e.g. 5e-324) would divide to +inf: cap at the largest finite float32
+                logits[i, seen] = np.minimum(np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty),
+                                             np.finfo(np.float32).max)
             if out_ids.size and (p.presence_penalty or p.frequency_penalty):
                 logits[i, out_ids] -= p.frequency_penalty * counts + p.presence_penalty
 
