@@ -199,3 +199,30 @@ def test_many_threads_submitting_and_aborting_at_random(tmp_path) -> None:  # no
     st = eng.stats()
     assert st.num_free_blocks == st.num_total_blocks and st.num_running == st.num_waiting == 0
     eng.shutdown_nowait()
+
+
+def test_abort_and_shutdown_in_the_same_drain_still_end_the_request(tmp_path) -> None:  # noqa: ANN001
+    """An abort queued while a step runs, then shutdown: the callback still gets exactly one final output
+    (it was dropped: the aborted group left engine.groups before the shutdown ended the rest)."""
+    from toy_backend import ToyBackend, make_toy_model_dir
+
+    folder = make_toy_model_dir(tmp_path / "toy")
+
+    class SlowToy(ToyBackend):
+        running = threading.Event()
+
+        def run(self, inputs):  # noqa: ANN001, ANN201
+            self.running.set()
+            import time
+
+            time.sleep(0.3)
+            return super().run(inputs)
+
+    backend = SlowToy(24, 4)
+    eng = AsyncEngine(EngineArgs(model=str(folder), block_size=4), backend)
+    finals: list = []
+    eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(50), "a", lambda o: finals.append(o) if o.finished else None)
+    assert backend.running.wait(10)
+    eng.abort_nowait("a")  # queued behind the running step ...
+    eng.shutdown_nowait()  # ... and the stop drained with it
+    assert len(finals) == 1 and finals[0].outputs[0].finish_reason == "abort"

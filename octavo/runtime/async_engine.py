@@ -148,7 +148,7 @@ class AsyncEngine:
                 for op, arg in inbox:
                     if op == "add":
                         engine.add_group(arg)  # type: ignore[arg-type]
-                    else:
+                    elif not stopping:  # when stopping, _end_all ends it with "abort" (and delivers that)
                         try:
                             engine.abort_request(arg)  # type: ignore[arg-type]
                         except UnknownRequestError:
