@@ -21,6 +21,7 @@ from octavo.export.checkpoint import Checkpoint, ModelSpec, spec_from_config
 from octavo.export.graph import build_model
 from octavo.export.hf_reader import PICKLE_SUFFIXES, read_hf_folder
 from octavo.export.manifest import MANIFEST_NAME, Manifest
+from octavo.export.quantize import QuantConfig
 from octavo.export.weights_file import WeightsFile
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def read_checkpoint(src: str | Path) -> Checkpoint:
     raise ModelFormatError(f"{src}: expected an HF model folder (config.json + *.safetensors) or a .gguf file")
 
 
-def _manifest(spec: ModelSpec, has_template: bool, source: str) -> Manifest:
+def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConfig) -> Manifest:
     windows = {w for w in spec.sliding_windows if w}
     return Manifest(
         architecture=spec.architecture,
@@ -91,18 +92,21 @@ def _manifest(spec: ModelSpec, has_template: bool, source: str) -> Manifest:
         tokenizer_file=TOKENIZER_NAME,
         chat_template_file=CHAT_TEMPLATE_NAME if has_template else None,
         source=source,
+        weights=quant.weights,
+        quantization=quant.describe(),
     )
 
 
-def _write_folder(checkpoint: Checkpoint, spec: ModelSpec, folder: Path, progress: bool) -> Manifest:
+def _write_folder(checkpoint: Checkpoint, spec: ModelSpec, folder: Path, progress: bool,
+                  quant: QuantConfig) -> Manifest:
     with tqdm(total=spec.num_layers + 2, desc="export", unit="layer", disable=not progress) as bar:
         with WeightsFile(folder / WEIGHTS_NAME) as weights:
-            model = build_model(spec, checkpoint, weights, on_layer=lambda layer: bar.update(1))
+            model = build_model(spec, checkpoint, weights, on_layer=lambda layer: bar.update(1), quant=quant)
         (folder / ONNX_NAME).write_bytes(model.SerializeToString())
     (folder / TOKENIZER_NAME).write_text(checkpoint.tokenizer_json, encoding="utf-8")
     if checkpoint.chat_template:
         (folder / CHAT_TEMPLATE_NAME).write_text(checkpoint.chat_template, encoding="utf-8")
-    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source)
+    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant)
     manifest.save(folder)
     return manifest
 
@@ -129,9 +133,16 @@ def _place(tmp: Path, out: Path, overwrite: bool) -> None:
     os.replace(tmp, out)
 
 
-def export_model(src: str | Path, out: str | Path, *, progress: bool = True, overwrite: bool = False) -> Manifest:
-    """Export SRC (HF folder or .gguf file) into the folder OUT; returns the written Manifest."""
+def export_model(src: str | Path, out: str | Path, *, progress: bool = True, overwrite: bool = False,
+                 weights: str = "fp32", quant_block_size: int = 32, accuracy_level: int = 4,
+                 quantize_lm_head: bool = False) -> Manifest:
+    """Export SRC (HF folder or .gguf file) into the folder OUT; returns the written Manifest.
+
+    weights: "fp32" (default), or "int8" / "int4" to store the linear layers blockwise-quantized
+    (quant_block_size values of K per scale; accuracy_level 4 = int8 compute in ONNX Runtime's CPU
+    kernel; quantize_lm_head also quantizes the vocabulary projection). See docs/quantization.md."""
     started = time.perf_counter()
+    quant = QuantConfig(weights, quant_block_size, accuracy_level, quantize_lm_head).validate()
     out = Path(out)
     checkpoint = read_checkpoint(src)
     spec = spec_from_config(checkpoint.config, checkpoint.extra_eos_token_ids)
@@ -140,7 +151,7 @@ def export_model(src: str | Path, out: str | Path, *, progress: bool = True, ove
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        manifest = _write_folder(checkpoint, spec, tmp, progress)
+        manifest = _write_folder(checkpoint, spec, tmp, progress, quant)
         _place(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,7 +7,9 @@ layer only the rows in `logits_indices` are gathered, then final norm + lm_head,
 tokens pays the vocabulary projection only for the rows that need a next token.
 
 Linear weights stay in HF's [out, in] layout and run as Gemm(transB=1): the bytes are copied straight
-from the checkpoint, and q/k/v (and gate/up) are written back to back as one fused tensor.
+from the checkpoint, and q/k/v (and gate/up) are written back to back as one fused tensor. With a
+QuantConfig (int8/int4) they are blockwise-quantized instead (octavo.export.quantize) and run as ONNX
+Runtime's com.microsoft.MatMulNBits; the embedding (and, unless asked, lm_head) stays float32.
 The graph contract (names, dtypes, order) is DESIGN.md's "The ONNX contract".
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from onnx import TensorProto, helper
 
 from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
+from octavo.export.quantize import MS_DOMAIN, QuantConfig, concat, quantize
 from octavo.export.rope import inv_freq
 from octavo.export.weights_file import WeightsFile
 
@@ -69,8 +72,8 @@ class _Graph:
         self.initializers.append(onnx.numpy_helper.from_array(array, name))
         return name
 
-    def weight(self, name: str, parts: list[np.ndarray]) -> str:
-        self.initializers.append(self.weights.add(name, parts))
+    def weight(self, name: str, parts: list[np.ndarray], dtype: str = "<f4") -> str:
+        self.initializers.append(self.weights.add(name, parts, dtype))
         return name
 
 
@@ -98,8 +101,30 @@ def _rms_norm(g: _Graph, x: str, weight: str, eps: str) -> str:
     return g.op1("Mul", [g.op1("Div", [x, g.op1("Sqrt", [g.op1("Add", [mean, eps])])]), weight])
 
 
-def _linear(g: _Graph, x: str, weight: str, bias: str | None) -> str:
-    return g.op1("Gemm", [x, weight] + ([bias] if bias else []), transB=1)
+Bias = tuple[str, list[np.ndarray]]  # (initializer name, parts stacked along N)
+
+
+def _project(g: _Graph, x: str, name: str, parts: list[np.ndarray], bias: Bias | None,
+             quant: QuantConfig | None, output: str | None = None) -> str:
+    """x @ W^T (+ bias), W = PARTS stacked along N ([out, in] each): Gemm(transB) over the float32
+    weight, or MatMulNBits over its blockwise quantization when QUANT is enabled. OUTPUT names the
+    result (default: a fresh name)."""
+    if quant is None or not quant.enabled:
+        inputs = [x, g.weight(name, parts)] + ([g.weight(*bias)] if bias else [])
+        attrs: dict[str, object] = {"transB": 1}
+        op_type, domain = "Gemm", ""
+    else:
+        q = concat([quantize(p, quant.bits or 0, quant.block_size) for p in parts])
+        inputs = [x, g.weight(name + ".qweight", [q.packed], "u1"), g.weight(name + ".scales", [q.scales]),
+                  g.weight(name + ".zero_points", [q.zero_points], "u1")]
+        inputs += ["", g.weight(*bias)] if bias else []  # input 4 (g_idx) unused; 5 is the bias
+        attrs = {"K": q.k, "N": q.n, "bits": q.bits, "block_size": q.block_size,
+                 "accuracy_level": quant.accuracy_level}
+        op_type, domain = "MatMulNBits", MS_DOMAIN
+    if output is None:
+        return g.op1(op_type, inputs, domain=domain, **attrs)
+    g.nodes.append(helper.make_node(op_type, inputs, [output], name=output, domain=domain, **attrs))
+    return output
 
 
 def _rope(g: _Graph, x: str, heads: int, head_dim: int, cos: str, sin: str) -> str:
@@ -116,8 +141,10 @@ def build_model(
     checkpoint: Checkpoint,
     weights: WeightsFile,
     on_layer: Callable[[int], None] = lambda layer: None,
+    quant: QuantConfig | None = None,
 ) -> onnx.ModelProto:
-    """The ONNX model; weights are appended to WEIGHTS as they are visited (one layer at a time)."""
+    """The ONNX model; weights are appended to WEIGHTS as they are visited (one layer at a time).
+    QUANT (int8/int4) stores the linear layers' weights blockwise-quantized (MatMulNBits)."""
     g = _Graph(weights)
     w = _Weights(checkpoint)
     H, D, I, V = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size
@@ -130,7 +157,8 @@ def build_model(
         g.const(f"const.heads_shape_{heads}", np.array([-1, heads, D], np.int64))
         g.const(f"const.flat_shape_{heads}", np.array([-1, heads * D], np.int64))
 
-    embed = g.weight("model.embed_tokens.weight", [w.get("model.embed_tokens.weight", (V, H))])
+    embed_w = w.get("model.embed_tokens.weight", (V, H))
+    embed = g.weight("model.embed_tokens.weight", [embed_w])
     x = g.op1("Gather", [embed, "input_ids"], axis=0)
 
     # rotary tables for this step's positions: angle = position * inv_freq (float32, as HF)
@@ -148,17 +176,18 @@ def build_model(
         a = p + "self_attn."
         h = _rms_norm(g, x, g.weight(p + "input_layernorm.weight", [w.get(p + "input_layernorm.weight", (H,))]), eps)
 
-        qkv_w = g.weight(a + "qkv_proj.weight", [
+        qkv_w = [
             w.get(a + "q_proj.weight", (nq * D, H)),
             w.get(a + "k_proj.weight", (nkv * D, H)),
             w.get(a + "v_proj.weight", (nkv * D, H)),
-        ])
+        ]
         biases = [w.bias(a + f"{n}_proj.bias", size) for n, size in (("q", nq * D), ("k", nkv * D), ("v", nkv * D))]
-        qkv_b = None
+        qkv_b: Bias | None = None
         if any(b is not None for b in biases):
             sizes = (nq * D, nkv * D, nkv * D)
-            qkv_b = g.weight(a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
-        q, k, v = g.op("Split", [_linear(g, h, qkv_w, qkv_b), split_qkv], num_outputs=3, axis=1)
+            qkv_b = (a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
+        qkv = _project(g, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant)
+        q, k, v = g.op("Split", [qkv, split_qkv], num_outputs=3, axis=1)
         q, k = _rope(g, q, nq, D, cos, sin), _rope(g, k, nkv, D, cos, sin)
 
         attn = g.op(
@@ -169,29 +198,36 @@ def build_model(
             num_heads=nq, kv_num_heads=nkv, scale=1.0 / math.sqrt(D),
             sliding_window=spec.sliding_windows[layer], softcap=0.0,
         )[0]
-        o_w = g.weight(a + "o_proj.weight", [w.get(a + "o_proj.weight", (H, nq * D))])
         o_b = w.bias(a + "o_proj.bias", H)
-        x = g.op1("Add", [x, _linear(g, attn, o_w, g.weight(a + "o_proj.bias", [o_b]) if o_b is not None else None)])
+        o = _project(g, attn, a + "o_proj.weight", [w.get(a + "o_proj.weight", (H, nq * D))],
+                     (a + "o_proj.bias", [o_b]) if o_b is not None else None, quant)
+        x = g.op1("Add", [x, o])
 
         m = p + "mlp."
         h = _rms_norm(g, x, g.weight(p + "post_attention_layernorm.weight", [w.get(p + "post_attention_layernorm.weight", (H,))]), eps)
-        gu_w = g.weight(m + "gate_up_proj.weight", [w.get(m + "gate_proj.weight", (I, H)), w.get(m + "up_proj.weight", (I, H))])
+        gu_w = [w.get(m + "gate_proj.weight", (I, H)), w.get(m + "up_proj.weight", (I, H))]
         gb, ub = w.bias(m + "gate_proj.bias", I), w.bias(m + "up_proj.bias", I)
-        gu_b = None
+        gu_b: Bias | None = None
         if gb is not None or ub is not None:
-            gu_b = g.weight(m + "gate_up_proj.bias", [b if b is not None else np.zeros(I, np.float32) for b in (gb, ub)])
-        gate, up = g.op("Split", [_linear(g, h, gu_w, gu_b), split_mlp], num_outputs=2, axis=1)
+            gu_b = (m + "gate_up_proj.bias", [b if b is not None else np.zeros(I, np.float32) for b in (gb, ub)])
+        gate_up = _project(g, h, m + "gate_up_proj.weight", gu_w, gu_b, quant)
+        gate, up = g.op("Split", [gate_up, split_mlp], num_outputs=2, axis=1)
         act = g.op1("Mul", [g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]), up])
-        d_w = g.weight(m + "down_proj.weight", [w.get(m + "down_proj.weight", (H, I))])
         d_b = w.bias(m + "down_proj.bias", H)
-        x = g.op1("Add", [x, _linear(g, act, d_w, g.weight(m + "down_proj.bias", [d_b]) if d_b is not None else None)])
+        down = _project(g, act, m + "down_proj.weight", [w.get(m + "down_proj.weight", (H, I))],
+                        (m + "down_proj.bias", [d_b]) if d_b is not None else None, quant)
+        x = g.op1("Add", [x, down])
         on_layer(layer)
 
     rows = g.op1("Gather", [x, "logits_indices"], axis=0)
     normed = _rms_norm(g, rows, g.weight("model.norm.weight", [w.get("model.norm.weight", (H,))]), eps)
     tied = spec.tie_word_embeddings or "lm_head.weight" not in checkpoint.tensor_names
-    head = embed if tied else g.weight("lm_head.weight", [w.get("lm_head.weight", (V, H))])
-    g.nodes.append(helper.make_node("Gemm", [normed, head], ["logits"], name="lm_head", transB=1))
+    if quant is not None and quant.enabled and quant.lm_head:  # a quantized copy; the Gather keeps the float one
+        head_w = embed_w if tied else w.get("lm_head.weight", (V, H))
+        _project(g, normed, "lm_head.weight", [head_w], None, quant, output="logits")
+    else:
+        head = embed if tied else g.weight("lm_head.weight", [w.get("lm_head.weight", (V, H))])
+        g.nodes.append(helper.make_node("Gemm", [normed, head], ["logits"], name="lm_head", transB=1))
     on_layer(spec.num_layers)
 
     cache_shape: list[str | int] = ["num_blocks", "block_size", nkv, D]
@@ -201,7 +237,8 @@ def build_model(
     graph = helper.make_graph(g.nodes, "octavo_decoder", inputs, outputs, initializer=g.initializers)
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(OP_DOMAIN, 1)],
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(OP_DOMAIN, 1)]
+        + ([helper.make_opsetid(MS_DOMAIN, 1)] if quant is not None and quant.enabled else []),
         producer_name="octavo",
     )
     model.ir_version = 8

@@ -37,6 +37,8 @@ class Manifest:
     tokenizer_file: str = "tokenizer.json"
     chat_template_file: str | None = "chat_template.jinja"
     source: str = ""  # where it was exported from (informational)
+    weights: str = "fp32"  # linear layers' weights: "fp32" | "int8" | "int4" (MatMulNBits; octavo.export.quantize)
+    quantization: dict[str, Any] | None = None  # bits, block_size, accuracy_level, lm_head (None for fp32)
     magic: str = MAGIC
     format_version: int = FORMAT_VERSION
 

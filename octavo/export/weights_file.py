@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 ALIGNMENT = 4096
 
@@ -34,9 +34,9 @@ class WeightsFile:
         if not self._file.closed:
             self._file.close()
 
-    def add(self, name: str, parts: list[np.ndarray]) -> TensorProto:
-        """Write PARTS (float32, same trailing shape) as one tensor concatenated along axis 0."""
-        parts = [np.ascontiguousarray(p, dtype="<f4") for p in parts]
+    def add(self, name: str, parts: list[np.ndarray], dtype: str = "<f4") -> TensorProto:
+        """Write PARTS (cast to DTYPE, float32 by default; same trailing shape) as one tensor along axis 0."""
+        parts = [np.ascontiguousarray(p, dtype=dtype) for p in parts]
         trailing = parts[0].shape[1:]
         if any(p.shape[1:] != trailing for p in parts):
             raise ValueError(f"{name}: parts have different trailing shapes {[p.shape for p in parts]}")
@@ -54,7 +54,7 @@ class WeightsFile:
 
         tensor = TensorProto()
         tensor.name = name
-        tensor.data_type = TensorProto.FLOAT
+        tensor.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         tensor.dims.extend(int(d) for d in dims)
         tensor.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.path.name), ("offset", str(start)), ("length", str(self._offset - start))):

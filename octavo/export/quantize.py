@@ -1,0 +1,171 @@
+"""Blockwise weight quantization (int8 / int4) for ONNX Runtime's `com.microsoft.MatMulNBits`.
+
+A linear weight W [N, K] (HF's [out, in] layout) is cut along K into blocks of `block_size` values.
+Each block gets its own float32 scale and uint8 zero point (asymmetric, the block's range widened to
+include 0 so that 0 stays exact), and every value becomes an unsigned code
+
+    code = clip(round(w / scale) + zero_point, 0, 2**bits - 1),    w ~ (code - zero_point) * scale.
+
+MatMulNBits' layout (checked numerically against `dequantize` in tests/test_quantized.py):
+B uint8 [N, n_blocks, block_size * bits / 8], codes packed along K, low bits first (for 4 bits the
+first value of a pair is the low nibble); scales [N, n_blocks]; zero points uint8, packed the same way
+along the blocks, [N, ceil(n_blocks * bits / 8)]. K need not be a multiple of the block size: the last
+block is padded with zeros, which the kernel never reads against A.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from octavo.errors import InvalidRequestError
+
+MS_DOMAIN = "com.microsoft"
+WEIGHT_FORMATS: dict[str, int | None] = {"fp32": None, "int8": 8, "int4": 4}
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute (MatMulNBits)
+_ROWS_PER_CHUNK = 4096  # rows quantized at once: bounds the float temporaries of a large matrix
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """How an export stores the linear layers' weights. weights="fp32" means no quantization."""
+
+    weights: str = "fp32"  # "fp32" | "int8" | "int4"
+    block_size: int = 32  # values of K per scale / zero point: a power of two >= 16
+    accuracy_level: int = 4  # MatMulNBits' accuracy_level: 4 lets the CPU kernel compute in int8
+    lm_head: bool = False  # quantize the vocabulary projection too (the embedding Gather stays float)
+
+    @property
+    def bits(self) -> int | None:
+        return WEIGHT_FORMATS.get(self.weights)
+
+    @property
+    def enabled(self) -> bool:
+        return self.bits is not None
+
+    def validate(self) -> "QuantConfig":
+        if self.weights not in WEIGHT_FORMATS:
+            raise InvalidRequestError(f"weights must be one of {sorted(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"quant block size must be a power of two >= 16, got {self.block_size}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise InvalidRequestError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
+        return self
+
+    def describe(self) -> dict[str, object] | None:
+        """The manifest's `quantization` entry (None for fp32)."""
+        if not self.enabled:
+            return None
+        return {"method": "MatMulNBits", "bits": self.bits, "block_size": self.block_size,
+                "accuracy_level": self.accuracy_level, "symmetric": False, "lm_head": self.lm_head}
+
+    def cache_tag(self) -> str:
+        """Part of a cache folder's name: '' for fp32, e.g. 'int4-b32-a4' (+ '-head') otherwise."""
+        if not self.enabled:
+            return ""
+        return f"{self.weights}-b{self.block_size}-a{self.accuracy_level}" + ("-head" if self.lm_head else "")
+
+
+@dataclass(slots=True)
+class BlockQuantized:
+    """One weight matrix in MatMulNBits' layout (see the module docstring)."""
+
+    packed: np.ndarray  # uint8 [N, n_blocks, block_size * bits / 8]
+    scales: np.ndarray  # float32 [N, n_blocks]
+    zero_points: np.ndarray  # uint8 [N, ceil(n_blocks * bits / 8)]
+    bits: int
+    block_size: int
+    k: int  # the true K (the last block may be padding)
+
+    @property
+    def n(self) -> int:
+        return int(self.packed.shape[0])
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.packed.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes + self.zero_points.nbytes
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack uint8 codes < 2**bits along the last axis, low bits first: [..., n] -> [..., n * bits / 8]."""
+    if bits == 8:
+        return codes.astype(np.uint8, copy=False)
+    if bits != 4:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.zeros((*codes.shape[:-1], 1), codes.dtype)], axis=-1)
+    low, high = codes[..., 0::2].astype(np.uint8), codes[..., 1::2].astype(np.uint8)
+    return low | (high << 4)
+
+
+def unpack_codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Inverse of pack_codes: the first COUNT codes along the last axis."""
+    if bits == 8:
+        return packed[..., :count]
+    codes = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = packed & 0x0F, packed >> 4
+    return codes[..., :count]
+
+
+def _quantize_rows(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes uint8 [n, nb, bs], scales float32 [n, nb], zero points uint8 [n, nb]) of rows W [n, K]."""
+    n, k = w.shape
+    n_blocks = -(-k // block_size)
+    padded = np.zeros((n, n_blocks * block_size), np.float32)
+    padded[:, :k] = w
+    blocks = padded.reshape(n, n_blocks, block_size)
+    qmax = float((1 << bits) - 1)
+    lo = np.minimum(blocks.min(axis=2), 0.0)
+    hi = np.maximum(blocks.max(axis=2), 0.0)
+    scales = ((hi - lo) / qmax).astype(np.float32)
+    safe = np.where(scales > 0, scales, np.float32(1.0))
+    zero = np.clip(np.rint(-lo / safe), 0, qmax)
+    codes = np.clip(np.rint(blocks / safe[..., None]) + zero[..., None], 0, qmax)
+    return codes.astype(np.uint8), scales, zero.astype(np.uint8)
+
+
+def quantize(weight: np.ndarray, bits: int, block_size: int) -> BlockQuantized:
+    """Asymmetric blockwise quantization of W [N, K] along K (see the module docstring)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight [N, K], got shape {w.shape}")
+    n, k = w.shape
+    n_blocks = -(-k // block_size)
+    packed = np.empty((n, n_blocks, block_size * bits // 8), np.uint8)
+    scales = np.empty((n, n_blocks), np.float32)
+    zero_points = np.empty((n, -(-n_blocks * bits // 8)), np.uint8)
+    for start in range(0, n, _ROWS_PER_CHUNK):
+        rows = slice(start, min(n, start + _ROWS_PER_CHUNK))
+        codes, scales[rows], zero = _quantize_rows(w[rows], bits, block_size)
+        packed[rows] = pack_codes(codes, bits)
+        zero_points[rows] = pack_codes(zero, bits)
+    return BlockQuantized(packed, scales, zero_points, bits, block_size, k)
+
+
+def dequantize(q: BlockQuantized) -> np.ndarray:
+    """The float32 [N, K] weight that MatMulNBits multiplies by (the numpy reference)."""
+    codes = unpack_codes(q.packed, q.bits, q.block_size).astype(np.float32)  # [N, nb, bs]
+    zero = unpack_codes(q.zero_points, q.bits, q.n_blocks).astype(np.float32)  # [N, nb]
+    w = (codes - zero[..., None]) * q.scales[..., None]
+    return w.reshape(q.n, -1)[:, : q.k]
+
+
+def concat(parts: list[BlockQuantized]) -> BlockQuantized:
+    """Stack quantized matrices along N (fused q/k/v or gate/up): blocks run along K, so rows are independent."""
+    first = parts[0]
+    if any((p.bits, p.block_size, p.k) != (first.bits, first.block_size, first.k) for p in parts):
+        raise ValueError("parts must share bits, block size and K")
+    if len(parts) == 1:
+        return first
+    return BlockQuantized(
+        np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
+        np.concatenate([p.zero_points for p in parts]), first.bits, first.block_size, first.k,
+    )
