@@ -6,6 +6,9 @@ folder or a .gguf file is exported once into the cache, `$OCTAVO_CACHE` (default
 The fingerprint hashes the octavo format version and the source files' names, sizes and contents
 (files over 64 MiB: their first and last 16 MiB), so an edited checkpoint gets a fresh export without
 rereading gigabytes on every start. A file lock keeps two processes from exporting the same model at once.
+`weights="int8"|"int4"` exports the quantized variant into its own folder, `<name>-<format>-<fingerprint>`
+(the weight format is part of the name and of the fingerprint); for an export folder it must match
+the folder's manifest.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from octavo.errors import ModelFormatError
 from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from octavo.export.quantize import QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +48,12 @@ def _hash_file(digest: "hashlib._Hash", path: Path) -> None:
             digest.update(f.read(_EDGE))
 
 
-def fingerprint(source: Path) -> str:
-    """A short content hash of an HF folder or a GGUF file (see the module docstring)."""
+def fingerprint(source: Path, quant: QuantConfig | None = None) -> str:
+    """A short content hash of an HF folder or a GGUF file (see the module docstring) and the weight format."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(f"octavo-format-{FORMAT_VERSION}-graph-{GRAPH_REVISION}\0".encode())
+    if quant is not None and quant.enabled:
+        digest.update(f"weights-{quant.cache_tag()}\0".encode())
     files = sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith(".")) if source.is_dir() else [source]
     for path in files:
         _hash_file(digest, path)
@@ -63,11 +69,20 @@ def _is_export_folder(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST_NAME).is_file()
 
 
-def resolve_model(path: str | Path, *, progress: bool = True) -> Path:
-    """An octavo export folder for PATH (an export folder, an HF folder or a .gguf file)."""
+def resolve_model(path: str | Path, *, progress: bool = True, weights: str | None = None) -> Path:
+    """An octavo export folder for PATH (an export folder, an HF folder or a .gguf file).
+
+    weights: None or "fp32" (float weights), "int8" / "int4" (quantized export, docs/quantization.md).
+    For an export folder None accepts any format; a named one must match its manifest."""
     source = Path(path).expanduser()
+    quant = QuantConfig(weights or "fp32").validate()
     if _is_export_folder(source) and not (source / "config.json").is_file():
-        Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
+        manifest = Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
+        if weights is not None and manifest.weights != weights:
+            raise ModelFormatError(
+                f"{source} is an export with {manifest.weights} weights, not {weights}; the weight format is chosen "
+                f"at export time: pass the HF folder or .gguf file instead, or `octavo export SRC OUT --weights {weights}`"
+            )
         return source
     is_hf = source.is_dir() and (source / "config.json").is_file()
     is_gguf = source.is_file() and source.suffix.lower() == ".gguf"
@@ -80,7 +95,8 @@ def resolve_model(path: str | Path, *, progress: bool = True) -> Path:
 
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"{_cache_name(source)}-{fingerprint(source)}"
+    tag = quant.cache_tag()
+    target = root / f"{_cache_name(source)}-{tag + '-' if tag else ''}{fingerprint(source, quant)}"
     with (root / f".{target.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_export_folder(target):
@@ -91,5 +107,6 @@ def resolve_model(path: str | Path, *, progress: bool = True) -> Path:
             except ModelFormatError as exc:
                 log.warning("cached export %s is unusable (%s); exporting again", target, exc)
         log.info("exporting %s into the cache at %s", source, target)
-        export_model(source, target, progress=progress, overwrite=True)
+        export_model(source, target, progress=progress, overwrite=True, weights=quant.weights,
+                     quant_block_size=quant.block_size, accuracy_level=quant.accuracy_level)
     return target
