@@ -20,6 +20,7 @@ class EngineArgs:
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt"
     seed: int = 0  # default seed for requests without one
     trace_path: str | None = None  # write one JSON line per step here
+    weights: str | None = None  # "fp32" | "int8" | "int4": format when exporting HF/GGUF (None = fp32); must match an export folder
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -30,5 +31,10 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.weights not in (None, "fp32", "int8", "int4"):
+            raise InvalidRequestError(f"weights must be 'fp32', 'int8' or 'int4', got {self.weights!r}")
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
+        if self.backend == "tensorrt" and self.weights in ("int8", "int4"):
+            raise InvalidRequestError(f"weights={self.weights!r} runs on the onnxruntime backend only (its MatMulNBits "
+                                      "op has no TensorRT plugin here); use weights='fp32' with tensorrt")
