@@ -59,14 +59,15 @@ class RequestGroup:
         return all(c.finished for c in self.children)
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """An export folder as is; anything else (HF folder, .gguf) is exported once into the cache."""
+def resolve_model_dir(model: str | Path, weights: str | None = None) -> Path:
+    """An export folder as is; anything else (HF folder, .gguf) is exported once into the cache
+    (with WEIGHTS int8/int4: the quantized variant, in its own cache folder)."""
     path = Path(model)
-    if (path / MANIFEST_NAME).is_file():
+    if (path / MANIFEST_NAME).is_file() and weights is None:
         return path
     from octavo.export.resolve import resolve_model
 
-    return Path(resolve_model(path))
+    return Path(resolve_model(path, weights=weights))
 
 
 def default_num_blocks(args: EngineArgs, manifest: Manifest, max_model_len: int) -> int:
@@ -113,7 +114,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, backend: Backend | None = None) -> None:
         args.validate()
         self.args = args
-        self.model_dir = resolve_model_dir(args.model)
+        self.model_dir = resolve_model_dir(args.model, args.weights)
         self.manifest = Manifest.load(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir, self.manifest)
         if args.max_model_len is not None and not 1 <= args.max_model_len <= self.manifest.max_context:
