@@ -30,6 +30,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime")
     g.add_argument("--trace", metavar="FILE", default=None, help="write one JSON line per engine step here")
+    g.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
+                   help="export an HF folder / .gguf with int8 or int4 linear weights (own cache folder; default fp32)")
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -38,7 +40,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, backend=args.backend,
-        trace_path=args.trace,
+        trace_path=args.trace, weights=args.weights,
     )
     ea.validate()
     return ea
