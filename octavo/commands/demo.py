@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the prompts as plain text (closer to the seed's short prompts; worse answers)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     parser.add_argument("--no-log", action="store_true", help="leave out the per-step log")
+    parser.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
+                        help="run the model with int8 or int4 linear weights (exported once into its own cache folder)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         arrivals=args.arrivals, stagger_every=args.stagger_every, num_threads=args.threads,
         trace_path=args.trace, use_chat_template=not args.no_chat_template,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, weights=args.weights,
     )
     print(f"octavo demo: model {model}", file=sys.stderr)
     print("(exported once into the cache on first use; later runs start at once)", file=sys.stderr)

@@ -47,6 +47,7 @@ class DemoConfig:
     trace_path: str | None = None
     use_chat_template: bool = True
     enable_prefix_caching: bool = True
+    weights: str | None = None  # "int8" | "int4": export the quantized variant (docs/quantization.md)
 
 
 @dataclass(slots=True)
@@ -145,7 +146,7 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
     from octavo.runtime.engine_args import EngineArgs
     from octavo.runtime.tokenizer import Tokenizer
 
-    model_dir = Path(resolve_model(config.model))
+    model_dir = Path(resolve_model(config.model, weights=config.weights))
     manifest = Manifest.load(model_dir)
     tokenizer = Tokenizer(model_dir, manifest)
     requests = profile_requests(tokenizer, profiles, config.use_chat_template)
