@@ -203,7 +203,8 @@ def test_many_threads_submitting_and_aborting_at_random(tmp_path) -> None:  # no
 
 def test_abort_and_shutdown_in_the_same_drain_still_end_the_request(tmp_path) -> None:  # noqa: ANN001
     """An abort queued while a step runs, then shutdown: the callback still gets exactly one final output
-    (it was dropped: the aborted group left engine.groups before the shutdown ended the rest)."""
+    (it was dropped: the aborted group left engine.groups before the shutdown ended the rest), and the
+    blocks are freed."""
     from toy_backend import ToyBackend, make_toy_model_dir
 
     folder = make_toy_model_dir(tmp_path / "toy")
@@ -226,3 +227,5 @@ def test_abort_and_shutdown_in_the_same_drain_still_end_the_request(tmp_path) ->
     eng.abort_nowait("a")  # queued behind the running step ...
     eng.shutdown_nowait()  # ... and the stop drained with it
     assert len(finals) == 1 and finals[0].outputs[0].finish_reason == "abort"
+    st = eng.engine.stats()  # shutdown aborts through the engine: no blocks left allocated
+    assert st.num_running == st.num_waiting == 0 and st.num_free_blocks == st.num_total_blocks

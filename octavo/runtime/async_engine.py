@@ -148,13 +148,13 @@ class AsyncEngine:
                 for op, arg in inbox:
                     if op == "add":
                         engine.add_group(arg)  # type: ignore[arg-type]
-                    elif not stopping:  # when stopping, _end_all ends it with "abort" (and delivers that)
+                    else:
                         try:
                             engine.abort_request(arg)  # type: ignore[arg-type]
                         except UnknownRequestError:
                             pass  # it finished meanwhile
                 if stopping:
-                    self._end_all("the engine was shut down", reason="abort")
+                    self._abort_all()
                     return
                 steps = engine.step_count
                 outputs = engine.step()
@@ -165,7 +165,7 @@ class AsyncEngine:
                 logger.exception("engine step loop died")
                 with self._lock:
                     self._dead = f"the engine stopped after an internal error: {type(exc).__name__}: {exc}"
-                self._end_all(self._dead, reason="error")
+                self._end_all(self._dead)
                 return
             for out in outputs:
                 self._deliver(out)
@@ -182,16 +182,27 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
                 logger.exception("output callback for %s failed", out.request_id)
 
-    def _end_all(self, message: str, reason: str) -> None:
-        """End every outstanding request (in the engine or still in the inbox) with a final output."""
+    def _abort_all(self) -> None:
+        """Shutdown: abort every request through the engine (freeing its blocks) and deliver the final outputs,
+        those of aborts drained just before included."""
+        engine = self.engine
+        for request_id in list(engine.groups):
+            engine.abort_request(request_id)
+        for out in engine.step():  # nothing is left to schedule: it only returns the aborted requests' outputs
+            self._deliver(out)
+        self._stats = engine.stats()
+
+    def _end_all(self, message: str) -> None:
+        """After an engine failure: end every outstanding request (in the engine or still in the inbox) with
+        finish_reason "error", without asking the broken engine."""
         with self._lock:
             pending = [g for op, g in self._inbox if op == "add"]
             self._inbox = []
         groups = list(self.engine.groups.values()) + pending  # type: ignore[operator]
         for group in groups:
             outs = [CompletionOutput(index=c.index, text=c.detokenizer.text if c.detokenizer else "",
-                                     token_ids=list(c.output_token_ids), finish_reason=reason,
-                                     error=message if reason == "error" else None) for c in group.children]
+                                     token_ids=list(c.output_token_ids), finish_reason="error", error=message)
+                    for c in group.children]
             self._deliver(RequestOutput(request_id=group.request_id, prompt=group.prompt,
                                         prompt_token_ids=group.prompt_token_ids, outputs=outs, finished=True,
                                         metrics=group.children[0].metrics))
