@@ -6,7 +6,6 @@ API key when one is set. While the model loads (or the server drains) the API an
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -19,10 +18,10 @@ from aiohttp import web
 
 import octavo
 from octavo.errors import EngineDeadError, InvalidRequestError, OctavoError
+from octavo.runtime.async_engine import AsyncEngine
 from octavo.serving import responses as R
 from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request
-from octavo.serving.engine_client import EngineClient
 from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.serving.openapi import add_openapi_route, server_schema
@@ -42,13 +41,12 @@ class ServerConfig:
 
 @dataclass(slots=True)
 class ServerState:
-    """What the routes share. `engine`, `client` and the model facts are set once the model is loaded and started."""
+    """What the routes share. `engine` and the model facts are set once the model is loaded and started."""
 
     config: ServerConfig
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
-    engine: Any | None = None  # octavo.AsyncEngine
-    client: EngineClient | None = None  # how routes reach it
+    engine: AsyncEngine | None = None
     tokenizer: Any | None = None
     limits: Limits | None = None
     max_model_len: int | None = None
@@ -59,14 +57,14 @@ class ServerState:
     def model_name(self) -> str:
         return self.config.served_model_names[0]
 
-    def ready_engine(self) -> EngineClient:
+    def ready_engine(self) -> AsyncEngine:
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         if self.load_error is not None:
             raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
-        if self.client is None:
+        if self.engine is None:
             raise ApiError(503, "the model is still loading; retry when /health returns 200", code="loading")
-        return self.client
+        return self.engine
 
 
 STATE = web.AppKey("octavo_state", ServerState)
@@ -139,7 +137,7 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = await asyncio.to_thread(request.app[STATE].metrics.render)  # stats() waits for the step lock
+    body = request.app[STATE].metrics.render()  # engine.stats() is a snapshot: never waits for a step
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -3,7 +3,8 @@
 The engine yields cumulative RequestOutputs; a Generation turns them into ChoiceUpdates (new text,
 new tokens, new logprobs, finish reason) for the route handlers, observes latency metrics, and aborts
 its engine requests when it is closed early (client gone, handler cancelled, shutdown), so their KV
-blocks are freed at once. It never sees block tables: it talks to the AsyncEngine (via EngineClient) only.
+blocks are freed at once. It never sees block tables: it talks to the AsyncEngine only (whose submit and
+abort never wait for a step, so they run right on the event loop).
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from octavo.errors import EngineDeadError, UnknownRequestError
+from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.outputs import Logprob, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
-from octavo.serving.engine_client import EngineClient
 from octavo.serving.metrics import RequestTimer, ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ _END = object()
 
 
 class Generation:
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics, prompts: list[Any], params: SamplingParams,
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompts: list[Any], params: SamplingParams,
                  request_id: str) -> None:
         self._engine = engine
         self._params = params
@@ -94,7 +96,10 @@ class Generation:
             if sub.finished:
                 continue
             sub.finished = True
-            self._engine.abort(sub.request_id)  # queued, never blocks the event loop
+            try:
+                self._engine.abort_nowait(sub.request_id)  # queued, never waits for a step
+            except (UnknownRequestError, EngineDeadError):
+                pass  # never submitted (an earlier prompt was rejected), already over, or the engine is gone
             if sub.choices:  # it was admitted and ran: count it as aborted (a rejected prompt is not counted)
                 sub.timer.finish(time.monotonic(), "abort", None)
 

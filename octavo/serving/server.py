@@ -18,7 +18,6 @@ from aiohttp import web
 
 from octavo.serving.api_error import ApiError
 from octavo.serving.app import ServerConfig, ServerState, build_app
-from octavo.serving.engine_client import EngineClient
 from octavo.serving.metrics import ServerMetrics
 from octavo.serving.protocol import Limits
 
@@ -61,7 +60,6 @@ class OpenAIServer:
             st.max_model_len = max_model_len
             st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n)
             st.engine = engine
-            st.client = EngineClient(engine)
             log.info("model %s ready", st.model_name)
         except Exception as exc:  # noqa: BLE001 - reported through /health, wait_ready() and the CLI
             log.exception("loading the model failed")
@@ -91,9 +89,6 @@ class OpenAIServer:
             await self._drain(self._shutdown_timeout)
         if self._load_task is not None and not self._load_task.done():
             await asyncio.wait([self._load_task])
-        client, self.state.client = self.state.client, None
-        if client is not None:
-            await asyncio.to_thread(client.close)  # queued aborts run first
         engine, self.state.engine = self.state.engine, None
         if engine is not None:
             await engine.shutdown()  # what is still running ends with "abort"; its handlers write the end
