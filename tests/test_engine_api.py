@@ -19,7 +19,7 @@ def toy_dir(tmp_path_factory):  # noqa: ANN001, ANN201
 
 
 def llm(toy_dir, num_blocks: int = 64, block_size: int = 4, **kw) -> LLM:  # noqa: ANN001
-    return LLM(str(toy_dir), backend=ToyBackend(num_blocks, block_size), block_size=block_size, **kw)
+    return LLM(str(toy_dir), backend_instance=ToyBackend(num_blocks, block_size), block_size=block_size, **kw)
 
 
 def run_all(eng: LLMEngine) -> dict[str, object]:
@@ -33,6 +33,15 @@ def run_all(eng: LLMEngine) -> dict[str, object]:
 
 
 P = list(range(20, 50))  # a 30-token prompt
+
+
+def test_llm_backend_is_the_engine_args_name_and_an_object_goes_in_backend_instance(toy_dir) -> None:  # noqa: ANN001
+    with pytest.raises(InvalidRequestError, match="backend must be"):
+        LLM(str(toy_dir), backend="cuda")  # a name, checked by EngineArgs
+    with pytest.raises(InvalidRequestError, match="backend must be"):
+        LLM(str(toy_dir), backend=ToyBackend(8, 16))  # an object is not a name
+    m = llm(toy_dir)
+    assert m.engine.args.backend == "onnxruntime" and isinstance(m.engine.backend, ToyBackend)
 
 
 def test_n_children_share_the_prompt_blocks(toy_dir) -> None:  # noqa: ANN001

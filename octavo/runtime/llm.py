@@ -18,16 +18,15 @@ Message = dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, *, backend: Backend | str | None = None, **engine_args: Any) -> None:
-        """backend: a Backend object to use (tests, fault injection) or EngineArgs.backend's name."""
-        if isinstance(backend, str):
-            engine_args["backend"], backend = backend, None
-        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), backend)
+    def __init__(self, model: str, *, backend_instance: Backend | None = None, **engine_args: Any) -> None:
+        """engine_args: EngineArgs' fields (`backend` is its name, e.g. "onnxruntime"); backend_instance: a
+        ready Backend object to run instead (tests, fault injection)."""
+        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), backend_instance)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, backend: Backend | None = None) -> "LLM":
+    def from_engine_args(cls, args: EngineArgs, backend_instance: Backend | None = None) -> "LLM":
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(args, backend)
+        llm.engine = LLMEngine(args, backend_instance)
         return llm
 
     def get_tokenizer(self) -> Tokenizer:
