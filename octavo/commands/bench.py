@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -74,13 +73,7 @@ def _throughput(args: argparse.Namespace) -> int:
     from octavo.commands.serve import engine_args
     from octavo.runtime.llm import LLM
 
-    ea = engine_args(args)
-    # LLM's own `backend` keyword takes a Backend object, so EngineArgs.backend is set after construction
-    kwargs = {k: getattr(ea, k) for k in ea.__dataclass_fields__ if k not in ("model", "backend")}
-    if ea.backend != "onnxruntime":
-        print("octavo bench throughput: only the onnxruntime backend is wired here", file=sys.stderr)
-        return 2
-    llm = LLM(ea.model, **kwargs)
+    llm = LLM.from_engine_args(engine_args(args))
     try:
         tok = llm.get_tokenizer()
         vocab = Vocab(llm.engine.vocab_size, frozenset(t for t in (tok.bos_token_id, *tok.eos_token_ids) if t is not None))
