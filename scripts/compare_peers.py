@@ -87,8 +87,23 @@ def loadavg() -> list[float]:
         return []
 
 
+def prefix_cache_cost(results: list[PeerResult], workload: str) -> float | None:
+    """(engine time per step with the prefix cache - without) / step time with it, from the profiles of
+    both runs: the cache's own CPU cost (hashing, lookups), free of the backend's run-to-run noise."""
+    def per_step(peer: str) -> tuple[float, float] | None:
+        r = next((r for r in results if r.peer == peer and r.workload == workload and r.ok), None)
+        prof = (r.extra.get("profile") or {}).get("summaries") if r else None
+        if not prof:
+            return None
+        s = prof[0]  # all steps
+        return (s["total"] - s["seconds"]["backend"]) / s["steps"], s["total"] / s["steps"]
+
+    on, off = per_step("octavo"), per_step("octavo (no prefix cache)")
+    return (on[0] - off[0]) / on[1] if on and off else None
+
+
 def targets(table: dict[str, dict[str, Any]], offline: list[IdWorkload], shared: IdWorkload,
-            roof: dict[str, Any] | None, online: list[PeerResult]) -> dict[str, Any]:
+            roof: dict[str, Any] | None, online: list[PeerResult], results: list[PeerResult]) -> dict[str, Any]:
     """The issue's targets, each with the measured value (None: not measured in this run)."""
     def ratio(workload: str, peer: str) -> float | None:
         return table.get(workload, {}).get(peer, {}).get("octavo_over_peer")
@@ -109,10 +124,29 @@ def targets(table: dict[str, dict[str, Any]], offline: list[IdWorkload], shared:
         f"{seed}: octavo ahead of every peer (min ratio > 1)": min((v for v in seed_ratios.values() if v), default=None),
         "large-batch decode share of sgemm peak >= 0.6": roof.get("batch_vs_peak") if roof else None,
         f"{shared.name}: prefix cache on / off >= 2": cached / uncached if cached and uncached else None,
-        f"{big}: prefix cache costs < 1% when nothing is shared (on / off)": big_on / big_off if big_on and big_off else None,
+        f"{big}: prefix cache costs < 1% when nothing is shared (throughput on / off)":
+            big_on / big_off if big_on and big_off else None,
+        f"{big}: prefix cache's engine time per step (on - off) / step < 0.01": prefix_cache_cost(results, big),
         "online p50 TTFT octavo / llama-server <= 1": (mine["p50_ttft_ms"] / llama["p50_ttft_ms"]) if mine and llama else None,
         "online p50 TPOT octavo / llama-server <= 1": (mine["p50_tpot_ms"] / llama["p50_tpot_ms"]) if mine and llama else None,
     }
+
+
+def divergences(results: list[PeerResult], workloads: list[IdWorkload]) -> list[dict[str, Any]]:
+    """Every request whose greedy tokens differ from the reference: where, and the two tokens."""
+    by_name = {w.name: w for w in workloads}
+    ref = {r.workload: r.outputs for r in results if r.peer == REFERENCE and r.ok}
+    out = []
+    for r in results:
+        if r.peer == REFERENCE or not r.ok or not r.outputs or r.workload not in ref:
+            continue
+        for i, (a, b) in enumerate(zip(r.outputs, ref[r.workload])):
+            if a != b:
+                j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+                out.append({"peer": r.peer, "workload": r.workload, "request": i, "position": j,
+                            "peer_token": a[j] if j < len(a) else None, "hf_token": b[j] if j < len(b) else None,
+                            "sequence": by_name[r.workload].requests[i].prompt + b[:j]})
+    return out
 
 
 def best_of_rounds(results: list[PeerResult]) -> list[PeerResult]:
@@ -176,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if "octavo" in peers:
             results += worker("octavo", everything, f"octavo{tag}", max_num_seqs=args.slots, profile=True)
             results += worker("octavo", [offline[-1], shared], f"octavo-nocache{tag}", prefix_caching=False,
-                              max_num_seqs=args.slots)
+                              max_num_seqs=args.slots, profile=True)
         if "hf" in peers:
             results += worker("hf", everything, f"hf{tag}", batch=args.hf_batch,
                               sequential=rnd == 0 and not args.no_hf_sequential)
@@ -200,9 +234,18 @@ def main(argv: list[str] | None = None) -> int:
             online += worker("llamacpp-online", [online_wl], "llamacpp-online", rate=rate, slots=args.slots,
                              extra_args=args.llama_server_args.split())
 
+    diverged = divergences(results, everything)
+    if diverged and "hf" in peers:  # how close to a tie was HF itself where the others chose differently?
+        seqs = [d["sequence"] for d in diverged]
+        probe = worker("hf-margins", [], "hf-margins", sequences=seqs)
+        margins = probe[0].extra.get("margins") if probe and probe[0].ok else None
+        for d, m in zip(diverged, margins or [None] * len(diverged)):
+            d["hf_top2_margin"] = m
+    for d in diverged:
+        d.pop("sequence")
     shutil.rmtree(tmp, ignore_errors=True)
     table = compare(results)
-    checks = targets(table, offline, shared, roof, online)
+    checks = targets(table, offline, shared, roof, online, results)
     profile = next((r.extra.get("profile") for r in results if r.peer == "octavo" and r.workload == offline[-1].name
                     and r.ok), None)
     load_after = loadavg()
@@ -213,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                        "output_tokens": w.output_tokens} for w in [*everything, online_wl]],
         "reference": REFERENCE, "results": [r.to_dict() for r in results], "table": table,
         "online": [r.to_dict() for r in online], "roofline": roof, "engine_profile": profile,
-        "targets": checks, "notes": notes,
+        "divergences": diverged, "targets": checks, "notes": notes,
     }
     out = args.json or args.workdir / f"perf-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -241,6 +284,11 @@ def print_report(report: dict[str, Any], table: dict[str, dict[str, Any]], roof_
                   f"TPOT p50 {e['p50_tpot_ms']:.1f} ms p99 {e['p99_tpot_ms']:.1f} ms ({e['completed']} done, {e['failed']} failed)")
         else:
             print(f"online {r.workload} {r.peer}: not run: {r.error}")
+    for d in report["divergences"]:
+        m = d.get("hf_top2_margin")
+        print(f"differs from HF: {d['peer']} on {d['workload']} request {d['request']} from output token {d['position']} "
+              f"({d['peer_token']} vs HF's {d['hf_token']}; HF's own top-2 logit margin there: "
+              f"{'?' if m is None else f'{m:.2g}'})")
     print("targets:")
     for k, v in report["targets"].items():
         print(f"  {k}: {'not measured' if v is None else f'{v:.2f}'}")

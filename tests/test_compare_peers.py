@@ -77,7 +77,7 @@ def test_prefix_cache_hits_only_with_the_cache_on(report: dict) -> None:
 
 def test_what_was_not_measured_is_said(report: dict) -> None:
     targets = report["targets"]
-    assert len(targets) == 8
+    assert len(targets) == 9
     llama = [k for k in targets if "llama-server" in k]
     assert llama and all(targets[k] is None for k in llama)  # no binary given
     assert any("llama.cpp not run" in n for n in report["notes"])

@@ -73,3 +73,16 @@ def run_static(model: Any, workload: IdWorkload, batch_size: int) -> PeerResult:
 
 def warm_up(model: Any) -> None:
     _generate(model, [[5, 6, 7, 8], [9, 10]], 4)
+
+
+def top2_margins(model: Any, sequences: list[list[int]]) -> list[float]:
+    """HF's own gap between its best and second-best next-token logit after each sequence: how close
+    to a tie greedy decoding was where another engine picked a different token."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for seq in sequences:
+            top = torch.topk(model(torch.tensor([seq])).logits[0, -1], 2).values
+            out.append(float(top[0] - top[1]))
+    return out

@@ -16,6 +16,7 @@ from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
 
 NAME = "onnxruntime-genai"
+MAX_BATCH = 32  # onnxruntime-genai 0.18 refuses batch_size > 32 ("must be in [1, 32]")
 
 
 def load(genai_dir: Path, threads: int) -> tuple[Any, int]:

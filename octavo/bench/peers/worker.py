@@ -18,7 +18,7 @@ from typing import Any
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
 
-PEERS = ("hf", "genai", "octavo", "llamacpp", "octavo-online", "llamacpp-online")
+PEERS = ("hf", "hf-margins", "genai", "octavo", "llamacpp", "octavo-online", "llamacpp-online")
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -57,12 +57,19 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         out += _each("hf-static-batch", workloads,
                      lambda w: hf.run_static(model, w, opts.get("batch") or len(w.requests)))
         return out
+    if peer == "hf-margins":  # options.sequences: prompt + agreed prefix of each divergence
+        from octavo.bench.peers import hf
+
+        model = hf.load(Path(paths["hf"]), threads)
+        margins = hf.top2_margins(model, opts["sequences"])
+        return [PeerResult("hf-margins", "-", extra={"margins": margins})]
     if peer == "genai":
         from octavo.bench.peers import ortgenai
 
         loaded = ortgenai.load(Path(paths["genai"]), threads)
         ortgenai.warm_up(loaded)
-        return _each(ortgenai.NAME, workloads, lambda w: ortgenai.run(loaded, w, opts.get("batch") or len(w.requests)))
+        return _each(ortgenai.NAME, workloads, lambda w: ortgenai.run(
+            loaded, w, opts.get("batch") or min(len(w.requests), ortgenai.MAX_BATCH)))
     if peer == "octavo":
         from octavo.bench.peers import octavo_peer
 
