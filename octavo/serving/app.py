@@ -19,6 +19,7 @@ from aiohttp import web
 import octavo
 from octavo.errors import EngineDeadError, InvalidRequestError, OctavoError
 from octavo.runtime.async_engine import AsyncEngine
+from octavo.runtime.outputs import Logprob
 from octavo.serving import responses as R
 from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request
@@ -205,12 +206,55 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, st, gen, _ChatShape(st, req, gen, rid))
 
 
-class _CompletionShape:
-    """How /v1/completions renders updates (whole response and SSE chunks)."""
+class _Shape:
+    """How a route renders a Generation's updates, as a whole response and as SSE chunks (shared parts)."""
 
-    def __init__(self, st: ServerState, req: CompletionRequest, gen: Generation, rid: str) -> None:
+    envelope: Any  # R.completion | R.chat: (rid, created, model, choices, usage, *, chunk, with_usage_field)
+
+    def __init__(self, st: ServerState, req: Any, gen: Generation, rid: str) -> None:
         self.st, self.req, self.gen, self.rid = st, req, gen, rid
         self.created = int(time.time())
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.envelope(self.rid, self.created, self.st.model_name, choices, None, chunk=True,
+                             with_usage_field=self.req.include_usage)
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.req.include_usage:
+            return None
+        return self.envelope(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
+                             with_usage_field=True)
+
+    def _usage(self) -> dict[str, int]:
+        return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+
+    def _response(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.envelope(self.rid, self.created, self.st.model_name, choices, self._usage())
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def chunk(self, u: ChoiceUpdate) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
+              reasons: dict[int, str | None]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _joined(updates: list[ChoiceUpdate]) -> tuple[list[int], list[dict[int, Logprob]]]:
+        """One choice's token ids and logprob entries over all its updates."""
+        return [t for u in updates for t in u.token_ids], [e for u in updates for e in (u.logprobs or [])]
+
+
+class _CompletionShape(_Shape):
+    """/v1/completions."""
+
+    envelope = staticmethod(R.completion)
+    req: CompletionRequest
+
+    def __init__(self, st: ServerState, req: CompletionRequest, gen: Generation, rid: str) -> None:
+        super().__init__(st, req, gen, rid)
         self.offsets: dict[int, int] = {}
 
     def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
@@ -237,38 +281,23 @@ class _CompletionShape:
             return None
         return self._chunk([R.completion_choice(u.index, u.text, u.finish_reason, self._logprobs(u))])
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return R.completion(self.rid, self.created, self.st.model_name, choices, None, chunk=True,
-                            with_usage_field=self.req.include_usage)
-
-    def usage_chunk(self) -> dict[str, Any] | None:
-        if not self.req.include_usage:
-            return None
-        return R.completion(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
-                            with_usage_field=True)
-
-    def _usage(self) -> dict[str, int]:
-        return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
-
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
         choices = []
         for i in range(self.gen.num_choices):
             lp = None
             if self.req.logprobs is not None:
-                ids = [t for u in updates.get(i, []) for t in u.token_ids]
-                entries = [e for u in updates.get(i, []) for e in (u.logprobs or [])]
+                ids, entries = self._joined(updates.get(i, []))
                 lp = R.completion_logprobs(entries, ids, self.req.logprobs, _decoder(self.st))
             choices.append(R.completion_choice(i, self._echo(i) + "".join(texts.get(i, [])), reasons.get(i), lp))
-        return R.completion(self.rid, self.created, self.st.model_name, choices, self._usage())
+        return self._response(choices)
 
 
-class _ChatShape:
-    """How /v1/chat/completions renders updates (whole response and SSE chunks)."""
+class _ChatShape(_Shape):
+    """/v1/chat/completions."""
 
-    def __init__(self, st: ServerState, req: ChatRequest, gen: Generation, rid: str) -> None:
-        self.st, self.req, self.gen, self.rid = st, req, gen, rid
-        self.created = int(time.time())
+    envelope = staticmethod(R.chat)
+    req: ChatRequest
 
     def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
         if not self.req.logprobs or u.logprobs is None:
@@ -285,30 +314,16 @@ class _ChatShape:
         delta = {"content": u.text} if u.text else {}
         return self._chunk([R.chat_chunk_choice(u.index, delta, u.finish_reason, self._logprobs(u))])
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return R.chat(self.rid, self.created, self.st.model_name, choices, None, chunk=True,
-                      with_usage_field=self.req.include_usage)
-
-    def usage_chunk(self) -> dict[str, Any] | None:
-        if not self.req.include_usage:
-            return None
-        return R.chat(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
-                      with_usage_field=True)
-
-    def _usage(self) -> dict[str, int]:
-        return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
-
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
         choices = []
         for i in range(self.gen.num_choices):
             lp = None
             if self.req.logprobs:
-                ids = [t for u in updates.get(i, []) for t in u.token_ids]
-                entries = [e for u in updates.get(i, []) for e in (u.logprobs or [])]
+                ids, entries = self._joined(updates.get(i, []))
                 lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st))
             choices.append(R.chat_choice(i, "".join(texts.get(i, [])), reasons.get(i), lp))
-        return R.chat(self.rid, self.created, self.st.model_name, choices, self._usage())
+        return self._response(choices)
 
 
 def _decoder(st: ServerState) -> Any:
@@ -317,7 +332,7 @@ def _decoder(st: ServerState) -> Any:
 
 
 async def _run(request: web.Request, st: ServerState, gen: Generation,
-               shape: _CompletionShape | _ChatShape) -> web.StreamResponse:
+               shape: _Shape) -> web.StreamResponse:
     async with aclosing(gen.updates()) as updates:
         it = aiter(updates)
         try:  # the first output (or the prompt's rejection) before any header goes out
@@ -332,7 +347,7 @@ async def _run(request: web.Request, st: ServerState, gen: Generation,
         return await _whole(shape, first, it)
 
 
-async def _whole(shape: _CompletionShape | _ChatShape, first: list[ChoiceUpdate] | None,
+async def _whole(shape: _Shape, first: list[ChoiceUpdate] | None,
                  it: Any) -> web.Response:
     texts: dict[int, list[str]] = {}
     ups: dict[int, list[ChoiceUpdate]] = {}
@@ -364,7 +379,7 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-async def _stream(request: web.Request, shape: _CompletionShape | _ChatShape, first: list[ChoiceUpdate] | None,
+async def _stream(request: web.Request, shape: _Shape, first: list[ChoiceUpdate] | None,
                   it: Any) -> web.StreamResponse:
     resp = await sse.open_stream(request)
     try:
