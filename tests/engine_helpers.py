@@ -5,6 +5,8 @@ import json
 import random
 from pathlib import Path
 
+from octavo.runtime.sampling_params import SamplingParams
+
 SEED10 = Path("/work/shared/workloads/seed10.json")
 _EXPORTED: dict[Path, Path] = {}
 _HF: dict[Path, object] = {}
@@ -24,6 +26,11 @@ KIND_TEXT = {
     "Long generation": "Write an essay about memory and paging. ",
     "Essay": "Write an essay about the history of computing. ",
 }
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy decoding of exactly max_tokens tokens (EOS ignored): what the HF references compare against."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def exported(hf_dir: Path) -> Path:

@@ -6,22 +6,17 @@ import asyncio
 import threading
 
 import pytest
-from engine_helpers import exported, hf_reference, random_requests
+from engine_helpers import exported, greedy, hf_reference, random_requests
 
 from octavo.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, UnknownRequestError
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def model(hf_model_dir):  # noqa: ANN001, ANN201
     hf = hf_model_dir("llama")
     return hf, exported(hf)
-
-
-def greedy(m: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
 
 
 def test_concurrent_streams_abort_and_cancel(model) -> None:  # noqa: ANN001

@@ -3,7 +3,7 @@ freed) and the engine keeps serving; bad input is refused while other requests r
 from __future__ import annotations
 
 import pytest
-from engine_helpers import exported, hf_reference, random_requests
+from engine_helpers import exported, greedy, hf_reference, random_requests
 
 from octavo.errors import InvalidRequestError, PromptTooLongError, UnknownRequestError
 from octavo.export.manifest import Manifest
@@ -40,10 +40,6 @@ def make_engine(folder, fail_on: set[int], **kw) -> LLMEngine:  # noqa: ANN001
     manifest = Manifest.load(folder)
     args = EngineArgs(model=str(folder), num_blocks=64, **kw)
     return LLMEngine(args, FailingBackend(OnnxRuntimeBackend(folder, manifest, 64, args.block_size), fail_on))
-
-
-def greedy(m: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
 
 
 def drain(eng: LLMEngine, final: dict) -> None:

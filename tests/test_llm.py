@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine_helpers import exported, hf_reference, seed10_requests
+from engine_helpers import exported, greedy, hf_reference, seed10_requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,10 +16,6 @@ from octavo import LLM, SamplingParams
 def model(hf_model_dir):  # noqa: ANN001, ANN201
     hf = hf_model_dir("qwen2")
     return hf, exported(hf)
-
-
-def greedy(m: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

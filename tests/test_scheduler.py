@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_helpers import greedy
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from toy_backend import ToyBackend, make_toy_model_dir, toy_greedy
@@ -24,10 +25,6 @@ def toy_dir(tmp_path_factory):  # noqa: ANN001, ANN201
 
 def engine(toy_dir, num_blocks: int, block_size: int = 4, **kw) -> LLMEngine:  # noqa: ANN001
     return LLMEngine(EngineArgs(model=str(toy_dir), block_size=block_size, **kw), ToyBackend(num_blocks, block_size))
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def _req(rid: str, n_prompt: int, order: int) -> Request:
