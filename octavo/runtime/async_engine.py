@@ -99,6 +99,11 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id))
             self._wake.notify_all()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the step loop stopped after an internal error; None while it is healthy."""
+        return self._dead
+
     def stats(self) -> EngineStats:
         """The counters as of the end of the latest step (or inbox drain)."""
         return self._stats
