@@ -65,6 +65,8 @@ class ServerState:
             raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
         if self.engine is None:
             raise ApiError(503, "the model is still loading; retry when /health returns 200", code="loading")
+        if self.engine.dead_reason is not None:  # the step loop died: /health must say so, for a supervisor
+            raise ApiError(503, f"the engine is not running: {self.engine.dead_reason}", code="engine_dead")
         return self.engine
 
 
