@@ -96,7 +96,9 @@ def _schemathesis_schema(server):  # noqa: ANN001, ANN202
     return schemathesis, schemathesis.openapi.from_dict(doc)
 
 
-@pytest.mark.parametrize("mode, examples", [("positive", 60), ("negative", 80)])
+@pytest.mark.parametrize("mode, examples", [
+    ("positive", 60), ("negative", 80),
+    pytest.param("positive", 1000, marks=pytest.mark.slow), pytest.param("negative", 1500, marks=pytest.mark.slow)])
 def test_schemathesis_against_the_openapi_document(server, mode: str, examples: int) -> None:  # noqa: ANN001
     """Positive: valid requests get 200 with bodies matching the documented schemas. Negative: requests
     violating the schema get a documented 4xx in the error shape. Never a 500, in either mode."""
@@ -188,16 +190,31 @@ def _encode(value: object) -> bytes:
     return json.dumps(value, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
+_RAW_ARGS = dict(
+    route=st.sampled_from(ROUTES), method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]),
+    body=st.one_of(_junk.map(_encode), st.binary(max_size=200),
+                   st.builds(lambda v, cut: _encode(v)[:cut], _junk, st.integers(0, 50))),
+    header=st.sampled_from([None, f"Bearer {KEY}", f"bearer  {KEY}", "Bearer", f"Basic {KEY}", "Bearer \u00e9\u00e9",
+                            f"Bearer {KEY}\u00e9", "x" * 2000]),
+    content_type=st.sampled_from(["application/json", "text/plain", "multipart/form-data; boundary=x",
+                                  "application/x-www-form-urlencoded", "application/json; charset=latin-1"]),
+    query=st.sampled_from(["", "?model=../../etc/passwd", "?stream=true&x=%ff%fe", "?" + "a=1&" * 200]))
+
+
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(ROUTES), method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]),
-       body=st.one_of(_junk.map(_encode), st.binary(max_size=200),
-                      st.builds(lambda v, cut: _encode(v)[:cut], _junk, st.integers(0, 50))),
-       header=st.sampled_from([None, f"Bearer {KEY}", f"bearer  {KEY}", "Bearer", f"Basic {KEY}", "Bearer \u00e9\u00e9",
-                               f"Bearer {KEY}\u00e9", "x" * 2000]),
-       content_type=st.sampled_from(["application/json", "text/plain", "multipart/form-data; boundary=x",
-                                     "application/x-www-form-urlencoded", "application/json; charset=latin-1"]),
-       query=st.sampled_from(["", "?model=../../etc/passwd", "?stream=true&x=%ff%fe", "?" + "a=1&" * 200]))
-def test_raw_fuzz_every_route(server, route, method, body, header, content_type, query) -> None:  # noqa: ANN001
+@given(**_RAW_ARGS)
+def test_raw_fuzz_every_route(server, **kw) -> None:  # noqa: ANN001
+    raw_check(server, **kw)
+
+
+@pytest.mark.slow
+@settings(max_examples=3000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(**_RAW_ARGS)
+def test_slow_raw_fuzz_every_route(server, **kw) -> None:  # noqa: ANN001
+    raw_check(server, **kw)
+
+
+def raw_check(server, route, method, body, header, content_type, query) -> None:  # noqa: ANN001
     """Random bytes and random JSON to every route with any method, content type, query and key header:
     always a well-formed answer below 500; the right key is needed everywhere but /health."""
     headers: dict[str, str | bytes] = {"Content-Type": content_type}

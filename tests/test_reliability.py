@@ -287,3 +287,35 @@ def test_five_times_the_pool_completes_identically_without_starvation(folder, pr
     # the bound is not vacuous: the last request of the first wave finishes well after its own cost
     assert max(finished_at.values()) > max(costs.values())
     np.testing.assert_array_less(0, [len(v) for v in outputs.values()])
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine loop itself dies (a bug outside the backend)
+
+
+def test_engine_death_ends_requests_and_health_reports_it(folder) -> None:  # noqa: ANN001
+    """If the step loop dies (here: the scheduler raises), in-flight requests end with an error instead of
+    hanging, new requests get 503 (engine_dead), and /health stops answering 200 so a supervisor restarts it."""
+    ea = EngineArgs(model=str(folder), num_blocks=64, block_size=16, num_threads=1)
+    plan = FaultPlan(delay_s=0.01)
+    srv = OpenAIServer(ServerConfig(served_model_names=("tiny",)), lambda: AsyncEngine(ea, faulty(folder, 64, 16, plan)),
+                       shutdown_timeout=2)
+    with ServerThread(srv) as s:
+        core = srv.state.engine.engine
+        real_schedule = core.scheduler.schedule
+        calls = {"n": 0}
+
+        def schedule():  # noqa: ANN202
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("injected scheduler bug")
+            return real_schedule()
+
+        core.scheduler.schedule = schedule
+        body = {"prompt": [5, 6, 7], "max_tokens": 50, "ignore_eos": True}
+        with httpx.Client(base_url=s.base_url, timeout=30) as http:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 500 and "injected scheduler bug" in r.text, r.text
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+            assert http.get("/health").status_code == 503

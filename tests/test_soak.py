@@ -19,6 +19,7 @@ import asyncio
 import json
 import random
 import re
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -188,6 +189,8 @@ def soak(folder: Path, total: int, seed: int, time_limit: float) -> None:
         assert end_rss - warm_rss[0] <= RSS_BOUND_MIB, (warm_rss, end_rss)
         assert httpx.get(url + "/health").status_code == 200 and proc.poll() is None
         assert elapsed < time_limit
+        proc.send_signal(signal.SIGTERM)  # and after all that, a clean exit
+        assert proc.wait(15) == 0
     finally:
         if proc.poll() is None:
             proc.terminate()
