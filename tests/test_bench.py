@@ -8,21 +8,19 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from engine_helpers import exported
 
 from octavo.bench.workloads import (SEED10, Vocab, jsonl_workload, load_workload, random_workload, seed10_workload,
                                     shared_prefix_workload)
 from octavo.cli import main
 from octavo.errors import InvalidRequestError
-from octavo.export import export_model
 
 SHARED_SEED10 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "seed10.json"
 
 
 @pytest.fixture(scope="module")
-def model_dir(hf_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
-    out = tmp_path_factory.mktemp("bench_export")
-    export_model(hf_model_dir("llama"), out)
-    return out
+def model_dir(hf_model_dir):  # noqa: ANN001, ANN201
+    return exported(hf_model_dir("llama"))  # exported once per session, shared with the engine tests
 
 
 # ------------------------------------------------------------------------------------------------

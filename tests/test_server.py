@@ -10,10 +10,10 @@ import time
 import httpx
 import openai
 import pytest
+from engine_helpers import exported
 from prometheus_client.parser import text_string_to_metric_families
 
 from octavo import LLM, SamplingParams
-from octavo.export import export_model
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
 from octavo.serving.app import ServerConfig
@@ -27,10 +27,8 @@ PROMPTS = ["Hello world", "The quick brown fox", "What is the capital of France?
 
 
 @pytest.fixture(scope="module")
-def model_dir(hf_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
-    out = tmp_path_factory.mktemp("srv_export")
-    export_model(hf_model_dir("llama"), out)
-    return out
+def model_dir(hf_model_dir):  # noqa: ANN001, ANN201
+    return exported(hf_model_dir("llama"))  # exported once per session, shared with the engine tests
 
 
 def engine_args(model_dir, **kw) -> EngineArgs:  # noqa: ANN001

@@ -11,15 +11,13 @@ import time
 
 import httpx
 import pytest
+from engine_helpers import exported
 
-from octavo.export import export_model
 
 
 @pytest.fixture(scope="module")
-def model_dir(hf_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
-    out = tmp_path_factory.mktemp("cli_export")
-    export_model(hf_model_dir("llama"), out)
-    return out
+def model_dir(hf_model_dir):  # noqa: ANN001, ANN201
+    return exported(hf_model_dir("llama"))  # exported once per session, shared with the engine tests
 
 
 def test_serve_sigterm_finishes_in_flight_stream_then_exits(model_dir) -> None:  # noqa: ANN001
