@@ -23,6 +23,9 @@ from octavo.errors import InvalidRequestError
 MS_DOMAIN = "com.microsoft"
 WEIGHT_FORMATS: dict[str, int | None] = {"fp32": None, "int8": 8, "int4": 4}
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute (MatMulNBits)
+# range shrink factors tried per block (least squared error wins): clipping helps 4 bits (weight
+# RMSE -13% on SmolLM2's layers), not 8 bits (<1%, so only the full range is tried there)
+CLIP_RATIOS: dict[int, tuple[float, ...]] = {4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), 8: (1.0,)}
 _ROWS_PER_CHUNK = 4096  # rows quantized at once: bounds the float temporaries of a large matrix
 
 
@@ -112,20 +115,35 @@ def unpack_codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
 
 
 def _quantize_rows(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(codes uint8 [n, nb, bs], scales float32 [n, nb], zero points uint8 [n, nb]) of rows W [n, K]."""
+    """(codes uint8 [n, nb, bs], scales float32 [n, nb], zero points uint8 [n, nb]) of rows W [n, K].
+
+    Each block's range [min(lo, 0), max(hi, 0)] is tried shrunk by every factor of CLIP_RATIOS[bits]
+    (clipping a few outliers buys a finer grid for the rest); the factor with the least squared
+    error wins, per block."""
     n, k = w.shape
     n_blocks = -(-k // block_size)
     padded = np.zeros((n, n_blocks * block_size), np.float32)
     padded[:, :k] = w
     blocks = padded.reshape(n, n_blocks, block_size)
-    qmax = float((1 << bits) - 1)
+    qmax = np.float32((1 << bits) - 1)
     lo = np.minimum(blocks.min(axis=2), 0.0)
     hi = np.maximum(blocks.max(axis=2), 0.0)
-    scales = ((hi - lo) / qmax).astype(np.float32)
-    safe = np.where(scales > 0, scales, np.float32(1.0))
-    zero = np.clip(np.rint(-lo / safe), 0, qmax)
-    codes = np.clip(np.rint(blocks / safe[..., None]) + zero[..., None], 0, qmax)
-    return codes.astype(np.uint8), scales, zero.astype(np.uint8)
+    best_err = np.full((n, n_blocks), np.inf, np.float32)
+    best_codes = np.zeros(blocks.shape, np.uint8)
+    best_scales = np.zeros((n, n_blocks), np.float32)
+    best_zero = np.zeros((n, n_blocks), np.float32)
+    for ratio in CLIP_RATIOS[bits]:
+        scales = ((hi - lo) * np.float32(ratio) / qmax).astype(np.float32)
+        safe = np.where(scales > 0, scales, np.float32(1.0))
+        zero = np.clip(np.rint(-lo * np.float32(ratio) / safe), 0, qmax)
+        codes = np.clip(np.rint(blocks / safe[..., None]) + zero[..., None], 0, qmax)
+        err = np.square(blocks - (codes - zero[..., None]) * scales[..., None]).sum(axis=2)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_codes[better] = codes[better]
+        best_scales = np.where(better, scales, best_scales)
+        best_zero = np.where(better, zero, best_zero)
+    return best_codes, best_scales, best_zero.astype(np.uint8)
 
 
 def quantize(weight: np.ndarray, bits: int, block_size: int) -> BlockQuantized:
