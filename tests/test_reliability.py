@@ -14,6 +14,7 @@ import asyncio
 import math
 import random
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -152,17 +153,21 @@ POISON = 300
 
 
 def test_server_failed_steps_are_500_others_exact_server_stays_up(folder) -> None:  # noqa: ANN001
-    """16 concurrent clients (half streaming) against slow steps (20 ms); prompts holding a poison token
-    fail their step, and so does the 12th step whatever it holds. Every request that was in a failed
-    step gets a 500 (or, once streaming, an in-band error event), every other one gets exactly the
+    """Slow steps (20 ms) and concurrent clients (half streaming). Phase 1: three requests holding a poison
+    token, one after another: each fails its own first step alone -> 500. Phase 2: 13 healthy requests
+    arriving ~one step apart, while the 6th step from there fails whatever it holds. Every request that was in a failed step gets a 500 (or, once streaming, an in-band error
+    event) -- exactly as many as the engine's trace reports -- and every other one gets exactly the
     unconstrained engine's output; the server stays healthy and holds no block afterwards."""
+    import json
+
     rng = random.Random(5)
     prompts = [[rng.randrange(5, VOCAB - 100) for _ in range(rng.randrange(3, 30))] for _ in range(16)]
-    for i in (2, 7, 11):
+    poisoned = (0, 1, 2)
+    for i in poisoned:
         prompts[i].insert(1, POISON)
     max_tokens = [rng.randrange(3, 16) for _ in prompts]
     ref = reference(folder, {str(i): (p, greedy(m)) for i, (p, m) in enumerate(zip(prompts, max_tokens))})
-    plan = FaultPlan(fail_if=lambda inp: bool((inp.input_ids == POISON).any()), fail_on_calls={12}, delay_s=0.02)
+    plan = FaultPlan(fail_if=lambda inp: bool((inp.input_ids == POISON).any()), delay_s=0.02)
     ea = EngineArgs(model=str(folder), num_blocks=64, block_size=16, max_num_seqs=8, num_threads=1)
     backends: list[FaultyBackend] = []
 
@@ -175,11 +180,10 @@ def test_server_failed_steps_are_500_others_exact_server_stays_up(folder) -> Non
     with ServerThread(srv) as s:
         srv.state.engine.add_step_listener(
             lambda row: errors_in_trace.extend(f["id"] for f in row["finished"] if f["reason"] == "error"))
-        results: dict[int, tuple[int, list[int] | str]] = {}
+        results: dict[int, tuple[int, str]] = {}
 
         def client(i: int) -> None:
-            body = {"prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0, "ignore_eos": True,
-                    "logprobs": 0}  # logprobs carry the token ids back (tokens text alone is lossy)
+            body = {"prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0, "ignore_eos": True}
             with httpx.Client(base_url=s.base_url, timeout=60) as http:
                 if i % 2:
                     r = http.post("/v1/completions", json=body)
@@ -196,19 +200,22 @@ def test_server_failed_steps_are_500_others_exact_server_stays_up(folder) -> Non
                             if '"error"' in line:
                                 status = 599  # in-band error after the stream started
                             else:
-                                import json
-
                                 text += json.loads(line[6:])["choices"][0]["text"]
                     results[i] = (status, text)
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for i in (0, 1, 2):  # phase 1
+            client(i)
+        assert backends[0].failures == 3 and [results[i][0] for i in (0, 1, 2)] == [500, 500, 500]
+        plan.fail_on_calls = {backends[0].calls + 6}  # phase 2
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3, 16)]
         for t in threads:
             t.start()
+            time.sleep(0.025)
         for t in threads:
             t.join(120)
         assert len(results) == len(prompts)
         tok = srv.state.tokenizer
-        failed = [i for i, (code, _) in results.items() if code != 200]
+        failed = sorted(i for i, (code, _) in results.items() if code != 200)
         for i, (code, got) in results.items():
             if code == 200:
                 assert got == tok.decode(ref[str(i)]), i
@@ -216,14 +223,14 @@ def test_server_failed_steps_are_500_others_exact_server_stays_up(folder) -> Non
                 assert code in (500, 599), (i, code, got)
                 if code == 500:
                     assert "injected backend failure" in got
-        assert {2, 7, 11} <= set(failed)  # poisoned prompts always fail
-        assert len(failed) == len(errors_in_trace)  # each failed engine request = one failed response
-        assert backends[0].failures >= 3
+        print(f"failed requests: {failed} of {len(prompts)}; injected failures {backends[0].failures}")
+        assert set(poisoned) <= set(failed)  # poisoned prompts always fail
+        assert len(failed) == len(errors_in_trace)  # each failed engine request = exactly one failed response
+        assert backends[0].failures == 4 and len(failed) <= len(prompts) - 4  # healthy requests really ran beside
         assert httpx.get(s.base_url + "/health").status_code == 200
-        plan.fail_on_calls.clear()  # (had the burst taken fewer than 12 steps, call 12 would be this one)
-        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": max_tokens[0],
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": prompts[3], "max_tokens": max_tokens[3],
                                                              "temperature": 0, "ignore_eos": True}, timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(ref["0"])
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(ref["3"])
         st = srv.state.engine.stats()
         assert st.num_free_blocks == st.num_total_blocks and st.num_running == 0
 
