@@ -605,6 +605,35 @@ def test_event_loop_stays_responsive_while_steps_run(model_dir) -> None:  # noqa
         assert lat[len(lat) // 2] < step / 2, lat  # median well under one step
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_event_loop_stays_responsive_while_a_huge_prompt_is_tokenized(model_dir, route: str) -> None:  # noqa: ANN001
+    """Tokenizing a ~1.5 MB prompt takes seconds; it must not freeze every other stream (and /health) for
+    that long: it runs off the event loop, without holding the GIL. The prompt is then refused (too long).
+    The server shares this process, so a held GIL stalls the poller too: the gaps between answers count."""
+    ea = engine_args(model_dir, num_blocks=64)
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), max_body_bytes=4 << 20), lambda: AsyncEngine(ea),
+                       shutdown_timeout=2)
+    text = "The quick brown fox jumps over the lazy dog. " * 35_000
+    body = {"prompt": text} if route == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    with ServerThread(srv) as s:
+        answer: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: answer.append(httpx.post(s.base_url + route, json=body, timeout=60)))
+        done = []
+        with httpx.Client(timeout=30) as h:
+            assert h.get(s.base_url + "/health").status_code == 200
+            t0 = time.perf_counter()
+            t.start()
+            while t.is_alive():
+                assert h.get(s.base_url + "/health").status_code == 200
+                done.append(time.perf_counter())
+                time.sleep(0.01)
+        t.join()
+        assert answer[0].status_code == 400 and "PromptTooLong" in answer[0].text, answer[0].text[:300]
+        gaps = sorted(b - a for a, b in zip([t0, *done], done))
+        assert done[-1] - t0 > 1.0, done[-1] - t0  # the request really took a while
+        assert gaps[-1] < 0.4, gaps[-5:]
+
+
 def test_shutdown_aborts_what_outlives_the_timeout(model_dir) -> None:  # noqa: ANN001
     from octavo.export.manifest import Manifest
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend

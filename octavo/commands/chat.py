@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+            ids = tok.encode_chat(messages)
             sys.stdout.write("assistant> ")
             shown, text, reason = 0, "", None
             for out in llm.stream({"prompt_token_ids": ids}, params):

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     tok = llm.get_tokenizer()
     params = sampling_params(args, args.n)
     prompts = [
-        {"prompt_token_ids": tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)}
+        {"prompt_token_ids": tok.encode_chat([{"role": "user", "content": p}])}
         if args.chat else p for p in args.prompts]
     t0 = time.perf_counter()
     if len(prompts) == 1 and args.n == 1:

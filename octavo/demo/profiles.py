@@ -6,7 +6,8 @@ answer sensibly), so they differ from the seed's; the generation lengths are the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from octavo.runtime.tokenizer import Tokenizer
 
 Message = dict[str, str]
 
@@ -63,9 +64,8 @@ def plain_text(messages: tuple[Message, ...] | list[Message]) -> str:
     return "\n".join(lines + ["Assistant:"])
 
 
-def prompt_ids(tokenizer: Any, messages: tuple[Message, ...] | list[Message], use_chat_template: bool = True) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, messages: tuple[Message, ...] | list[Message], use_chat_template: bool = True) -> list[int]:
     """Token ids of a conversation: through the model's chat template when it has one (and asked to)."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode_chat(list(messages))
     return tokenizer.encode(plain_text(messages))

@@ -7,7 +7,8 @@
 
 Only the engine thread touches the LLMEngine. `submit` validates and tokenizes in the caller's
 thread (so a bad request raises right there: InvalidRequestError, PromptTooLongError) and drops the
-prepared request into an inbox; `abort_nowait` queues behind it. Neither waits for a step: the
+prepared request into an inbox; `generate` does the same, tokenizing on a worker thread so that the
+event loop never waits for a long prompt; `abort_nowait` queues behind it. Neither waits for a step: the
 inbox lock is never held while the engine computes. The thread drains the inbox before every step.
 """
 from __future__ import annotations
@@ -76,15 +77,16 @@ class AsyncEngine:
     def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str, callback: Callback,
                *, priority: int = 0) -> None:
         """Queue a request; raises at once if it is invalid. callback gets every output, on the engine thread."""
-        request_id = str(request_id)
         self._check_alive()
-        group = self.engine.make_group(request_id, prompt, params, priority=priority)
+        self._enqueue(self.engine.make_group(str(request_id), prompt, params, priority=priority), callback)
+
+    def _enqueue(self, group: RequestGroup, callback: Callback) -> None:
         with self._lock:
             self._check_alive()
-            if request_id in self._live:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._live.add(request_id)
-            self._callbacks[request_id] = callback
+            if group.request_id in self._live:
+                raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+            self._live.add(group.request_id)
+            self._callbacks[group.request_id] = callback
             self._inbox.append(("add", group))
             self._wake.notify_all()
         self.start_thread()
@@ -116,8 +118,12 @@ class AsyncEngine:
                        *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.submit(prompt, params, request_id, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
-                    priority=priority)
+        request_id = str(request_id)
+        self._check_alive()
+        # validate and tokenize on a worker thread (a long prompt takes seconds, the event loop must not wait);
+        # queue it from here, so a consumer that leaves meanwhile leaves no request behind
+        group = await asyncio.to_thread(self.engine.make_group, request_id, prompt, params, priority=priority)
+        self._enqueue(group, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
         finished = False
         try:
             while not finished:

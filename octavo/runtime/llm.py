@@ -69,9 +69,7 @@ class LLM:
         """Render each conversation with the model's chat template, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts: list[Prompt] = [
-            {"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt), add_special_tokens=False)}
-            for c in convs]
+        prompts: list[Prompt] = [{"prompt_token_ids": tok.encode_chat(c, add_generation_prompt)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -6,6 +6,7 @@ API key when one is set. While the model loads (or the server drains) the API an
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -198,9 +199,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     assert st.limits is not None
     req = parse_chat(await _read_json(request), st.limits)
     check_model(req.model, st.config.served_model_names)
-    try:  # rendered text already holds the template's special tokens: encode it without adding more
-        text = st.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-        prompt = {"prompt_token_ids": st.tokenizer.encode(text, add_special_tokens=False)}
+    try:  # off the event loop: a long conversation takes a while to render and tokenize
+        prompt = {"prompt_token_ids": await asyncio.to_thread(st.tokenizer.encode_chat, req.messages)}
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects these messages
         raise bad_request(f"cannot apply the model's chat template to these messages: {exc}", "messages") from None
     rid = R.new_id("chatcmpl")
