@@ -38,11 +38,21 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
+def _plain_greedy(r: Request) -> bool:
+    """Greedy, no logits processor active, no logprobs: the token is the argmax of the raw logits."""
+    p = r.params
+    return (p.temperature == 0.0 and not p.logit_bias and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and len(r.output_token_ids) >= p.min_tokens)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
 
     def __call__(self, logits: np.ndarray, reqs: list[Request]) -> SamplerOutput:
+        if all(_plain_greedy(r) for r in reqs):  # nothing changes the logits: no copy of [N, vocab]
+            return self._plain_argmax(logits, reqs)
         logits = np.array(logits, dtype=np.float32, copy=True)
         self._apply_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
@@ -68,6 +78,15 @@ class Sampler:
             d[int(tokens[i])] = float(row[tokens[i]])
             out_lp[i] = d
         return SamplerOutput(token_ids=[int(t) for t in tokens], logprobs=out_lp)
+
+    @staticmethod
+    def _plain_argmax(logits: np.ndarray, reqs: list[Request]) -> SamplerOutput:
+        tokens = np.argmax(logits, axis=-1)
+        best = logits[np.arange(len(tokens)), tokens]
+        if not np.isfinite(best).all():  # same check as the general path
+            bad = [reqs[i].request_id for i in np.flatnonzero(~np.isfinite(best))]
+            raise FloatingPointError(f"the backend returned non-finite logits (NaN/inf) for {', '.join(bad)}")
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(reqs))
 
     # -- logits processors --------------------------------------------------------------------------
     @staticmethod
