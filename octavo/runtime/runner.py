@@ -28,29 +28,48 @@ class ModelRunner:
         self._table = np.zeros(b * max_blocks_per_seq, np.int32)  # viewed as [B, max_blocks of this step]
 
     def prepare(self, scheduled: dict[Request, int]) -> tuple[StepInputs, list[Request]]:
-        """Pack the step; return the inputs and the requests that get a logits row (in row order)."""
+        """Pack the step; return the inputs and the requests that get a logits row (in row order).
+        Values are gathered in Python lists (a decode row is a few ints) and written with one numpy
+        assignment per array, instead of several small numpy operations per request."""
         bs = self.block_size
+        b = len(scheduled)
         width = max(len(r.block_table) for r in scheduled)
-        table = self._table[: len(scheduled) * width].reshape(len(scheduled), width)
-        table.fill(0)
+        table = self._table[: b * width].reshape(b, width)
         sampled: list[Request] = []
+        logit_rows: list[int] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        past: list[int] = []
+        cu: list[int] = []
+        rows: list[list[int]] = []
         t = 0
-        for i, (req, n) in enumerate(scheduled.items()):
+        for req, n in scheduled.items():
             start = req.num_computed_tokens
-            self._input_ids[t:t + n] = req.tokens(start, start + n)
-            pos = np.arange(start, start + n)
-            self._positions[t:t + n] = pos
-            blocks = np.asarray(req.block_table, dtype=np.int64)
-            self._slots[t:t + n] = blocks[pos // bs] * bs + pos % bs
-            table[i, : len(req.block_table)] = req.block_table
-            self._past[i] = start
-            self._cu[i] = t
+            blocks = req.block_table
+            rows.append(blocks + [0] * (width - len(blocks)) if len(blocks) < width else blocks)
+            past.append(start)
+            cu.append(t)
+            if n == 1:
+                ids.append(req.token(start))
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                ids.extend(req.tokens(start, start + n))
+                positions.extend(range(start, start + n))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             t += n
             if start + n == req.num_tokens:
-                self._logits_indices[len(sampled)] = t - 1
+                logit_rows.append(t - 1)
                 sampled.append(req)
-        b = len(scheduled)
-        self._cu[b] = t
+        cu.append(t)
+        self._input_ids[:t] = ids
+        self._positions[:t] = positions
+        self._slots[:t] = slots
+        self._past[:b] = past
+        self._cu[: b + 1] = cu
+        self._logits_indices[: len(sampled)] = logit_rows
+        table[...] = rows
         inputs = StepInputs(
             input_ids=self._input_ids[:t], position_ids=self._positions[:t],
             cumulative_sequence_length=self._cu[: b + 1], past_seqlens=self._past[:b],
