@@ -276,6 +276,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - any backend failure ends only this step's requests
             logger.exception("step %d failed; ending its %d requests with an error", self.step_count, len(sched.scheduled))
             error = f"{type(exc).__name__}: {exc}"
+        tracing = bool(self._listeners) or self._trace_file is not None  # rows only for a reader
         rows = []
         touched: dict[str, RequestGroup] = {}
         for req, n in sched.scheduled.items():
@@ -284,11 +285,12 @@ class LLMEngine:
                 req.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(req)
                 self.prompt_tokens_total += max(0, min(n, req.num_prompt_tokens - start))
-            rows.append({"id": req.request_id,
-                         "phase": "decode" if n == 1 and start >= req.num_prompt_tokens else "prefill",
-                         "tokens": n, "prompt_len": req.num_prompt_tokens, "total_len": start + n,
-                         "output_len": req.num_output_tokens, "blocks": len(req.block_table),
-                         "cached": req.num_cached_tokens})
+            if tracing:
+                rows.append({"id": req.request_id,
+                             "phase": "decode" if n == 1 and start >= req.num_prompt_tokens else "prefill",
+                             "tokens": n, "prompt_len": req.num_prompt_tokens, "total_len": start + n,
+                             "output_len": req.num_output_tokens, "blocks": len(req.block_table),
+                             "cached": req.num_cached_tokens})
             if error is not None:
                 req.error = error
                 self._finish(req, "error")
@@ -316,7 +318,10 @@ class LLMEngine:
             outputs.append(self._output(group))
             if group.finished:
                 del self.groups[group.request_id]
-        self._trace(t0, sched, rows)
+        if tracing:
+            self._trace(t0, sched, rows)
+        else:
+            self._arrived, self._finished_since_step = [], []
         return outputs
 
     def _append_token(self, req: Request, tok: int, lp: dict[int, float] | None, now: float) -> None:
