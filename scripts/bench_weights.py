@@ -7,6 +7,10 @@ Decode tokens/s counts only steps where every scheduled request decodes (prefill
 Formats run interleaved, round after round, and each keeps its best round (the machine is shared).
 Ratios are against fp32 measured in the same run.
 
+Quality (unless --no-quality): the fp32 export answers a few chat questions greedily; every format
+then reads the same prompt + answer in one prefill (teacher forcing), and its next-token logits at
+the answer's positions are compared with fp32's: top-1 agreement, mean KL(fp32 || format), max |diff|.
+
     .venv/bin/python scripts/bench_weights.py [--model PATH] [--threads 2] [--rounds 3] [--json FILE]
 """
 from __future__ import annotations
@@ -21,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.sampling_params import SamplingParams
@@ -30,8 +36,14 @@ VARIANTS: dict[str, dict[str, object]] = {
     "fp32": {"weights": "fp32"},
     "int8": {"weights": "int8"},
     "int4": {"weights": "int4"},
+    "int8+head": {"weights": "int8", "quantize_lm_head": True},
     "int4+head": {"weights": "int4", "quantize_lm_head": True},
 }
+QUALITY_QUESTIONS = [
+    "What is the capital of France?", "Why is the sky blue?",
+    "Write a Python function that checks whether a number is prime.",
+    "Translate to French: Good morning, my friend.", "Tell me a story about a robot who learns to paint.",
+]
 
 
 @dataclass(slots=True)
@@ -40,6 +52,7 @@ class Result:
     export_s: float
     folder_mib: float
     decode_tps: dict[int, list[float]] = field(default_factory=dict)  # batch -> tokens/s of every round
+    quality: dict[str, float] = field(default_factory=dict)  # top1, kl_mean, max_abs_diff, positions
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
     p.add_argument("--workdir", type=Path, default=None, help="where the exports go (default: a temporary folder)")
     p.add_argument("--json", type=Path, default=None, help="save the results here")
+    p.add_argument("--no-quality", action="store_true", help="skip the teacher-forced comparison with fp32")
+    p.add_argument("--answer-tokens", type=int, default=48, help="fp32 answer length for the quality check")
     return p.parse_args(argv)
 
 
@@ -83,6 +98,50 @@ def decode_tps(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, th
     return decode_tokens / decode_s
 
 
+def all_logits(model_dir: Path, ids: list[int], threads: int) -> np.ndarray:
+    """Next-token logits at every position of IDS (one prefill step through the backend)."""
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.base import StepInputs
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    blocks, t = -(-len(ids) // 16), len(ids)
+    backend = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), blocks, 16, num_threads=threads)
+    try:
+        return backend.run(StepInputs(
+            np.array(ids, np.int64), np.arange(t, dtype=np.int64), np.array([0, t], np.int32), np.array([0], np.int32),
+            np.arange(blocks, dtype=np.int32)[None], np.arange(t, dtype=np.int64), np.arange(t, dtype=np.int64),
+        )).copy()
+    finally:
+        backend.close()
+
+
+def quality(folders: dict[str, Path], answer_tokens: int, threads: int) -> dict[str, dict[str, float]]:
+    """Teacher-forced agreement of every format with fp32 over fp32's greedy answers (module docstring)."""
+    from octavo import LLM
+
+    llm = LLM(str(folders["fp32"]), num_threads=threads)
+    tok = llm.get_tokenizer()
+    chats = [[{"role": "user", "content": q}] for q in QUALITY_QUESTIONS]
+    outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=answer_tokens), use_tqdm=False)
+    llm.engine.close()
+    sequences = []
+    for chat, out in zip(chats, outs):
+        prompt = tok.encode(tok.apply_chat_template(chat), add_special_tokens=False)
+        sequences.append((len(prompt), prompt + list(out.outputs[0].token_ids)))
+    ref = np.concatenate([all_logits(folders["fp32"], ids, threads)[n - 1:-1] for n, ids in sequences])
+    ref_logp = ref - ref.max(1, keepdims=True)
+    ref_logp -= np.log(np.exp(ref_logp).sum(1, keepdims=True))
+    scores = {}
+    for name, folder in folders.items():
+        got = np.concatenate([all_logits(folder, ids, threads)[n - 1:-1] for n, ids in sequences])
+        logp = got - got.max(1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+        kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(1)
+        scores[name] = {"top1": float((got.argmax(1) == ref.argmax(1)).mean()), "kl_mean": float(kl.mean()),
+                        "max_abs_diff": float(np.abs(got - ref).max()), "positions": int(len(ref))}
+    return scores
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -109,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = Result(name, elapsed, size)
         print(f"export {name}: {elapsed:.1f} s, {size:.1f} MiB", flush=True)
 
+    if not args.no_quality and "fp32" in results:
+        folders = {name: workdir / name.replace("+", "_") for name in results}
+        for name, score in quality(folders, args.answer_tokens, args.threads).items():
+            results[name].quality = score
+            print(f"quality {name:>9}: top-1 {score['top1']:.3f}, KL {score['kl_mean']:.4f}, "
+                  f"max |logit diff| {score['max_abs_diff']:.2f} over {score['positions']} positions", flush=True)
+
     for round_ in range(args.rounds):
         for batch in batches:
             for name, result in results.items():
@@ -120,12 +186,14 @@ def main(argv: list[str] | None = None) -> int:
 
     base = results.get("fp32")
     print(f"\n{load_after}\n")
-    header = "| weights | export s | folder MiB | " + " | ".join(
+    header = "| weights | export s | folder MiB | top-1 vs fp32 | KL | " + " | ".join(
         f"batch {b} tok/s (best) | vs fp32" for b in batches) + " |"
     print(header)
-    print("|" + "---|" * (3 + 2 * len(batches)))
+    print("|" + "---|" * (5 + 2 * len(batches)))
     for name, r in results.items():
-        cells = [name, f"{r.export_s:.1f}", f"{r.folder_mib:.0f}"]
+        q = r.quality
+        cells = [name, f"{r.export_s:.1f}", f"{r.folder_mib:.0f}",
+                 f"{q['top1']:.3f}" if q else "-", f"{q['kl_mean']:.4f}" if q else "-"]
         for b in batches:
             best = max(r.decode_tps[b])
             ratio = best / max(base.decode_tps[b]) if base else float("nan")
