@@ -119,9 +119,9 @@ def test_smollm2_gguf_exports_fast_and_answers(tmp_path: Path) -> None:
     except ModelFormatError as exc:
         pytest.skip(str(exc))
     import jinja2
+    from step_inputs import one_sequence
     from tokenizers import Tokenizer
 
-    from octavo.runtime.backends.base import StepInputs
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     started = time.perf_counter()
@@ -139,10 +139,7 @@ def test_smollm2_gguf_exports_fast_and_answers(tmp_path: Path) -> None:
     table = np.random.default_rng(0).permutation(8).astype(np.int32)[None]
     past, new, answer = 0, ids, []
     for _ in range(8):
-        slots = [table[0, p // 16] * 16 + p % 16 for p in range(past, past + len(new))]
-        logits = backend.run(StepInputs(
-            np.array(new, np.int64), np.arange(past, past + len(new)), np.array([0, len(new)], np.int32),
-            np.array([past], np.int32), table, np.array(slots, np.int64), np.array([len(new) - 1], np.int64)))
+        logits = backend.run(one_sequence(new, past, table, 16))
         past += len(new)
         new = [int(logits[0].argmax())]
         answer += new

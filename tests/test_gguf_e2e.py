@@ -12,6 +12,7 @@ import pytest
 
 from octavo.runtime.backends.base import StepInputs
 
+from step_inputs import one_sequence
 from test_gguf import SMOL, SMOL_DIR, SMOL_NAME, spm_gguf  # noqa: F401 - spm_gguf: shared module fixture
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -63,15 +64,8 @@ def test_smollm2_gguf_answers_paris(smol_export) -> None:  # noqa: ANN001
 
 
 def _prefill(ids: list[int], block_size: int, num_blocks: int) -> StepInputs:
-    n = len(ids)
-    return StepInputs(
-        input_ids=np.array(ids, np.int64), position_ids=np.arange(n, dtype=np.int64),
-        cumulative_sequence_length=np.array([0, n], np.int32), past_seqlens=np.array([0], np.int32),
-        block_table=np.arange(num_blocks, dtype=np.int32)[None, :][:, ::-1].copy(),  # reversed: not contiguous
-        slot_mapping=np.array([(num_blocks - 1 - p // block_size) * block_size + p % block_size for p in range(n)],
-                              np.int64),
-        logits_indices=np.arange(n, dtype=np.int64),
-    )
+    """The whole prompt in one step, every logits row, over a reversed (non-contiguous) block table."""
+    return one_sequence(ids, 0, np.arange(num_blocks, dtype=np.int32)[::-1], block_size, all_logits=True)
 
 
 @pytest.mark.slow
