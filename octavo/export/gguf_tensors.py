@@ -114,10 +114,6 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     def __len__(self) -> int:
         return len(self.by_hf_name)
 
-    def ggml_type(self, key: str) -> str:
-        """The GGML storage type of a tensor (e.g. "Q4_1"), for reports."""
-        return self.by_hf_name[key].tensor_type.name  # type: ignore[attr-defined]
-
     def shape(self, key: str) -> tuple[int, ...]:
         """The HF (numpy-order) shape of a tensor without dequantizing it."""
         return tuple(int(d) for d in reversed(self.by_hf_name[key].shape.tolist()))  # type: ignore[attr-defined]

@@ -43,9 +43,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=lambda r: (r.priority, r.arrival_order))
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

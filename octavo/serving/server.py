@@ -72,10 +72,6 @@ class OpenAIServer:
         await self._ready.wait()
         self.state.ready_engine()
 
-    @property
-    def load_failed(self) -> bool:
-        return self.state.load_error is not None
-
     async def shutdown(self) -> None:
         """Stop accepting, wait up to shutdown_timeout for in-flight requests, abort what is left, stop the engine.
 

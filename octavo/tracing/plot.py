@@ -6,7 +6,6 @@ a tick where each request finishes), batch size and queue, KV blocks used vs fre
 from __future__ import annotations
 
 import io
-from pathlib import Path
 from typing import Any
 
 from octavo.errors import OctavoError
@@ -139,13 +138,3 @@ def render_png_bytes(
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
-
-
-def render_png(
-    rows: list[dict[str, Any]], spans: list[RequestSpan], path: str | Path,
-    labels: dict[str, str] | None = None, title: str = "",
-) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(render_png_bytes(rows, spans, labels, title))
-    return path
