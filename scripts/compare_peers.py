@@ -165,12 +165,13 @@ def best_of_rounds(results: list[PeerResult]) -> list[PeerResult]:
     return list(best.values())
 
 
-def run_roofline(octavo_dir: Path, threads: int, batch: int, tmp: Path, timeout: float) -> tuple[dict | None, str]:
+def run_roofline(octavo_dir: Path, threads: int, batch: int, tmp: Path, timeout: float,
+                 small: bool = False) -> tuple[dict | None, str]:
     import subprocess
 
     out = tmp / "roofline.json"
     cmd = [sys.executable, "-m", "octavo.bench.roofline", str(octavo_dir), "--threads", str(threads),
-           "--batch", str(batch), "--json", str(out)]
+           "--batch", str(batch), "--json", str(out), *(["--small", "--steps", "3"] if small else [])]
     proc = subprocess.run(cmd, env={**os.environ, **thread_env(threads)}, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.is_file():
         return None, f"roofline failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = loadavg()
+    t_start = time.monotonic()
     cfg = PerfModelConfig.tiny() if args.tiny else PerfModelConfig()
     want_llama = "llamacpp" in peers and bool(args.llama_server)
     models = prepare_models(args.workdir, cfg, genai="genai" in peers, gguf=want_llama)
@@ -199,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     def worker(peer: str, workloads: list[IdWorkload], label: str, **options: Any) -> list[PeerResult]:
         spec = {"peer": peer, "threads": args.threads, "paths": paths, "workloads": [w.to_dict() for w in workloads],
                 "options": options}
-        print(f"... {label}", flush=True)
+        print(f"... {label} (at {time.monotonic() - t_start:.0f} s)", flush=True)
         return run_worker(spec, tmp, args.timeout, label)
 
     roof, roof_text = None, "roofline: not measured (--no-roofline)"
     if not args.no_roofline:
-        roof, roof_text = run_roofline(models.octavo_dir, args.threads, min(args.slots, 64), tmp, args.timeout)
+        roof, roof_text = run_roofline(models.octavo_dir, args.threads, min(args.slots, 64), tmp, args.timeout,
+                                       small=args.tiny)
     for rnd in range(args.repeat):  # rounds: each peer once per round; the best round counts
         tag = f"-{rnd + 1}" if args.repeat > 1 else ""
         if "octavo" in peers:

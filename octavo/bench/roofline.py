@@ -138,7 +138,7 @@ def kernel_us_by_op(events: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def measure(model_dir: Path, *, threads: int = 2, batch: int = 64, context: int = 128, steps: int = 10,
-            block_size: int = 16, rounds: int = 3) -> Roofline:
+            block_size: int = 16, rounds: int = 3, small: bool = False) -> Roofline:
     """Peak, bandwidth and the two decode steps measured in interleaved rounds (load from elsewhere hits
     all of them alike); the best round of each counts."""
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
@@ -153,8 +153,8 @@ def measure(model_dir: Path, *, threads: int = 2, batch: int = 64, context: int 
     peak, bw, t_big, t_one = 0.0, 0.0, float("inf"), float("inf")
     try:
         for _ in range(rounds):
-            peak = max(peak, sgemm_gflops(repeats=2))
-            bw = max(bw, copy_gbs(repeats=2))
+            peak = max(peak, sgemm_gflops(512 if small else 2048, repeats=2))
+            bw = max(bw, copy_gbs((32 if small else 256) << 20, repeats=2))
             t_big = min(t_big, decode_step_seconds(backend, batch, context, steps))
             t_one = min(t_one, decode_step_seconds(backend, 1, context, steps * 3))
     finally:
@@ -195,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", type=Path, default=None, help="write the result here")
+    p.add_argument("--small", action="store_true", help="one round, small sgemm/copy sizes (a smoke run, not a peak)")
     args = p.parse_args(argv)
-    r = measure(args.model, threads=args.threads, batch=args.batch, context=args.context, steps=args.steps)
+    r = measure(args.model, threads=args.threads, batch=args.batch, context=args.context, steps=args.steps,
+                rounds=1 if args.small else 3, small=args.small)
     print(r.lines())
     if args.json:
         args.json.write_text(json.dumps(r.to_dict(), indent=2))
