@@ -27,7 +27,7 @@ from typing import Any
 
 from octavo.bench.peers.model import PerfModelConfig, prepare_models
 from octavo.bench.peers.requests import IdWorkload, random_uniform, seed10, shared_prefix
-from octavo.bench.peers.result import REFERENCE, PeerResult, compare, format_table
+from octavo.bench.peers.result import REFERENCE, PeerResult, compare, format_table, reference_outputs
 from octavo.bench.peers.worker import run_worker, thread_env
 
 
@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-batch", type=int, default=None, help="HF static batch size (default: the workload size)")
     p.add_argument("--genai-batch", type=int, default=None, help="onnxruntime-genai batch size (default: workload size)")
     p.add_argument("--no-hf-sequential", action="store_true", help="skip HF one-request-at-a-time (the reference)")
+    p.add_argument("--hf-sequential-on", default=None, metavar="NAMES",
+                   help="comma list of workloads for HF one-at-a-time (default all; it is slow); elsewhere HF's "
+                        "static batch is the greedy reference")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="llama-server binary (or $LLAMA_SERVER)")
     p.add_argument("--llama-server-args", default="", help="extra llama-server arguments (one string)")
     p.add_argument("--slots", type=int, default=64, help="llama-server -np and octavo max_num_seqs")
@@ -135,12 +138,12 @@ def targets(table: dict[str, dict[str, Any]], offline: list[IdWorkload], shared:
 def divergences(results: list[PeerResult], workloads: list[IdWorkload]) -> list[dict[str, Any]]:
     """Every request whose greedy tokens differ from the reference: where, and the two tokens."""
     by_name = {w.name: w for w in workloads}
-    ref = {r.workload: r.outputs for r in results if r.peer == REFERENCE and r.ok}
     out = []
     for r in results:
-        if r.peer == REFERENCE or not r.ok or not r.outputs or r.workload not in ref:
+        ref = reference_outputs(results, r.workload)
+        if ref is None or r.peer == ref[0] or not r.ok or not r.outputs:
             continue
-        for i, (a, b) in enumerate(zip(r.outputs, ref[r.workload])):
+        for i, (a, b) in enumerate(zip(r.outputs, ref[1])):
             if a != b:
                 j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
                 out.append({"peer": r.peer, "workload": r.workload, "request": i, "position": j,
@@ -208,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_roofline:
         roof, roof_text = run_roofline(models.octavo_dir, args.threads, min(args.slots, 64), tmp, args.timeout,
                                        small=args.tiny)
+    hf_sequential: bool | list[str] = not args.no_hf_sequential
+    if hf_sequential and args.hf_sequential_on:
+        hf_sequential = [n.strip() for n in args.hf_sequential_on.split(",") if n.strip()]
     for rnd in range(args.repeat):  # rounds: each peer once per round; the best round counts
         tag = f"-{rnd + 1}" if args.repeat > 1 else ""
         if "octavo" in peers:
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_num_seqs=args.slots, profile=True)
         if "hf" in peers:
             results += worker("hf", everything, f"hf{tag}", batch=args.hf_batch,
-                              sequential=rnd == 0 and not args.no_hf_sequential)
+                              sequential=hf_sequential if rnd == 0 else False)
         if "genai" in peers and models.genai_dir is not None:
             results += worker("genai", everything, f"genai{tag}", batch=args.genai_batch)
         if "llamacpp" in peers and args.llama_server and models.gguf_path is not None:

@@ -9,7 +9,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-REFERENCE = "hf-sequential"  # whose greedy tokens the others are checked against
+REFERENCE = "hf-sequential"  # whose greedy tokens the others are checked against ...
+FALLBACK_REFERENCE = "hf-static-batch"  # ... or these, on a workload the reference did not run
+
+
+def reference_outputs(results: list[PeerResult], workload: str) -> tuple[str, list[list[int]]] | None:
+    for name in (REFERENCE, FALLBACK_REFERENCE):
+        r = next((r for r in results if r.peer == name and r.workload == workload and r.ok and r.outputs), None)
+        if r is not None:
+            return name, r.outputs
+    return None
 
 
 @dataclass(slots=True)
@@ -57,14 +66,15 @@ def compare(results: list[PeerResult], ours: str = "octavo") -> dict[str, dict[s
     for workload, row in table.items():
         by_peer = {r.peer: r for r in results if r.workload == workload}
         mine = by_peer.get(ours)
-        ref = by_peer.get(REFERENCE)
+        ref = reference_outputs(results, workload)
         for name, r in by_peer.items():
             entry: dict[str, Any] = {"ok": r.ok, "output_tokens": r.output_tokens, "elapsed_s": r.elapsed_s,
                                      "output_tok_s": r.output_tok_s, "error": r.error}
             if mine is not None and mine.ok and r.ok and r.output_tok_s > 0:
                 entry["octavo_over_peer"] = mine.output_tok_s / r.output_tok_s
-            if ref is not None and ref.ok and r.ok and r.outputs:
-                entry["agreement_with_hf"] = agreement(r.outputs, ref.outputs)
+            if ref is not None and r.ok and r.outputs:
+                entry["agreement_with_hf"] = agreement(r.outputs, ref[1])
+                entry["hf_reference"] = ref[0]
             row[name] = entry
     return table
 

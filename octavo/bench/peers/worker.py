@@ -52,8 +52,9 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         model = hf.load(Path(paths["hf"]), threads)
         hf.warm_up(model)
         out = []
-        if opts.get("sequential", True):
-            out += _each("hf-sequential", workloads, lambda w: hf.run_sequential(model, w))
+        seq = opts.get("sequential", True)  # True, False or the names of the workloads to run it on
+        seq_workloads = [w for w in workloads if seq is True or (isinstance(seq, list) and w.name in seq)]
+        out += _each("hf-sequential", seq_workloads, lambda w: hf.run_sequential(model, w))
         out += _each("hf-static-batch", workloads,
                      lambda w: hf.run_static(model, w, opts.get("batch") or len(w.requests)))
         return out
