@@ -270,9 +270,30 @@ def main(argv: list[str] | None = None) -> int:
     out = args.json or args.workdir / f"perf-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report, table))
     print_report(report, table, roof_text, online)
     print(f"saved {out}")
     return 0
+
+
+def markdown(report: dict[str, Any], table: dict[str, dict[str, Any]]) -> str:
+    """The result as markdown (for docs/performance.md)."""
+    m = report["machine"]
+    lines = [f"Run {report['date']} on {m['cpu']} ({m['cores']} cores), {report['threads']} threads per peer, "
+             f"load average {report['loadavg_before'][0]:.1f} before / {report['loadavg_after'][0]:.1f} after.", "",
+             "| workload | peer | output tokens | time (s) | output tok/s | octavo / peer | same tokens as HF |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for workload, row in table.items():
+        for peer, e in row.items():
+            if not e["ok"]:
+                lines.append(f"| {workload} | {peer} | not run: {e['error']} | | | | |")
+                continue
+            ratio, agree = e.get("octavo_over_peer"), e.get("agreement_with_hf")
+            lines.append(f"| {workload} | {peer} | {e['output_tokens']} | {e['elapsed_s']:.2f} | {e['output_tok_s']:.1f} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}x'} | {'-' if agree is None else f'{agree * 100:.0f}%'} |")
+    lines += ["", "| target | measured |", "| --- | ---: |"]
+    lines += [f"| {k} | {'not measured' if v is None else f'{v:.2f}'} |" for k, v in report["targets"].items()]
+    return "\n".join(lines) + "\n"
 
 
 def print_report(report: dict[str, Any], table: dict[str, dict[str, Any]], roof_text: str, online: list[PeerResult]) -> None:
