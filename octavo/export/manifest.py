@@ -11,6 +11,7 @@ from octavo.errors import ModelFormatError, UnsafePathError
 MAGIC = "octavo-model"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "octavo.json"
+WEIGHT_FORMATS = ("fp32", "int8", "int4")  # Manifest.weights (octavo.export.quantize)
 
 
 @dataclass(slots=True)
@@ -49,7 +50,10 @@ class Manifest:
 
     def save(self, folder: str | Path) -> Path:
         path = Path(folder) / MANIFEST_NAME
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        data = asdict(self)
+        if self.weights == "fp32" and self.quantization is None:  # an fp32 manifest stays readable by older octavo
+            del data["weights"], data["quantization"]
+        path.write_text(json.dumps(data, indent=2) + "\n")
         return path
 
     @classmethod
@@ -81,6 +85,9 @@ class Manifest:
             manifest = cls(**data)
         except TypeError as exc:
             raise ModelFormatError(f"{path} is incomplete: {exc}") from exc
+        if manifest.weights not in WEIGHT_FORMATS:
+            raise ModelFormatError(f"{path}: weights {manifest.weights!r} is not one of {WEIGHT_FORMATS} "
+                                   "(re-export the model with this octavo)")
         manifest.check_files(folder)
         return manifest
 
