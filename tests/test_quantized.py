@@ -359,3 +359,23 @@ def test_smollm2_quantized_answers_paris(tmp_path) -> None:
         print(f"{weights} vs fp32: teacher-forced top-1 {top1:.3f}, max |logit diff| {diff:.2f}; "
               f"free-running greedy: same token at {[round(x, 2) for x in same]} of positions")
         assert top1 >= bound
+
+
+def test_fp32_manifest_has_no_quantization_fields(exports, tmp_path) -> None:
+    """An fp32 export's octavo.json is what an older octavo wrote (it refuses unknown fields); a
+    quantized one names its format, and an unknown format is refused."""
+    import shutil
+
+    from octavo.errors import ModelFormatError
+    from octavo.export.manifest import Manifest
+
+    data = json.loads((exports("llama", "fp32") / "octavo.json").read_text())
+    assert "weights" not in data and "quantization" not in data
+    assert Manifest.load(exports("llama", "fp32")).weights == "fp32"
+    folder = tmp_path / "m"
+    shutil.copytree(exports("llama", "int4"), folder)
+    data = json.loads((folder / "octavo.json").read_text())
+    assert data["weights"] == "int4"
+    (folder / "octavo.json").write_text(json.dumps({**data, "weights": "int5"}))
+    with pytest.raises(ModelFormatError, match="int5"):
+        Manifest.load(folder)
