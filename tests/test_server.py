@@ -634,6 +634,38 @@ def test_event_loop_stays_responsive_while_a_huge_prompt_is_tokenized(model_dir,
         assert gaps[-1] < 0.6, gaps[-5:]  # ~0.2 s here (parsing the 1.5 MB body); ~2 s when tokenizing blocked
 
 
+def test_shutdown_lets_a_request_that_just_arrived_finish(model_dir) -> None:  # noqa: ANN001
+    """SIGTERM right after a request was accepted on an idle server: the drain must see it (the engine's stats
+    only change after its first step, here 0.3 s) and let it finish well inside the shutdown timeout."""
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    ea = engine_args(model_dir, num_blocks=64)
+    stepping = threading.Event()
+
+    class Backend(_SlowBackend):
+        def run(self, inputs):  # noqa: ANN001, ANN201
+            stepping.set()
+            return super().run(inputs)
+
+    def load() -> AsyncEngine:
+        return AsyncEngine(ea, backend=Backend(OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), 64, 16,
+                                                                  num_threads=1), 0.3))
+
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), load, shutdown_timeout=10)
+    s = ServerThread(srv).start()
+    body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+    answer: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: answer.append(httpx.post(s.base_url + "/v1/completions", json=body,
+                                                                 timeout=30)))
+    t.start()
+    assert stepping.wait(10)  # admitted: its first step is running
+    s.stop()
+    t.join(30)
+    assert answer and answer[0].status_code == 200, answer
+    assert answer[0].json()["choices"][0]["finish_reason"] == "length", answer[0].text
+
+
 def test_shutdown_aborts_what_outlives_the_timeout(model_dir) -> None:  # noqa: ANN001
     from octavo.export.manifest import Manifest
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend

@@ -54,6 +54,7 @@ class ServerState:
     max_model_len: int | None = None
     load_error: str | None = None
     draining: bool = False
+    in_flight: int = 0  # requests whose handler is running (the drain waits for them)
 
     @property
     def model_name(self) -> str:
@@ -75,7 +76,7 @@ STATE = web.AppKey("octavo_state", ServerState)
 
 
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=state.config.max_body_bytes)
+    app = web.Application(middlewares=[_count, _errors, _auth], client_max_size=state.config.max_body_bytes)
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
@@ -93,6 +94,16 @@ def build_app(state: ServerState) -> web.Application:
 
 def _json_error(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
+
+
+@web.middleware
+async def _count(request: web.Request, handler: Any) -> web.StreamResponse:
+    st = request.app[STATE]
+    st.in_flight += 1
+    try:
+        return await handler(request)
+    finally:
+        st.in_flight -= 1
 
 
 @web.middleware

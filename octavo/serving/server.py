@@ -92,13 +92,11 @@ class OpenAIServer:
             await runner.cleanup()  # handlers finish writing, then connections close
 
     async def _drain(self, timeout: float) -> None:
-        """Wait until the engine has nothing running or waiting (or TIMEOUT seconds pass)."""
+        """Wait until no request handler is running (or TIMEOUT seconds pass). Handlers, not the engine's stats:
+        those change only after a step, so a request admitted just before would look like no work at all."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        idle = 0
-        while loop.time() < deadline and idle < 2:
-            stats = self._stats()
-            idle = idle + 1 if stats is None or stats.num_running + stats.num_waiting == 0 else 0
+        while self.state.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
 
 
