@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps nvidia-pytriton==0.7.0
 	$(PIP) install -q 'tritonclient[grpc,http]>=2.50'
 	# the bundled python-backend stub was built against numpy 1.x: give it (only it) numpy 1.26
-	$(PIP) install -q --no-deps --target $(VENV)/triton-numpy numpy==1.26.4
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/triton-numpy numpy==1.26.4
 	touch $@
 
 op: $(VENV)/.installed
