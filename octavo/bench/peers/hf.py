@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from octavo.bench.peers.requests import IdWorkload
-from octavo.bench.peers.result import PeerResult
+from octavo.bench.peers.result import PeerResult, run_static_batches
 
 PAD_ID = 2
 
@@ -56,19 +56,8 @@ def run_sequential(model: Any, workload: IdWorkload) -> PeerResult:
 
 
 def run_static(model: Any, workload: IdWorkload, batch_size: int) -> PeerResult:
-    res = PeerResult("hf-static-batch", workload.name, len(workload.requests), workload.prompt_tokens)
-    reqs = workload.requests
-    t0 = time.perf_counter()
-    for start in range(0, len(reqs), batch_size):
-        batch = reqs[start:start + batch_size]
-        max_new = max(r.max_tokens for r in batch)
-        gen, _ = _generate(model, [r.prompt for r in batch], max_new)
-        res.outputs.extend(g[: r.max_tokens] for g, r in zip(gen, batch))
-        res.generated_tokens += max_new * len(batch)
-    res.elapsed_s = time.perf_counter() - t0
-    res.output_tokens = sum(len(o) for o in res.outputs)
-    res.extra = {"batch_size": batch_size}
-    return res
+    return run_static_batches("hf-static-batch", workload, batch_size,
+                              lambda prompts, max_new: _generate(model, prompts, max_new)[0])
 
 
 def warm_up(model: Any) -> None:

@@ -8,12 +8,11 @@ unbatched greedy output, left-padded rows do not. Batches are taken in workload 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from octavo.bench.peers.requests import IdWorkload
-from octavo.bench.peers.result import PeerResult
+from octavo.bench.peers.result import PeerResult, run_static_batches
 
 NAME = "onnxruntime-genai"
 MAX_BATCH = 32  # onnxruntime-genai 0.18 refuses batch_size > 32 ("must be in [1, 32]")
@@ -50,19 +49,8 @@ def _generate(model: Any, pad: int, prompts: list[list[int]], max_new: int) -> l
 
 def run(loaded: tuple[Any, int], workload: IdWorkload, batch_size: int) -> PeerResult:
     model, pad = loaded
-    res = PeerResult(NAME, workload.name, len(workload.requests), workload.prompt_tokens)
-    reqs = workload.requests
-    t0 = time.perf_counter()
-    for start in range(0, len(reqs), batch_size):
-        batch = reqs[start:start + batch_size]
-        max_new = max(r.max_tokens for r in batch)
-        gen = _generate(model, pad, [r.prompt for r in batch], max_new)
-        res.outputs.extend(g[: r.max_tokens] for g, r in zip(gen, batch))
-        res.generated_tokens += max_new * len(batch)
-    res.elapsed_s = time.perf_counter() - t0
-    res.output_tokens = sum(len(o) for o in res.outputs)
-    res.extra = {"batch_size": batch_size}
-    return res
+    return run_static_batches(NAME, workload, batch_size,
+                              lambda prompts, max_new: _generate(model, pad, prompts, max_new))
 
 
 def warm_up(loaded: tuple[Any, int]) -> None:

@@ -6,6 +6,8 @@ max_tokens (padding waste) are work it pays for but not output it gets credit fo
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,6 +51,25 @@ class PeerResult:
     def from_dict(cls, d: dict[str, Any]) -> PeerResult:
         fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**fields)
+
+
+def run_static_batches(peer: str, workload: Any, batch_size: int,
+                       generate: Callable[[list[list[int]], int], list[list[int]]]) -> PeerResult:
+    """Padded static batching: each batch of `batch_size` requests generates its longest request's length.
+    Tokens beyond a request's own length are paid for (generated_tokens) but not credited (output_tokens)."""
+    res = PeerResult(peer, workload.name, len(workload.requests), workload.prompt_tokens)
+    reqs = workload.requests
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch_size):
+        batch = reqs[start:start + batch_size]
+        max_new = max(r.max_tokens for r in batch)
+        gen = generate([r.prompt for r in batch], max_new)
+        res.outputs.extend(g[: r.max_tokens] for g, r in zip(gen, batch))
+        res.generated_tokens += max_new * len(batch)
+    res.elapsed_s = time.perf_counter() - t0
+    res.output_tokens = sum(len(o) for o in res.outputs)
+    res.extra = {"batch_size": batch_size}
+    return res
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float | None:
