@@ -5,17 +5,17 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from engine_helpers import exported
 
 from octavo.errors import ModelFormatError
-from octavo.export import export_model
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
 
 @pytest.fixture(scope="module")
-def llama_export(hf_model_dir, tmp_path_factory) -> tuple[Path, Manifest]:  # noqa: ANN001
-    out = tmp_path_factory.mktemp("backend") / "model"
-    return out, export_model(hf_model_dir("llama"), out, progress=False)
+def llama_export(hf_model_dir) -> tuple[Path, Manifest]:  # noqa: ANN001
+    folder = exported(hf_model_dir("llama"))  # the session's export, only read here
+    return folder, Manifest.load(folder)
 
 
 def test_pools_have_the_manifest_shape(llama_export: tuple[Path, Manifest]) -> None:
