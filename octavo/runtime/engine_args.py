@@ -21,6 +21,9 @@ class EngineArgs:
     seed: int = 0  # default seed for requests without one
     trace_path: str | None = None  # write one JSON line per step here
     weights: str | None = None  # "fp32" | "int8" | "int4": format when exporting HF/GGUF (None = fp32); must match an export folder
+    quant_block_size: int | None = None  # int8/int4 only: values per scale, a power of two >= 16 (None = the exporter's 32)
+    quantize_lm_head: bool = False  # int8/int4 only: quantize the vocabulary projection too (docs/quantization.md)
+    kv_cache_dtype: str = "auto"  # "auto" (the manifest's dtype: float32 on onnxruntime) | "float16" (half the KV memory)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -33,6 +36,15 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.weights not in (None, "fp32", "int8", "int4"):
             raise InvalidRequestError(f"weights must be 'fp32', 'int8' or 'int4', got {self.weights!r}")
+        if self.kv_cache_dtype not in ("auto", "float16"):
+            raise InvalidRequestError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'float16', "
+                                      f"got {self.kv_cache_dtype!r}")
+        if self.quant_block_size is not None and (self.quant_block_size < 16
+                                                  or self.quant_block_size & (self.quant_block_size - 1)):
+            raise InvalidRequestError(f"quant_block_size must be a power of two >= 16, got {self.quant_block_size}")
+        if (self.quant_block_size is not None or self.quantize_lm_head) and self.weights not in ("int8", "int4"):
+            raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
+                                      f"weights='int8' or 'int4' with them (got weights={self.weights!r})")
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4"):
