@@ -116,6 +116,10 @@ class LLMEngine:
         self.args = args
         self.model_dir = resolve_model_dir(args.model, args.weights)
         self.manifest = Manifest.load(self.model_dir)
+        if args.backend == "tensorrt" and self.manifest.weights != "fp32":  # before any TensorRT import
+            raise InvalidRequestError(f"{self.model_dir} holds {self.manifest.weights} weights, which run on the "
+                                      "onnxruntime backend only (its MatMulNBits op has no TensorRT plugin here); "
+                                      "use backend='onnxruntime', or an fp32 export with tensorrt")
         self.tokenizer = Tokenizer(self.model_dir, self.manifest)
         if args.max_model_len is not None and not 1 <= args.max_model_len <= self.manifest.max_context:
             raise InvalidRequestError(f"max_model_len must be in [1, {self.manifest.max_context}] (the model's "
