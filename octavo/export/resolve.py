@@ -6,9 +6,10 @@ folder or a .gguf file is exported once into the cache, `$OCTAVO_CACHE` (default
 The fingerprint hashes the octavo format version and the source files' names, sizes and contents
 (files over 64 MiB: their first and last 16 MiB), so an edited checkpoint gets a fresh export without
 rereading gigabytes on every start. A file lock keeps two processes from exporting the same model at once.
-`weights="int8"|"int4"` exports the quantized variant into its own folder, `<name>-<format>-<fingerprint>`
-(the weight format is part of the name and of the fingerprint); for an export folder it must match
-the folder's manifest.
+`weights="int8"|"int4"` exports the quantized variant into its own folder,
+`<name>-<format>-b<block>-a<accuracy>[-head]-<fingerprint>` (QuantConfig.cache_tag: the format, quant
+block size and lm_head choice are part of the name and of the fingerprint); for an export folder what
+the caller names must match the folder's manifest.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from octavo.errors import ModelFormatError
+from octavo.errors import InvalidRequestError, ModelFormatError
 from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from octavo.export.quantize import QuantConfig
 
@@ -69,20 +70,41 @@ def _is_export_folder(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST_NAME).is_file()
 
 
-def resolve_model(path: str | Path, *, progress: bool = True, weights: str | None = None) -> Path:
+def _quant_config(weights: str | None, quant_block_size: int | None, quantize_lm_head: bool) -> QuantConfig:
+    if (quant_block_size is not None or quantize_lm_head) and weights not in ("int8", "int4"):
+        raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
+                                  f"weights='int8' or 'int4' with them (got weights={weights!r})")
+    default = QuantConfig()
+    return QuantConfig(weights or "fp32", quant_block_size or default.block_size, lm_head=quantize_lm_head).validate()
+
+
+def _check_export_matches(source: Path, manifest: Manifest, weights: str | None, quant_block_size: int | None,
+                          quantize_lm_head: bool) -> None:
+    """An export folder's weight format is fixed: what the caller named must be what it holds."""
+    howto = ("the weight format is chosen at export time: pass the HF folder or .gguf file instead, or "
+             "`octavo export SRC OUT --weights ...`")
+    if weights is not None and manifest.weights != weights:
+        raise ModelFormatError(f"{source} is an export with {manifest.weights} weights, not {weights}; {howto}")
+    quantization = manifest.quantization or {}
+    if quant_block_size is not None and quantization.get("block_size") != quant_block_size:
+        raise ModelFormatError(f"{source} was exported with quant block size {quantization.get('block_size')}, "
+                               f"not {quant_block_size}; {howto} --quant-block-size {quant_block_size}")
+    if quantize_lm_head and not quantization.get("lm_head"):
+        raise ModelFormatError(f"{source} was exported without a quantized lm_head; {howto} --quantize-lm-head")
+
+
+def resolve_model(path: str | Path, *, progress: bool = True, weights: str | None = None,
+                  quant_block_size: int | None = None, quantize_lm_head: bool = False) -> Path:
     """An octavo export folder for PATH (an export folder, an HF folder or a .gguf file).
 
-    weights: None or "fp32" (float weights), "int8" / "int4" (quantized export, docs/quantization.md).
-    For an export folder None accepts any format; a named one must match its manifest."""
+    weights: None or "fp32" (float weights), "int8" / "int4" (quantized export, docs/quantization.md);
+    quant_block_size (None = 32) and quantize_lm_head only with int8/int4. For an export folder None
+    accepts any format; whatever is named must match its manifest."""
     source = Path(path).expanduser()
-    quant = QuantConfig(weights or "fp32").validate()
+    quant = _quant_config(weights, quant_block_size, quantize_lm_head)
     if _is_export_folder(source) and not (source / "config.json").is_file():
         manifest = Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
-        if weights is not None and manifest.weights != weights:
-            raise ModelFormatError(
-                f"{source} is an export with {manifest.weights} weights, not {weights}; the weight format is chosen "
-                f"at export time: pass the HF folder or .gguf file instead, or `octavo export SRC OUT --weights {weights}`"
-            )
+        _check_export_matches(source, manifest, weights, quant_block_size, quantize_lm_head)
         return source
     is_hf = source.is_dir() and (source / "config.json").is_file()
     is_gguf = source.is_file() and source.suffix.lower() == ".gguf"
@@ -108,5 +130,6 @@ def resolve_model(path: str | Path, *, progress: bool = True, weights: str | Non
                 log.warning("cached export %s is unusable (%s); exporting again", target, exc)
         log.info("exporting %s into the cache at %s", source, target)
         export_model(source, target, progress=progress, overwrite=True, weights=quant.weights,
-                     quant_block_size=quant.block_size, accuracy_level=quant.accuracy_level)
+                     quant_block_size=quant.block_size, accuracy_level=quant.accuracy_level,
+                     quantize_lm_head=quant.lm_head)
     return target
