@@ -59,7 +59,8 @@ class RequestGroup:
         return all(c.finished for c in self.children)
 
 
-def resolve_model_dir(model: str | Path, weights: str | None = None) -> Path:
+def resolve_model_dir(model: str | Path, weights: str | None = None, quant_block_size: int | None = None,
+                      quantize_lm_head: bool = False) -> Path:
     """An export folder as is; anything else (HF folder, .gguf) is exported once into the cache
     (with WEIGHTS int8/int4: the quantized variant, in its own cache folder)."""
     path = Path(model)
@@ -67,7 +68,8 @@ def resolve_model_dir(model: str | Path, weights: str | None = None) -> Path:
         return path
     from octavo.export.resolve import resolve_model
 
-    return Path(resolve_model(path, weights=weights))
+    return Path(resolve_model(path, weights=weights, quant_block_size=quant_block_size,
+                              quantize_lm_head=quantize_lm_head))
 
 
 def default_num_blocks(args: EngineArgs, manifest: Manifest, max_model_len: int) -> int:
@@ -114,7 +116,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, backend: Backend | None = None) -> None:
         args.validate()
         self.args = args
-        self.model_dir = resolve_model_dir(args.model, args.weights)
+        self.model_dir = resolve_model_dir(args.model, args.weights, args.quant_block_size, args.quantize_lm_head)
         self.manifest = Manifest.load(self.model_dir)
         if args.backend == "tensorrt" and self.manifest.weights != "fp32":  # before any TensorRT import
             raise InvalidRequestError(f"{self.model_dir} holds {self.manifest.weights} weights, which run on the "
