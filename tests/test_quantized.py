@@ -12,7 +12,8 @@
    0.4, so outputs depend on context): a weight error of 0.5% (int8) moves logits by ~10%, so the
    bounds are looser than a trained model's (measured numbers in docs/quantization.md; SmolLM2 in 6).
 4. Greedy generation through octavo.LLM, int8 vs fp32.
-5. Plumbing: the weight format in the manifest, distinct cache folders, mismatch errors, the CLI.
+5. Plumbing: the weight format in the manifest, distinct cache folders (block size, lm_head too),
+   mismatch errors, the CLI, a quantized folder refused with the tensorrt backend.
 6. (slow) SmolLM2-135M-Instruct: int8 and int4 answer "Paris"; agreement with fp32 greedy printed.
 """
 from __future__ import annotations
@@ -316,6 +317,63 @@ def test_llm_and_cli_weights_option(hf_model_dir, tmp_path, monkeypatch) -> None
                           "--weights", "int4", "--quant-block-size", "24"], capture_output=True, text=True, env=env,
                          timeout=120)
     assert bad.returncode != 0 and "power of two" in bad.stderr + bad.stdout
+
+
+def _matmulnbits_attributes(folder: Path) -> set[tuple[int, int]]:
+    """{(bits, block_size)} over the graph's MatMulNBits nodes: what the export really wrote."""
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    return {(helper.get_attribute_value(next(a for a in n.attribute if a.name == "bits")),
+             helper.get_attribute_value(next(a for a in n.attribute if a.name == "block_size")))
+            for n in model.graph.node if n.op_type == "MatMulNBits"}
+
+
+def test_llm_quant_block_size_and_lm_head_variants(hf_model_dir, tmp_path, monkeypatch) -> None:
+    """EngineArgs.quant_block_size / quantize_lm_head reach the exporter; each variant has its own cache
+    folder; an export folder must match what is asked; both are refused without int8/int4."""
+    from octavo import LLM
+    from octavo.errors import InvalidRequestError, ModelFormatError
+    from octavo.export.manifest import Manifest
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
+    src = str(hf_model_dir("llama"))
+    b64 = LLM(src, weights="int4", quant_block_size=64, num_threads=1).engine.model_dir
+    head = LLM(src, weights="int4", quantize_lm_head=True, num_threads=1).engine.model_dir
+    assert len({b64, head}) == 2 and b64.parent == head.parent == tmp_path / "cache"
+    assert "b64" in b64.name and "head" in head.name and "head" not in b64.name
+    q64, qhead = Manifest.load(b64).quantization, Manifest.load(head).quantization
+    assert q64 is not None and (q64["bits"], q64["block_size"], q64["lm_head"]) == (4, 64, False)
+    assert qhead is not None and (qhead["block_size"], qhead["lm_head"]) == (32, True)
+    assert _matmulnbits_attributes(b64) == {(4, 64)} and _matmulnbits_attributes(head) == {(4, 32)}
+    layers = Manifest.load(b64).num_layers
+    count = {f: [n.op_type for n in onnx.load(f / "model.onnx", load_external_data=False).graph.node].count("MatMulNBits")
+             for f in (b64, head)}
+    assert count == {b64: 4 * layers, head: 4 * layers + 1}  # the lm_head variant quantizes the vocabulary projection
+
+    assert LLM(str(b64), weights="int4", quant_block_size=64, num_threads=1).engine.model_dir == b64
+    with pytest.raises(ModelFormatError, match="block size 64, not 128"):
+        LLM(str(b64), weights="int4", quant_block_size=128)
+    with pytest.raises(ModelFormatError, match="quantize-lm-head"):
+        LLM(str(b64), weights="int4", quantize_lm_head=True)
+    with pytest.raises(InvalidRequestError, match="power of two"):
+        LLM(src, weights="int8", quant_block_size=48)
+    with pytest.raises(InvalidRequestError, match="quantized weights only"):
+        LLM(src, quant_block_size=64)
+    with pytest.raises(InvalidRequestError, match="quantized weights only"):
+        LLM(src, weights="fp32", quantize_lm_head=True)
+
+
+def test_quantized_export_folder_refused_with_tensorrt(exports) -> None:
+    """weights unset, so EngineArgs.validate cannot know the format: the engine refuses it once the
+    manifest is read, before the TensorRT backend (or TensorRT itself) is imported."""
+    from octavo.errors import InvalidRequestError
+    from octavo.runtime.engine import LLMEngine
+    from octavo.runtime.engine_args import EngineArgs
+
+    before = {m for m in ("tensorrt", "octavo.runtime.backends.tensorrt") if m in sys.modules}
+    for weights in ("int8", "int4"):
+        with pytest.raises(InvalidRequestError, match=f"{weights} weights, which run on the onnxruntime backend only"):
+            LLMEngine(EngineArgs(model=str(exports("llama", weights)), backend="tensorrt"))
+    assert {m for m in ("tensorrt", "octavo.runtime.backends.tensorrt") if m in sys.modules} == before
 
 
 # ---------------------------------------------------------------- 6. SmolLM2 (slow)
