@@ -27,8 +27,10 @@ def engine(toy_dir, num_blocks: int, block_size: int = 4, **kw) -> LLMEngine:  #
     return LLMEngine(EngineArgs(model=str(toy_dir), block_size=block_size, **kw), ToyBackend(num_blocks, block_size))
 
 
-def _req(rid: str, n_prompt: int, order: int) -> Request:
-    return Request(request_id=rid, prompt_token_ids=list(range(10, 10 + n_prompt)), params=SamplingParams(),
+def _req(rid: str, n_prompt: int, order: int, prompt: list[int] | None = None) -> Request:
+    """A request whose prompt shares nothing with the others' (unless given)."""
+    prompt = prompt if prompt is not None else list(range(100 * order, 100 * order + n_prompt))
+    return Request(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(),
                    generator=np.random.default_rng(0), max_tokens=8, arrival_order=order)
 
 

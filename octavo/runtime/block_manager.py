@@ -7,6 +7,11 @@
   block keeps its hash until it is evicted, i.e. reused for new tokens, so a later request with the
   same prefix gets it back for free. Evict from the front; a finished request frees its blocks
   last-first so that its tail is evicted before its (more shareable) head.
+- Promises (cold shared prefixes): when a request is admitted, the hashes of the full blocks it is
+  about to compute are recorded in `promised` (hash -> that request) until the block is filled
+  (`cache_full_blocks`) or the request lets go of its blocks (`release`: finished, aborted, preempted,
+  failed). The scheduler holds back a waiting request whose next uncached block is promised, so that
+  requests arriving together compute a shared prefix once. Only running requests hold promises.
 - Invariant (checked by `check`): free + in use == total; a block is free iff its refcount is 0.
 """
 from __future__ import annotations
@@ -35,6 +40,7 @@ class BlockManager:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.promised: dict[bytes, Request] = {}  # hash of a full block being computed -> the request computing it
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -78,7 +84,37 @@ class BlockManager:
             if self.hash_of[b] is None and h not in self.hash_to_block:
                 self.hash_of[b] = h
                 self.hash_to_block[h] = b
+            if self.promised:
+                self.promised.pop(h, None)  # filled (by req or by whoever got there first): now in hash_to_block
         req.num_registered_blocks = max(req.num_registered_blocks, n_full)
+
+    # -- promises (cold shared prefixes) ------------------------------------------------------------
+    def promise(self, req: Request) -> None:
+        """Announce the full blocks an admitted req is about to compute (past its cached prefix)."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = req.num_tokens // self.block_size
+        self.update_hashes(req, n_full * self.block_size)
+        for i in range(req.num_registered_blocks, n_full):
+            h = req.block_hashes[i]
+            if h not in self.hash_to_block:
+                self.promised.setdefault(h, req)  # a block already promised keeps its first producer
+        req.num_promised_blocks = n_full
+
+    def producer_of_next(self, req: Request, num_cached_blocks: int) -> Request | None:
+        """The running request computing req's first uncached prefix block right now, if any.
+
+        Call right after `find_cached(req)` (whose hashes it reads); O(1), and free when nothing is promised."""
+        if not self.promised or num_cached_blocks >= (req.num_tokens - 1) // self.block_size:
+            return None
+        return self.promised.get(req.block_hashes[num_cached_blocks])
+
+    def _drop_promises(self, req: Request) -> None:
+        for i in range(req.num_registered_blocks, req.num_promised_blocks):
+            h = req.block_hashes[i]
+            if self.promised.get(h) is req:
+                del self.promised[h]
+        req.num_promised_blocks = 0
 
     # -- allocation ---------------------------------------------------------------------------------
     def can_admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
@@ -114,7 +150,10 @@ class BlockManager:
         return True
 
     def release(self, req: Request) -> None:
-        """Drop req's references, last block first; unreferenced blocks join the free list."""
+        """Drop req's references, last block first; unreferenced blocks join the free list. Its
+        unfilled promises are withdrawn (requests held on them compute the blocks themselves)."""
+        if req.num_promised_blocks:
+            self._drop_promises(req)
         for b in reversed(req.block_table):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
@@ -137,3 +176,6 @@ class BlockManager:
         assert all(self.ref_count[b] == 0 for b in self.free), "a referenced block is in the free list"
         for h, b in self.hash_to_block.items():
             assert self.hash_of[b] == h, "hash map out of sync"
+        for h, req in self.promised.items():
+            assert req.block_table, "a promise held by a request without blocks"
+            assert h not in self.hash_to_block, "a filled block is still promised"

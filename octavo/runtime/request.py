@@ -42,6 +42,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each FULL block so far
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    num_promised_blocks: int = 0  # its blocks before this index that are not registered yet may be promised
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None

@@ -9,6 +9,18 @@ token, a prefill chunk is many, a recompute after preemption is just a long pref
 2. then waiting requests, by (priority, arrival) — FCFS by default — while budget, blocks and
    max_num_seqs last. A prefix-cache hit skips the cached tokens (never the last one).
 Requests that can never fit are rejected before they get here (see LLMEngine.add_request).
+
+Cold shared prefixes: an admitted request promises the full blocks it is about to compute
+(BlockManager.promise). A waiting request whose first uncached prefix block is promised is HELD:
+it stays in the queue, takes no budget and no blocks, and is looked at again next step, when it
+finds the filled blocks in the prefix cache (or is held on the next one). Requests arriving together
+with one long system prompt therefore compute it once. Why this cannot deadlock or starve: only
+running requests hold promises, a held request blocks no running request, and a running request
+either progresses (it fills the block) or leaves the running set (finished, aborted, failed,
+preempted), which withdraws its promises — so every hold ends within finitely many steps. A held
+request keeps its place: it still counts against max_num_seqs for those queued behind it, so they
+overtake it only into seats it does not need this step. With nothing promised the check is one
+emptiness test per admitted request.
 """
 from __future__ import annotations
 
@@ -24,6 +36,7 @@ from octavo.runtime.request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: dict[Request, int] = field(default_factory=dict)  # in packing order
     preempted: list[Request] = field(default_factory=list)
+    held: list[Request] = field(default_factory=list)  # waiting on a prefix block another request is computing
 
     @property
     def num_tokens(self) -> int:
@@ -64,16 +77,22 @@ class Scheduler:
                 self.running.append(req)
         if out.preempted:
             return out  # under memory pressure: admit nobody this step
-        while self.waiting and budget and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        i = 0  # waiting[:i] are held this step
+        while i < len(self.waiting) and budget and len(self.running) + len(out.held) < self.max_num_seqs:
+            req = self.waiting[i]
             cached = self.block_manager.find_cached(req)
+            if self.block_manager.producer_of_next(req, len(cached)) is not None:
+                out.held.append(req)
+                i += 1
+                continue
             n = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.can_admit(req, cached, n):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.pop(0)
+                break  # FCFS: nobody overtakes the first request that is not held
+            self.waiting.pop(i)
             self.block_manager.admit(req, cached)
             if not self.block_manager.allocate(req, n):  # can_admit said yes; this cannot happen
                 raise RuntimeError("block manager refused an allocation it had accepted")
+            self.block_manager.promise(req)
             if not req.admitted:
                 req.admitted = True
                 req.num_cached_tokens = req.num_computed_tokens
