@@ -224,3 +224,103 @@ def test_abort_and_shutdown_in_the_same_drain_still_end_the_request(tmp_path) ->
     assert len(finals) == 1 and finals[0].outputs[0].finish_reason == "abort"
     st = eng.engine.stats()  # shutdown aborts through the engine: no blocks left allocated
     assert st.num_running == st.num_waiting == 0 and st.num_free_blocks == st.num_total_blocks
+
+
+def test_abort_drained_just_before_the_loop_dies_still_gets_its_final_output(tmp_path) -> None:  # noqa: ANN001
+    """An abort drained together with the step that kills the loop (the scheduler raises): the aborted request
+    still gets exactly one final output ("abort"; it used to get none: it had left engine.groups, so the
+    failure handler never saw it), the request added in the same drain ends with "error"."""
+    import time
+
+    from toy_backend import ToyBackend, make_toy_model_dir
+
+    folder = make_toy_model_dir(tmp_path / "toy")
+
+    class SlowToy(ToyBackend):
+        running = threading.Event()
+
+        def run(self, inputs):  # noqa: ANN001, ANN201
+            self.running.set()
+            time.sleep(0.3)
+            return super().run(inputs)
+
+    backend = SlowToy(24, 4)
+    eng = AsyncEngine(EngineArgs(model=str(folder), block_size=4), backend)
+    real_schedule = eng.engine.scheduler.schedule
+    broken = threading.Event()
+
+    def schedule():  # noqa: ANN202 - fault injection: the engine loop itself fails (a bug outside the backend)
+        if broken.is_set():
+            raise RuntimeError("injected scheduler bug")
+        return real_schedule()
+
+    eng.engine.scheduler.schedule = schedule
+    finals: dict[str, list] = {}
+    lock = threading.Lock()
+
+    def cb(out) -> None:  # noqa: ANN001
+        if out.finished:
+            with lock:
+                finals.setdefault(out.request_id, []).append(out)
+
+    eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(50), "a", cb)
+    assert backend.running.wait(10)
+    broken.set()
+    eng.abort_nowait("a")  # queued behind the running step, drained right before the failing one
+    eng.submit({"prompt_token_ids": [8, 9]}, greedy(5), "b", cb)
+    deadline = time.monotonic() + 10
+    while eng.dead_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.dead_reason is not None and "injected scheduler bug" in eng.dead_reason
+    time.sleep(0.05)
+    assert set(finals) == {"a", "b"}, finals
+    assert [len(v) for v in finals.values()] == [1, 1]
+    assert finals["a"][0].outputs[0].finish_reason == "abort"
+    b = finals["b"][0].outputs[0]
+    assert b.finish_reason == "error" and "injected scheduler bug" in (b.error or "")
+    with pytest.raises(EngineDeadError):
+        eng.submit("x", greedy(2), "late", cb)
+    assert eng.shutdown_nowait() is True
+
+
+def test_shutdown_that_times_out_never_closes_the_backend_under_a_running_step(tmp_path) -> None:  # noqa: ANN001
+    """shutdown's join gives up while a step runs: the backend must not be freed under that step (it used to
+    be); the engine thread releases it once the step is over, and the request still ends with "abort"."""
+    import time
+
+    from toy_backend import ToyBackend, make_toy_model_dir
+
+    folder = make_toy_model_dir(tmp_path / "toy")
+
+    class SlowToy(ToyBackend):
+        running = threading.Event()
+        in_run = False
+        closed = threading.Event()
+        closed_during_run = False
+        ran_after_close = False
+
+        def run(self, inputs):  # noqa: ANN001, ANN201
+            if self.closed.is_set():
+                self.ran_after_close = True
+            self.in_run = True
+            self.running.set()
+            time.sleep(0.5)
+            out = super().run(inputs)
+            self.in_run = False
+            return out
+
+        def close(self) -> None:
+            self.closed_during_run = self.closed_during_run or self.in_run
+            self.closed.set()
+
+    backend = SlowToy(24, 4)
+    eng = AsyncEngine(EngineArgs(model=str(folder), block_size=4), backend)
+    finals: list = []
+    eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(50), "a", lambda o: finals.append(o) if o.finished else None)
+    assert backend.running.wait(10)
+    closed_on_return = eng.shutdown_nowait(timeout=0.05)
+    assert backend.closed.wait(10), "the engine thread must release the backend once its step ends"
+    assert not backend.closed_during_run and not backend.ran_after_close
+    assert closed_on_return is False  # the step was still running: shutdown left the closing to the thread
+    assert len(finals) == 1 and finals[0].outputs[0].finish_reason == "abort"
+    assert eng.shutdown_nowait() is True  # a second shutdown is harmless (closes nothing twice)

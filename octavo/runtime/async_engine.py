@@ -10,6 +10,11 @@ thread (so a bad request raises right there: InvalidRequestError, PromptTooLongE
 prepared request into an inbox; `generate` does the same, tokenizing on a worker thread so that the
 event loop never waits for a long prompt; `abort_nowait` queues behind it. Neither waits for a step: the
 inbox lock is never held while the engine computes. The thread drains the inbox before every step.
+
+Every submitted request gets exactly one final output, whatever happens: it finishes, it is aborted, the
+engine shuts down ("abort") or the step loop dies ("error"; requests aborted just before keep "abort"). The
+backend is closed only when no step can be running: by `shutdown` once the thread has left its loop, or by
+the thread itself on its way out when `shutdown`'s join timed out.
 """
 from __future__ import annotations
 
@@ -40,10 +45,14 @@ class AsyncEngine:
         self._inbox: list[tuple[str, RequestGroup | str]] = []  # ("add", group) | ("abort", request_id)
         self._live: set[str] = set()  # submitted and not finished yet
         self._callbacks: dict[str, Callback] = {}
+        self._groups: dict[str, RequestGroup] = {}  # the live requests' groups (what `_end_all` reports from)
         self._stats = self.engine.stats()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None
+        self._loop_done = False  # the thread has left its loop (no step runs any more)
+        self._close_on_exit = False  # shutdown timed out waiting: the thread closes the engine when it leaves
+        self._closed = False
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -52,7 +61,7 @@ class AsyncEngine:
     # -- lifecycle ----------------------------------------------------------------------------------
     def start_thread(self) -> None:
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None or self._stopping:
                 return
             self._thread = threading.Thread(target=self._loop, name="octavo-engine", daemon=True)
         self._thread.start()
@@ -60,18 +69,35 @@ class AsyncEngine:
     async def start(self) -> None:
         self.start_thread()
 
-    def shutdown_nowait(self, timeout: float | None = 30.0) -> None:
-        """Stop the loop (outstanding requests end with "abort") and release the backend."""
+    def shutdown_nowait(self, timeout: float | None = 30.0) -> bool:
+        """Stop the loop (outstanding requests end with "abort") and release the backend.
+
+        Returns True when the backend is closed on return. If a step is still running after TIMEOUT seconds,
+        the backend is not closed under it: the engine thread closes it when that step ends (returns False)."""
         with self._lock:
             self._stopping = True
             self._wake.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
-        self.engine.close()
+        with self._lock:
+            if thread is not None and not self._loop_done:
+                self._close_on_exit = True
+                logger.warning("engine shutdown: a step is still running after %s s; the engine thread will "
+                               "release the backend when it ends", timeout)
+                return False
+        self._close_engine()
+        return True
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown_nowait)
+
+    def _close_engine(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.engine.close()
 
     # -- thread API ---------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str, callback: Callback,
@@ -87,6 +113,7 @@ class AsyncEngine:
                 raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
             self._live.add(group.request_id)
             self._callbacks[group.request_id] = callback
+            self._groups[group.request_id] = group
             self._inbox.append(("add", group))
             self._wake.notify_all()
         self.start_thread()
@@ -148,6 +175,16 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shutting down")
 
     def _loop(self) -> None:
+        try:
+            self._run_loop()
+        finally:
+            with self._lock:
+                self._loop_done = True
+                close = self._close_on_exit
+            if close:  # shutdown gave up waiting for our last step: release the backend now that it is over
+                self._close_engine()
+
+    def _run_loop(self) -> None:
         engine = self.engine
         while True:
             with self._lock:
@@ -186,6 +223,7 @@ class AsyncEngine:
             cb = self._callbacks.get(out.request_id)
             if out.finished:
                 self._callbacks.pop(out.request_id, None)
+                self._groups.pop(out.request_id, None)
                 self._live.discard(out.request_id)
         if cb is not None:
             try:
@@ -204,15 +242,19 @@ class AsyncEngine:
         self._stats = engine.stats()
 
     def _end_all(self, message: str) -> None:
-        """After an engine failure: end every outstanding request (in the engine or still in the inbox) with
-        finish_reason "error", without asking the broken engine."""
+        """After an engine failure: end every request that has not had its final output yet, without asking the
+        broken engine: those it runs, those still in the inbox, and those aborted (or finished) by the failed
+        step or just before it, whose outputs the engine had not returned yet. Children that finished keep
+        their finish reason ("abort", ...); the others end with "error" and MESSAGE."""
         with self._lock:
-            pending = [g for op, g in self._inbox if op == "add"]
             self._inbox = []
-        groups = list(self.engine.groups.values()) + pending  # type: ignore[operator]
+            groups = [self._groups[rid] for rid in self._live if rid in self._groups]
         for group in groups:
             outs = [CompletionOutput(index=c.index, text=c.detokenizer.text if c.detokenizer else "",
-                                     token_ids=list(c.output_token_ids), finish_reason="error", error=message)
+                                     token_ids=list(c.output_token_ids),
+                                     finish_reason=c.finish_reason if c.finished else "error",
+                                     stop_reason=c.stop_reason if c.finished else None,
+                                     error=c.error if c.finished else message)
                     for c in group.children]
             self._deliver(RequestOutput(request_id=group.request_id, prompt=group.prompt,
                                         prompt_token_ids=group.prompt_token_ids, outputs=outs, finished=True,
