@@ -27,6 +27,7 @@ from octavo.runtime.backends.base import Backend
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.engine_args import EngineArgs
+from octavo.runtime.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
 from octavo.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from octavo.runtime.request import Request
 from octavo.runtime.runner import ModelRunner
@@ -72,16 +73,19 @@ def resolve_model_dir(model: str | Path, weights: str | None = None, quant_block
                               quantize_lm_head=quantize_lm_head))
 
 
-def default_num_blocks(args: EngineArgs, manifest: Manifest, max_model_len: int) -> int:
-    """KV pool size: num_blocks wins; else kv_cache_memory bytes; else the documented default."""
-    per_block = manifest.kv_bytes_per_block(args.block_size)
+def default_num_blocks(args: EngineArgs, manifest: Manifest, max_model_len: int, kv_dtype: str | None = None) -> int:
+    """KV pool size: num_blocks wins; else kv_cache_memory bytes; else the documented default.
+    kv_dtype: the pool's element type (None: what args.kv_cache_dtype resolves to for this manifest)."""
+    kv_dtype = kv_dtype or resolve_kv_cache_dtype(args.kv_cache_dtype, manifest)
+    per_block = kv_bytes_per_block(manifest, args.block_size, kv_dtype)
     if args.num_blocks is not None:
         return args.num_blocks
     if args.kv_cache_memory is not None:
         n = int(args.kv_cache_memory) // per_block
         if n < 1:
             raise InvalidRequestError(
-                f"kv_cache_memory={args.kv_cache_memory} bytes is less than one KV block ({per_block} bytes)")
+                f"kv_cache_memory={args.kv_cache_memory} bytes is less than one KV block ({per_block} bytes "
+                f"of {kv_dtype})")
         return n
     want = args.max_num_seqs * -(-min(max_model_len, DEFAULT_POOL_CONTEXT) // args.block_size)
     cap = min(DEFAULT_POOL_CAP, _available_memory() // 4) // per_block
@@ -101,15 +105,22 @@ def _available_memory() -> int:
 
 def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_model_len: int) -> Backend:
     if args.backend == "tensorrt":  # sizes its pool from free GPU memory unless told
+        from octavo.build.tensorrt_builder import BuildInfo
         from octavo.runtime.backends.tensorrt import TensorRTBackend
 
+        pool_dtype = BuildInfo.load(model_dir).dtype  # the engine's pool dtype is fixed at build time
+        if args.kv_cache_dtype not in ("auto", pool_dtype):
+            raise InvalidRequestError(
+                f"this TensorRT engine keeps its KV pool in {pool_dtype} (set by `octavo build --dtype`); "
+                f"kv_cache_dtype={args.kv_cache_dtype!r} needs an engine built for it, or use 'auto'")
         explicit = args.num_blocks is not None or args.kv_cache_memory is not None
-        num_blocks = default_num_blocks(args, manifest, max_model_len) if explicit else None
+        num_blocks = default_num_blocks(args, manifest, max_model_len, pool_dtype) if explicit else None
         return TensorRTBackend(model_dir, manifest, num_blocks, args.block_size)
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    return OnnxRuntimeBackend(model_dir, manifest, default_num_blocks(args, manifest, max_model_len),
-                              args.block_size, num_threads=args.num_threads)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, manifest)
+    return OnnxRuntimeBackend(model_dir, manifest, default_num_blocks(args, manifest, max_model_len, kv_dtype),
+                              args.block_size, num_threads=args.num_threads, kv_cache_dtype=kv_dtype)
 
 
 class LLMEngine:

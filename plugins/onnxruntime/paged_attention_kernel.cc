@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "half.h"
 #include "paged_attention_kernel.h"
 #include "simd.h"
 
@@ -42,6 +43,8 @@ struct Scratch {
   std::vector<float> alpha;    // [rows_p] rescale factors of the current chunk
   std::vector<float> scores;   // [kKeyChunk][rows_p] scores, then probabilities (one head at a time)
   std::vector<float> v_pad;    // [kKeyChunk][dim_p] value rows when head_dim % kWidth != 0
+  std::vector<float> k_conv;   // [kKeyChunk][dim_p] this head's key rows of the chunk, widened (float16 pools)
+  std::vector<float> v_conv;   // [kKeyChunk][dim_p] ... value rows (padding columns zero)
   std::vector<float> zeros;    // [head_dim] stands in for missing keys of a short chunk
   std::vector<int64_t> slots;  // [kKeyChunk] pool slot of each key of the chunk
   std::vector<const float*> k_rows, v_rows;  // [kKeyChunk] this head's pool rows of the chunk's keys
@@ -246,6 +249,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   const int64_t heads = item.kv_head_end - item.kv_head_begin;
   const bool gemm = rows >= kGemmRows;
   const bool direct_v = D % kWidth == 0;  // value rows are read straight from the pool
+  const bool f16 = t.kv_type == KvType::kFloat16;  // pool rows are widened into k_conv / v_conv first
   const int64_t seq_begin = t.cumulative_sequence_length[item.seq];
   const int64_t past = t.past_seqlens[item.seq];
   const int64_t window = p.sliding_window;
@@ -265,7 +269,17 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   s.k_rows.resize(kKeyChunk);
   s.v_rows.resize(kKeyChunk);
   s.zeros.assign(D, 0.0f);
-  if (!direct_v) s.v_pad.assign(kKeyChunk * dim_p, 0.0f);
+  if (!direct_v && !f16) s.v_pad.assign(kKeyChunk * dim_p, 0.0f);
+  if (f16) {
+    s.k_conv.resize(kKeyChunk * dim_p);
+    s.v_conv.resize(kKeyChunk * dim_p);
+    if (!direct_v) std::fill(s.v_conv.begin(), s.v_conv.end(), 0.0f);
+  }
+  const float* const key_f32 = static_cast<const float*>(t.key_cache);
+  const float* const value_f32 = static_cast<const float*>(t.value_cache);
+  const uint16_t* const key_f16 = static_cast<const uint16_t*>(t.key_cache);
+  const uint16_t* const value_f16 = static_cast<const uint16_t*>(t.value_cache);
+  const int64_t itemsize = kv_itemsize(t.kv_type);
 
   // Scaled queries, transposed for the GEMM path.
   for (int64_t h = 0; h < heads; ++h) {
@@ -295,13 +309,13 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
     }
     // Ask for the pool rows (all heads of the item) of this chunk, when it is the first, and of
     // the next one, so many cache lines are in flight while this chunk is computed head by head.
-    const int64_t span = heads * D;
+    const int64_t span = heads * D * itemsize;  // bytes of one slot row the item reads
     for (int64_t pos = c0 == key_lo ? c0 : c0 + kKeyChunk; pos < std::min(key_hi, c0 + 2 * kKeyChunk); ++pos) {
       const int64_t slot = static_cast<int64_t>(table[pos / t.block_size]) * t.block_size + pos % t.block_size;
-      const int64_t offset = slot * kv_row + item.kv_head_begin * D;
-      for (int64_t d = 0; d < span; d += 64 / sizeof(float)) {
-        __builtin_prefetch(t.key_cache + offset + d, 0, 2);
-        __builtin_prefetch(t.value_cache + offset + d, 0, 2);
+      const int64_t offset = (slot * kv_row + item.kv_head_begin * D) * itemsize;
+      for (int64_t b = 0; b < span; b += 64) {
+        __builtin_prefetch(static_cast<const char*>(t.key_cache) + offset + b, 0, 2);
+        __builtin_prefetch(static_cast<const char*>(t.value_cache) + offset + b, 0, 2);
       }
     }
     // Whether some row of the item cannot see some key of this chunk.
@@ -309,9 +323,18 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
 
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t head_offset = (item.kv_head_begin + h) * D;
-      for (int64_t j = 0; j < keys; ++j) {
-        s.k_rows[j] = t.key_cache + s.slots[j] * kv_row + head_offset;
-        s.v_rows[j] = t.value_cache + s.slots[j] * kv_row + head_offset;
+      if (f16) {
+        for (int64_t j = 0; j < keys; ++j) {
+          half::to_floats(key_f16 + s.slots[j] * kv_row + head_offset, s.k_conv.data() + j * dim_p, D);
+          half::to_floats(value_f16 + s.slots[j] * kv_row + head_offset, s.v_conv.data() + j * dim_p, D);
+          s.k_rows[j] = s.k_conv.data() + j * dim_p;
+          s.v_rows[j] = s.v_conv.data() + j * dim_p;
+        }
+      } else {
+        for (int64_t j = 0; j < keys; ++j) {
+          s.k_rows[j] = key_f32 + s.slots[j] * kv_row + head_offset;
+          s.v_rows[j] = value_f32 + s.slots[j] * kv_row + head_offset;
+        }
       }
       float* const scores = s.scores.data();
       float* const out = s.out.data() + h * rows * dim_p;
@@ -347,7 +370,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
       }
 
       // 3. out += probabilities x values.
-      if (!direct_v) {
+      if (!direct_v && !f16) {  // widened fp16 rows are already padded
         for (int64_t j = 0; j < keys; ++j) {
           std::memcpy(s.v_pad.data() + j * dim_p, s.v_rows[j], sizeof(float) * D);
           s.v_rows[j] = s.v_pad.data() + j * dim_p;

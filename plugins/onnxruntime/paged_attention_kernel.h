@@ -1,6 +1,6 @@
 // octavo.PagedAttention — the attention math, independent of ONNX Runtime.
 //
-// Layout (row-major, float32):
+// Layout (row-major; activations float32, pools float32 or float16):
 //   query  [T, num_heads * head_dim]        key/value [T, kv_num_heads * head_dim]
 //   pools  [num_blocks, block_size, kv_num_heads, head_dim]  (slot s = block * block_size + offset)
 //   cumulative_sequence_length int32 [B+1], past_seqlens int32 [B],
@@ -23,13 +23,20 @@ struct AttentionParams {
   float softcap = 0.0f;        // 0: none; else scores = softcap * tanh(scores / softcap)
 };
 
+// Element type of the KV pools. float16 pools hold IEEE binary16 bits: new K/V are rounded to
+// nearest even on write and widened to float32 on read; all arithmetic stays float32.
+enum class KvType { kFloat32, kFloat16 };
+
+inline int64_t kv_itemsize(KvType type) { return type == KvType::kFloat16 ? 2 : 4; }
+
 // Borrowed pointers to one call's tensors plus their sizes.
 struct StepTensors {
   const float* query = nullptr;
   const float* key = nullptr;
   const float* value = nullptr;
-  float* key_cache = nullptr;
-  float* value_cache = nullptr;
+  void* key_cache = nullptr;    // float* (kFloat32) or uint16_t* (kFloat16)
+  void* value_cache = nullptr;
+  KvType kv_type = KvType::kFloat32;
   const int32_t* cumulative_sequence_length = nullptr;
   const int32_t* past_seqlens = nullptr;
   const int32_t* block_table = nullptr;
@@ -89,7 +96,8 @@ struct WorkPlan {
 // message naming the first problem. Reads only; must pass before anything is written.
 std::string validate_indices(const StepTensors& t);
 
-// Copies the new tokens' K/V rows into the pools at slot_mapping (negative slots are skipped).
+// Copies the new tokens' K/V rows into the pools at slot_mapping (negative slots are skipped),
+// rounded to fp16 for float16 pools.
 void write_new_kv(const StepTensors& t, const AttentionParams& p);
 
 // Splits the step into independent work items. When there are too few (small batches, long

@@ -1,6 +1,9 @@
 // ONNX Runtime glue for octavo.PagedAttention: the OrtCustomOp schema (with the pool inputs aliased
 // to the pool outputs, so the caller's KV pool is written in place and never copied), input checks
 // that turn bad shapes into an ORT error status, and the thread-pool fan-out of the work items.
+// The op is registered twice under the same name, once with float32 and once with float16 pools
+// (key_cache, value_cache and their aliased outputs); ORT merges the two into one schema whose pool
+// type is a constraint and picks the kernel by the graph's pool type.
 // Uses only the C API (no link against libonnxruntime): the OrtApi comes from RegisterCustomOps.
 #include <onnxruntime_c_api.h>
 
@@ -31,7 +34,11 @@ const char* const kInputNames[kNumInputs] = {"query", "key", "value", "key_cache
                                              "cumulative_sequence_length", "past_seqlens", "block_table",
                                              "slot_mapping"};
 
-ONNXTensorElementDataType input_type(size_t index) {
+ONNXTensorElementDataType pool_type(octavo::KvType kv_type) {
+  return kv_type == octavo::KvType::kFloat16 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+ONNXTensorElementDataType input_type(size_t index, octavo::KvType kv_type) {
   switch (index) {
     case kCuSeqlens:
     case kPastSeqlens:
@@ -39,9 +46,16 @@ ONNXTensorElementDataType input_type(size_t index) {
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
     case kSlotMapping:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    case kKeyCache:
+    case kValueCache:
+      return pool_type(kv_type);
     default:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
+}
+
+ONNXTensorElementDataType output_type(size_t index, octavo::KvType kv_type) {
+  return index == kOutput ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : pool_type(kv_type);
 }
 
 // Thrown inside the kernel, turned into an OrtStatus at the C boundary.
@@ -144,6 +158,7 @@ void parallel_for(const OrtApi* api, OrtKernelContext* context, void (*fn)(void*
 struct PagedAttentionKernel {
   const OrtApi* api;
   octavo::AttentionParams params;
+  octavo::KvType kv_type;
 
   void compute(OrtKernelContext* context) const {
     size_t input_count = 0;
@@ -157,9 +172,9 @@ struct PagedAttentionKernel {
       check(api, api->KernelContext_GetInput(context, i, &inputs[i]));
       if (inputs[i] == nullptr) fail(std::string("input ") + kInputNames[i] + " is missing");
       infos[i] = describe(api, inputs[i]);
-      if (infos[i].type != input_type(i)) {
-        fail(std::string(kInputNames[i]) + " has element type " + std::to_string(infos[i].type) +
-             ", expected " + std::to_string(input_type(i)) + " (1=float32, 6=int32, 7=int64)");
+      if (infos[i].type != input_type(i, kv_type)) {
+        fail(std::string(kInputNames[i]) + " has element type " + std::to_string(infos[i].type) + ", expected " +
+             std::to_string(input_type(i, kv_type)) + " (1=float32, 10=float16, 6=int32, 7=int64)");
       }
     }
 
@@ -202,8 +217,9 @@ struct PagedAttentionKernel {
     t.query = data_of<const float>(api, inputs[kQuery]);
     t.key = data_of<const float>(api, inputs[kKey]);
     t.value = data_of<const float>(api, inputs[kValue]);
-    t.key_cache = data_of<float>(api, inputs[kKeyCache]);
-    t.value_cache = data_of<float>(api, inputs[kValueCache]);
+    t.key_cache = data_of<void>(api, inputs[kKeyCache]);
+    t.value_cache = data_of<void>(api, inputs[kValueCache]);
+    t.kv_type = kv_type;
     t.cumulative_sequence_length = data_of<const int32_t>(api, inputs[kCuSeqlens]);
     t.past_seqlens = data_of<const int32_t>(api, inputs[kPastSeqlens]);
     t.block_table = data_of<const int32_t>(api, inputs[kBlockTable]);
@@ -242,9 +258,10 @@ struct PagedAttentionKernel {
       parallel_for(api, context, run_combine, plan.splits.size(), &job);
     }
 
-    const size_t pool_bytes = sizeof(float) * static_cast<size_t>(num_blocks * block_size * params.kv_num_heads * head_dim);
-    float* key_out_data = data_of<float>(api, key_out);
-    float* value_out_data = data_of<float>(api, value_out);
+    const size_t pool_bytes = static_cast<size_t>(octavo::kv_itemsize(kv_type) * num_blocks * block_size *
+                                                  params.kv_num_heads * head_dim);
+    void* key_out_data = data_of<void>(api, key_out);
+    void* value_out_data = data_of<void>(api, value_out);
     if (key_out_data != t.key_cache && pool_bytes) std::memcpy(key_out_data, t.key_cache, pool_bytes);
     if (value_out_data != t.value_cache && pool_bytes) std::memcpy(value_out_data, t.value_cache, pool_bytes);
   }
@@ -286,18 +303,23 @@ octavo::AttentionParams read_params(const OrtApi* api, const OrtKernelInfo* info
   return p;
 }
 
-// The custom-op schema. All callbacks are plain functions; the struct itself is immutable.
+// The custom-op schema for one pool type. All callbacks are plain functions (they find the pool type
+// through the OrtCustomOp pointer they get); the struct itself is immutable.
 struct PagedAttentionOp : OrtCustomOp {
-  PagedAttentionOp() : OrtCustomOp{} {
+  octavo::KvType kv_type;
+
+  static octavo::KvType kv_type_of(const OrtCustomOp* op) { return static_cast<const PagedAttentionOp*>(op)->kv_type; }
+
+  explicit PagedAttentionOp(octavo::KvType type) : OrtCustomOp{}, kv_type(type) {
     version = ORT_API_VERSION;
     CreateKernel = nullptr;
     KernelCompute = nullptr;
     GetName = [](const OrtCustomOp*) { return kOpName; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
     GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return kNumInputs; };
-    GetInputType = [](const OrtCustomOp*, size_t i) { return input_type(i); };
+    GetInputType = [](const OrtCustomOp* op, size_t i) { return input_type(i, kv_type_of(op)); };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return kNumOutputs; };
-    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetOutputType = [](const OrtCustomOp* op, size_t i) { return output_type(i, kv_type_of(op)); };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
@@ -305,9 +327,9 @@ struct PagedAttentionOp : OrtCustomOp {
     GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
     GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
     GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
+    CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
       try {
-        *kernel = new PagedAttentionKernel{api, read_params(api, info)};
+        *kernel = new PagedAttentionKernel{api, read_params(api, info), kv_type_of(op)};
         return nullptr;
       } catch (const OpError& e) {
         return to_status(api, e);
@@ -349,9 +371,10 @@ struct PagedAttentionOp : OrtCustomOp {
   }
 };
 
-const PagedAttentionOp& op_schema() {
-  static const PagedAttentionOp op;
-  return op;
+const PagedAttentionOp& op_schema(octavo::KvType kv_type) {
+  static const PagedAttentionOp float32_op(octavo::KvType::kFloat32);
+  static const PagedAttentionOp float16_op(octavo::KvType::kFloat16);
+  return kv_type == octavo::KvType::kFloat16 ? float16_op : float32_op;
 }
 
 // Domains must outlive every session that uses them; they are released when the library unloads.
@@ -381,6 +404,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     std::lock_guard<std::mutex> lock(r.mutex);
     r.domains.emplace_back(api, domain);
   }
-  if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op_schema())) return status;
+  for (octavo::KvType kv_type : {octavo::KvType::kFloat32, octavo::KvType::kFloat16}) {
+    if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op_schema(kv_type))) return status;
+  }
   return api->AddCustomOpDomain(options, domain);
 }

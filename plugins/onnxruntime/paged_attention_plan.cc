@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 
+#include "half.h"
 #include "paged_attention_kernel.h"
 
 namespace octavo {
@@ -77,8 +78,13 @@ void write_new_kv(const StepTensors& t, const AttentionParams& p) {
   for (int64_t i = 0; i < t.num_tokens; ++i) {
     const int64_t slot = t.slot_mapping[i];
     if (slot < 0) continue;
-    std::memcpy(t.key_cache + slot * row, t.key + i * row, sizeof(float) * row);
-    std::memcpy(t.value_cache + slot * row, t.value + i * row, sizeof(float) * row);
+    if (t.kv_type == KvType::kFloat16) {
+      half::from_floats(t.key + i * row, static_cast<uint16_t*>(t.key_cache) + slot * row, row);
+      half::from_floats(t.value + i * row, static_cast<uint16_t*>(t.value_cache) + slot * row, row);
+    } else {
+      std::memcpy(static_cast<float*>(t.key_cache) + slot * row, t.key + i * row, sizeof(float) * row);
+      std::memcpy(static_cast<float*>(t.value_cache) + slot * row, t.value + i * row, sizeof(float) * row);
+    }
   }
 }
 

@@ -1,7 +1,9 @@
 """CPU backend: ONNX Runtime + the octavo.PagedAttention custom-op library.
 
-The KV pools are plain numpy arrays [num_blocks, block_size, kv_heads, head_dim] float32, one key and
-one value pool per layer. They are bound ONCE through IOBinding as OrtValues that wrap the numpy
+The KV pools are plain numpy arrays [num_blocks, block_size, kv_heads, head_dim], one key and one
+value pool per layer, float32 (the export's dtype) or, with kv_cache_dtype="float16", float16: then the
+loaded graph's pool declarations are switched to float16 in memory before the session is created (the
+export on disk is unchanged) and the op rounds new K/V to fp16 on write and widens them on read. They are bound ONCE through IOBinding as OrtValues that wrap the numpy
 memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
 inputs and the logits output are bound.
 
@@ -20,15 +22,17 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from octavo.errors import ModelFormatError
+from octavo.errors import InvalidRequestError, ModelFormatError
 from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.oplib import library_path
+from octavo.runtime.kv_cache import NUMPY_KV_DTYPE, resolve_kv_cache_dtype, set_cache_dtype
 
 log = logging.getLogger(__name__)
 
 _NUMPY_DTYPE = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32}
+_ORT_KV_TYPE = {"float32": "tensor(float)", "float16": "tensor(float16)"}
 
 
 class OnnxRuntimeBackend:
@@ -42,8 +46,10 @@ class OnnxRuntimeBackend:
         block_size: int,
         num_threads: int | None = None,
         profile_prefix: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling()."""
+        """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
+        kv_cache_dtype: "auto" (the manifest's dtype), "float32" or "float16" pools."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.model_dir = Path(model_dir)
@@ -51,6 +57,10 @@ class OnnxRuntimeBackend:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = manifest.vocab_size
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, manifest)
+        if self.kv_cache_dtype not in NUMPY_KV_DTYPE:
+            raise InvalidRequestError(f"the onnxruntime backend keeps KV pools in float32 or float16, not "
+                                      f"{self.kv_cache_dtype!r}")
 
         options = ort.SessionOptions()
         if num_threads is not None:
@@ -68,14 +78,16 @@ class OnnxRuntimeBackend:
         if not onnx_path.is_file():
             raise ModelFormatError(f"{onnx_path} is missing; re-export the model with `octavo export`")
         try:
-            self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(self._model_source(onnx_path, options), options,
+                                                providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
             raise ModelFormatError(f"ONNX Runtime cannot load {onnx_path}: {exc}") from exc
         self._input_dtypes = self._validate()
 
         pool_shape = (num_blocks, block_size, manifest.num_kv_heads, manifest.head_dim)
-        self.key_caches = [np.zeros(pool_shape, np.float32) for _ in range(manifest.num_layers)]
-        self.value_caches = [np.zeros(pool_shape, np.float32) for _ in range(manifest.num_layers)]
+        pool_dtype = NUMPY_KV_DTYPE[self.kv_cache_dtype]
+        self.key_caches = [np.zeros(pool_shape, pool_dtype) for _ in range(manifest.num_layers)]
+        self.value_caches = [np.zeros(pool_shape, pool_dtype) for _ in range(manifest.num_layers)]
         self._binding = self.session.io_binding()
         self._pool_values: list[ort.OrtValue] = []  # keep the wrappers alive as long as the binding
         pools = [p for pair in zip(self.key_caches, self.value_caches) for p in pair]
@@ -84,9 +96,27 @@ class OnnxRuntimeBackend:
             self._binding.bind_ortvalue_input(name, value)
             self._pool_values.append(value)
         log.info(
-            "onnxruntime backend: %s, %d blocks x %d slots, %.1f MiB KV", onnx_path, num_blocks, block_size,
-            2 * manifest.num_layers * self.key_caches[0].nbytes / 2**20,
+            "onnxruntime backend: %s, %d blocks x %d slots, %.1f MiB KV (%s)", onnx_path, num_blocks, block_size,
+            2 * manifest.num_layers * self.key_caches[0].nbytes / 2**20, self.kv_cache_dtype,
         )
+
+    def _model_source(self, onnx_path: Path, options: ort.SessionOptions) -> str | bytes:
+        """The model file as is when the pools keep the export's dtype; else the graph (weights left in
+        their external file) with its pool declarations switched, as bytes."""
+        if self.kv_cache_dtype == self.manifest.dtype:
+            return str(onnx_path)
+        import onnx
+
+        try:
+            model = onnx.load(str(onnx_path), load_external_data=False)
+        except Exception as exc:  # protobuf / onnx raise assorted types
+            raise ModelFormatError(f"cannot read {onnx_path}: {exc}; re-export the model") from exc
+        if set_cache_dtype(model, self.kv_cache_dtype) == 0 and self.manifest.num_layers > 0:
+            raise ModelFormatError(f"{onnx_path} declares no octavo.PagedAttention pools to switch to "
+                                   f"{self.kv_cache_dtype}; re-export the model")
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(onnx_path.parent))
+        return model.SerializeToString()
 
     def _validate(self) -> dict[str, type]:
         """Check the ONNX graph's inputs/outputs against the manifest and the contract."""
@@ -105,6 +135,11 @@ class OnnxRuntimeBackend:
                 raise ModelFormatError(
                     f"{self.model_dir}: input {name} has shape {shape}, octavo.json says "
                     f"[num_blocks, block_size, {m.num_kv_heads}, {m.head_dim}]; re-export the model"
+                )
+            if inputs[name].type != _ORT_KV_TYPE[self.kv_cache_dtype]:
+                raise ModelFormatError(
+                    f"{self.model_dir}: input {name} is {inputs[name].type}, the pool is {self.kv_cache_dtype}; "
+                    f"octavo.json says dtype {m.dtype}; re-export the model"
                 )
         outputs = self.session.get_outputs()
         if [o.name for o in outputs] != ["logits"] or outputs[0].shape[-1] != m.vocab_size:

@@ -24,6 +24,7 @@ from octavo.build.tensorrt_builder import BuildInfo, import_tensorrt
 from octavo.errors import BackendUnavailableError, InvalidRequestError, ModelFormatError, StepFailedError
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
+from octavo.runtime.kv_cache import kv_bytes_per_block
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,6 @@ STEP_DTYPES: dict[str, type[np.generic]] = {
     "input_ids": np.int64, "position_ids": np.int64, "cumulative_sequence_length": np.int32,
     "past_seqlens": np.int32, "block_table": np.int32, "slot_mapping": np.int64, "logits_indices": np.int64,
 }
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(slots=True)
@@ -87,8 +87,7 @@ class TensorRTBackend:
         self.context = self.engine.create_execution_context()
         self._stream = check(cudart.cudaStreamCreate(), "cudaStreamCreate")
 
-        bytes_per_block = manifest.num_layers * 2 * self.block_size * manifest.num_kv_heads * manifest.head_dim \
-            * ITEMSIZE[self.info.dtype]
+        bytes_per_block = kv_bytes_per_block(manifest, self.block_size, self.info.dtype)  # the engine's pool dtype
         if num_blocks is None:
             free, _total = check(cudart.cudaMemGetInfo(), "cudaMemGetInfo")
             num_blocks = pool_blocks_for_memory(free, memory_fraction, bytes_per_block, self.info.max_num_blocks)

@@ -1,0 +1,66 @@
+"""KV cache element types: which dtype a pool holds, how many bytes a block takes, and how an exported
+graph is switched to a float16 pool in memory (no re-export).
+
+`EngineArgs.kv_cache_dtype` is "auto" (the pool holds what the manifest says: float32 for every
+onnxruntime export) or "float16" (half the bytes per block; the activations stay float32 and the op
+converts K/V on write and on read).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from octavo.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
+
+    from octavo.export.manifest import Manifest
+
+KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_CACHE_DTYPES = ("auto", "float16")  # what EngineArgs.kv_cache_dtype accepts
+NUMPY_KV_DTYPE: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16}
+PAGED_ATTENTION = ("octavo", "PagedAttention")  # (domain, op_type) of the node whose pools are switched
+
+
+def resolve_kv_cache_dtype(requested: str, manifest: Manifest) -> str:
+    """The pool's element type for EngineArgs.kv_cache_dtype REQUESTED: "auto" = the manifest's dtype."""
+    if requested == "auto":
+        return manifest.dtype
+    if requested not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
+    return requested
+
+
+def kv_bytes_per_block(manifest: Manifest, block_size: int, dtype: str | None = None) -> int:
+    """Bytes one KV block takes over all layers (key + value pools) when the pool holds DTYPE
+    (None: the manifest's dtype)."""
+    dtype = dtype or manifest.dtype
+    if dtype not in KV_ITEMSIZE:
+        raise InvalidRequestError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_ITEMSIZE)}")
+    return 2 * manifest.num_layers * block_size * manifest.num_kv_heads * manifest.head_dim * KV_ITEMSIZE[dtype]
+
+
+def set_cache_dtype(model: ModelProto, dtype: str) -> int:
+    """Declare every octavo.PagedAttention pool (its key_cache/value_cache inputs and their aliased
+    outputs, wherever the graph names their type: inputs, outputs, value_info) as DTYPE, in place.
+    Returns how many tensor declarations changed; the op accepts float32 and float16 pools."""
+    from onnx import TensorProto
+
+    elem_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}.get(dtype)
+    if elem_type is None:
+        raise InvalidRequestError(f"the onnxruntime backend keeps KV pools in float32 or float16, not {dtype!r}")
+    graph = model.graph
+    pool_names: set[str] = set()
+    for node in graph.node:
+        if (node.domain, node.op_type) == PAGED_ATTENTION:
+            pool_names.update(node.input[3:5])
+            pool_names.update(node.output[1:3])
+    pool_names.discard("")
+    changed = 0
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        if info.name in pool_names and info.type.tensor_type.elem_type != elem_type:
+            info.type.tensor_type.elem_type = elem_type
+            changed += 1
+    return changed
