@@ -169,3 +169,62 @@ def test_serve_exits_nonzero_with_the_message(good: Path, tmp_path: Path, case: 
     assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("octavo serve: error:")), "")
     assert re.search(exc.__name__, line) and words.lower() in line.lower(), (proc.stdout[-2000:], proc.stderr[-1000:])
+
+
+def _stays_inside(folder: Path, rel: str) -> bool:
+    """Independent reference for octavo.export.paths.inside: os.path.realpath + commonpath."""
+    if os.path.isabs(rel):
+        return False
+    real, root = os.path.realpath(folder / rel), os.path.realpath(folder)
+    return ".." not in Path(rel).parts and os.path.commonpath([real, root]) == root
+
+
+@pytest.mark.parametrize("rel", ["model.onnx", "sub/model.onnx", "missing.bin", "link-in", "link-out",
+                                 "dir-out/model.onnx", "dir-out/not-there", "dir-in/x", "../model/model.onnx",
+                                 "sub/../model.onnx", "/etc/passwd", "./model.onnx"])
+def test_inside_agrees_with_realpath(tmp_path: Path, rel: str) -> None:
+    """The one path check (octavo.export.paths.inside, used by the manifest and the HF reader) against
+    os.path.realpath: symlinked files and parent folders pointing out, '..' even when it lands back
+    inside, absolute names, files that do not exist yet."""
+    from octavo.export.paths import inside
+
+    folder, outside = tmp_path / "model", tmp_path / "outside"
+    (folder / "sub").mkdir(parents=True)
+    outside.mkdir()
+    for base in (folder, folder / "sub", outside):
+        (base / "model.onnx").write_bytes(b"x")
+    (folder / "link-in").symlink_to("sub/model.onnx")
+    (folder / "link-out").symlink_to(outside / "model.onnx")
+    (folder / "dir-out").symlink_to(outside, target_is_directory=True)
+    (folder / "dir-in").symlink_to("sub", target_is_directory=True)
+    if _stays_inside(folder, rel):
+        assert inside(folder, rel) == folder / rel
+    else:
+        with pytest.raises(UnsafePathError, match="outside the model folder"):
+            inside(folder, rel, subject="onnx_file")
+
+
+def test_inside_refuses_a_symlink_loop_and_allows_the_hub_blobs(tmp_path: Path) -> None:
+    from octavo.export.hf_reader import safe_path
+    from octavo.export.paths import inside
+
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(UnsafePathError):
+        inside(tmp_path, "a")
+    with pytest.raises(UnsafePathError, match="must be a file name"):
+        inside(tmp_path, "")
+    # HF hub cache: snapshots/<rev>/* link into the repository's blobs/, and only there
+    repo = tmp_path / "models--org--name"
+    snapshot, blobs = repo / "snapshots" / "abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (blobs / "1234").write_text("{}")
+    (snapshot / "config.json").symlink_to(blobs / "1234")
+    (tmp_path / "secret").write_text("{}")
+    (snapshot / "tokenizer.json").symlink_to(tmp_path / "secret")
+    assert safe_path(snapshot, "config.json") == snapshot / "config.json"
+    with pytest.raises(UnsafePathError, match="symlink pointing out"):
+        safe_path(snapshot, "tokenizer.json")
+    with pytest.raises(UnsafePathError, match="symlink pointing out"):
+        inside(snapshot, "config.json")  # without also_allowed the blobs are outside

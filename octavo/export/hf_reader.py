@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from octavo.errors import ModelFormatError, UnsafePathError
+from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint
+from octavo.export.paths import inside
 from octavo.export.safetensors_file import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -24,32 +25,18 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def _allowed_roots(folder: Path) -> list[Path]:
+def _hub_blobs(folder: Path) -> list[Path]:
+    """The HF hub cache's blobs/ folder when FOLDER is one of its snapshots (their files link there)."""
     root = folder.resolve()
-    roots = [root]
     if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        roots.append(root.parent.parent / "blobs")  # HF hub cache: snapshot files link into blobs/
-    return roots
+        return [root.parent.parent / "blobs"]
+    return []
 
 
 def safe_path(folder: Path, name: str) -> Path:
     """FOLDER/NAME, refusing names that escape FOLDER (absolute, '..', or a symlink pointing out)."""
-    if not isinstance(name, str) or not name:
-        raise UnsafePathError(f"{folder}: invalid file name {name!r}")
-    relative = Path(name)
-    if relative.is_absolute() or ".." in relative.parts:
-        raise UnsafePathError(
-            f"{folder}: the checkpoint names {name!r}, which is outside the model folder; "
-            f"refusing to read it (weights must live inside the folder)"
-        )
-    path = folder / relative
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(root) for root in _allowed_roots(folder)):
-        raise UnsafePathError(
-            f"{path} resolves to {resolved}, outside the model folder {folder.resolve()} "
-            f"(a symlink pointing out); refusing to read it — copy the file into the folder instead"
-        )
-    return path
+    return inside(folder, name, subject="the checkpoint file", fix="weights must live inside the folder",
+                  also_allowed=_hub_blobs(folder))
 
 
 def _read_json(folder: Path, name: str) -> Any:

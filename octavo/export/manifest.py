@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from octavo.errors import ModelFormatError, UnsafePathError
+from octavo.errors import ModelFormatError
+from octavo.export.paths import inside
 
 MAGIC = "octavo-model"
 FORMAT_VERSION = 1
@@ -94,19 +95,12 @@ class Manifest:
     FILE_FIELDS = ("onnx_file", "weights_file", "tokenizer_file", "chat_template_file")
 
     def check_files(self, folder: str | Path) -> None:
-        """Refuse file names that leave FOLDER: absolute, '..', or (for files present) a symlink pointing out."""
-        root = Path(folder).resolve()
+        """Refuse file names that leave FOLDER: absolute, '..', or a symlink pointing out (octavo.export.paths)."""
+        where = Path(folder) / MANIFEST_NAME
         for name in self.FILE_FIELDS:
             value = getattr(self, name)
             if value is None and name == "chat_template_file":
                 continue
             if not isinstance(value, str) or not value:
-                raise ModelFormatError(f"{Path(folder) / MANIFEST_NAME}: {name} must be a file name, got {value!r}")
-            relative = Path(value)
-            if relative.is_absolute() or ".." in relative.parts:
-                raise UnsafePathError(f"{Path(folder) / MANIFEST_NAME}: {name} {value!r} is outside the model folder; "
-                                      "refusing to read it (re-export the model)")
-            target = Path(folder) / relative
-            if (target.exists() or target.is_symlink()) and not target.resolve().is_relative_to(root):
-                raise UnsafePathError(f"{target} ({name} {value!r}) resolves to {target.resolve()}, outside the "
-                                      f"model folder {root} (a symlink pointing out); copy the file into the folder")
+                raise ModelFormatError(f"{where}: {name} must be a file name, got {value!r}")
+            inside(folder, value, where=where, subject=name, fix="re-export the model")
