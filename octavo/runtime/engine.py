@@ -418,6 +418,7 @@ class LLMEngine:
             "total_blocks": self.num_blocks, "block_size": self.block_size, "requests": rows,
             "arrived": self._arrived, "finished": self._finished_since_step,
             "preempted": [r.request_id for r in sched.preempted],
+            "held": [r.request_id for r in sched.held],  # waiting for a prefix block another request is computing
         }
         self._arrived, self._finished_since_step = [], []
         if self._trace_file is not None:
