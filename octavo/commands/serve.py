@@ -32,6 +32,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="FILE", default=None, help="write one JSON line per engine step here")
     g.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
                    help="export an HF folder / .gguf with int8 or int4 linear weights (own cache folder; default fp32)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "float16"), default="auto",
+                   help="KV pool element type: auto = the model's (float32 on onnxruntime); float16 halves the KV "
+                        "memory (twice the blocks for the same --kv-cache-memory)")
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -40,7 +43,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, backend=args.backend,
-        trace_path=args.trace, weights=args.weights,
+        trace_path=args.trace, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype,
     )
     ea.validate()
     return ea

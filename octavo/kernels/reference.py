@@ -4,10 +4,17 @@ It writes the new tokens' K/V into the paged pools (in place, at `slot_mapping`)
 sequence b, gathers positions 0..past+new-1 back out of the pool through `block_table[b]` and runs
 causal attention of the new query tokens over them. Token i of sequence b sits at absolute position
 past_seqlens[b] + i.
+
+The pools may be float32 or float16 (the op's two pool types). A float16 pool stores the new K/V
+rounded to nearest even (numpy's float32 -> float16 cast, the op's rounding); attention then reads
+the stored values widened, so the oracle sees exactly what the op can see. Queries and outputs stay
+float32.
 """
 from __future__ import annotations
 
 import numpy as np
+
+POOL_DTYPES = (np.float32, np.float16)
 
 
 def _write_new_kv(pool: np.ndarray, new: np.ndarray, slot_mapping: np.ndarray) -> None:
@@ -15,7 +22,7 @@ def _write_new_kv(pool: np.ndarray, new: np.ndarray, slot_mapping: np.ndarray) -
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:  # padding token: nothing to store
             continue
-        pool[slot // block_size, slot % block_size] = new[t].reshape(kv_heads, head_dim)
+        pool[slot // block_size, slot % block_size] = new[t].reshape(kv_heads, head_dim).astype(pool.dtype)
 
 
 def _gather_sequence(pool: np.ndarray, table_row: np.ndarray, length: int) -> np.ndarray:
@@ -43,6 +50,9 @@ def paged_attention_ref(
     softcap: float = 0.0,
 ) -> np.ndarray:
     """Attention output [T, num_heads*head_dim] (float32); the pools are updated in place."""
+    for name, pool in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if pool.dtype not in POOL_DTYPES:
+            raise TypeError(f"{name} must be float32 or float16, got {pool.dtype}")
     num_tokens = query.shape[0]
     head_dim = query.shape[1] // num_heads
     group = num_heads // kv_num_heads
