@@ -707,3 +707,70 @@ def test_shutdown_aborts_what_outlives_the_timeout(model_dir) -> None:  # noqa: 
     assert len(events) < 500
     stats = engines[0].engine.stats()
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def _threads_named(name: str) -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == name and t.is_alive()}
+
+
+def test_model_that_fails_to_load_leaves_no_socket_thread_or_engine(tmp_path) -> None:  # noqa: ANN001
+    """A bad model folder: ServerThread.start raises the load error (503 model_load_failed, naming the folder)
+    and then holds nothing: the port refuses connections, the server's loop thread is gone. (The bound
+    socket and the loop thread used to stay behind: `with ServerThread(...)` never reaches __exit__.)"""
+    from octavo.serving.api_error import ApiError
+
+    bad = tmp_path / "no-such-model"
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), lambda: AsyncEngine(EngineArgs(model=str(bad))),
+                       shutdown_timeout=2)
+    before = _threads_named("octavo-server")
+    s = ServerThread(srv)
+    with pytest.raises(ApiError) as err:
+        s.start(timeout=60)
+    assert err.value.status == 503 and err.value.code == "model_load_failed"
+    assert str(bad) in err.value.message and "ModelFormatError" in err.value.message
+    assert _threads_named("octavo-server") <= before
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.base_url + "/health", timeout=5)
+    s.stop()  # harmless after a failed start
+
+
+def test_engine_that_fails_to_start_is_shut_down_and_reported(model_dir) -> None:  # noqa: ANN001
+    """The engine exists (backend allocated, step thread running) but starting it fails: the server shuts it
+    down -- thread joined, backend closed -- and reports the error on /health and from wait_ready()."""
+    from octavo.errors import BackendUnavailableError
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from octavo.serving.api_error import ApiError
+
+    closed = threading.Event()
+
+    class Tracked(_SlowBackend):
+        def close(self) -> None:
+            super().close()
+            closed.set()
+
+    class FailingStart(AsyncEngine):
+        async def start(self) -> None:
+            await super().start()  # the step thread runs ...
+            raise BackendUnavailableError("injected: the accelerator went away during warm-up")  # ... then this
+
+    ea = engine_args(model_dir, num_blocks=32)
+
+    def load() -> AsyncEngine:
+        inner = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), 32, 16, num_threads=1)
+        return FailingStart(ea, backend=Tracked(inner, 0.0))
+
+    before = _threads_named("octavo-engine")
+    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), load, shutdown_timeout=2)
+    s = ServerThread(srv).start(wait_ready=False)
+    try:
+        with pytest.raises(ApiError) as err:
+            s.call(srv.wait_ready(), 60)
+        assert err.value.code == "model_load_failed" and "accelerator went away" in err.value.message
+        r = httpx.get(s.base_url + "/health")
+        assert r.status_code == 503 and "accelerator went away" in r.json()["error"]["message"]
+        assert closed.is_set(), "the backend of the engine that failed to start must be closed"
+        assert _threads_named("octavo-engine") <= before, "its step thread must be stopped"
+        assert srv.state.engine is None
+    finally:
+        s.stop()

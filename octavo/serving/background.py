@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 from typing import Any
 
 from octavo.serving.server import OpenAIServer
+
+log = logging.getLogger(__name__)
 
 
 class ServerThread:
@@ -33,15 +36,27 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def start(self, wait_ready: bool = True, timeout: float = 300.0) -> ServerThread:
+        """Start the loop and the server (and wait for the model). If that fails (the model does not load, the
+        server cannot start), everything is stopped again -- server, engine, loop thread, socket -- and the
+        error raised: `with ServerThread(...)` never runs its __exit__ then, so nothing else would."""
         self._thread.start()
         self._started = True
-        self.call(self.server.start(sock=self._sock), timeout)
-        if wait_ready:
-            self.call(self.server.wait_ready(), timeout)
+        try:
+            self.call(self.server.start(sock=self._sock), timeout)
+            if wait_ready:
+                self.call(self.server.wait_ready(), timeout)
+        except BaseException:
+            try:
+                self.stop(timeout)
+            except Exception:  # noqa: BLE001 - the start failure is the error to raise
+                log.exception("stopping the server after its failed start also failed")
+            raise
         return self
 
     def stop(self, timeout: float = 60.0) -> None:
+        """Shut the server down (graceful drain), stop the loop thread and close the socket. Idempotent."""
         if not self._started:
+            self._sock.close()
             return
         self._started = False
         try:
@@ -49,7 +64,9 @@ class ServerThread:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
-            self._loop.close()
+            if not self._thread.is_alive():
+                self._loop.close()
+            self._sock.close()  # the site closes it when it started; not when the start failed before that
 
     def __enter__(self) -> ServerThread:
         return self.start()

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from octavo.errors import OctavoError
 from octavo.serving.api_error import ApiError
 from octavo.serving.app import ServerConfig, ServerState, build_app
 from octavo.serving.metrics import ServerMetrics
@@ -51,7 +52,10 @@ class OpenAIServer:
         return addr[0], addr[1]
 
     async def _load(self) -> None:
+        """Build and start the engine. If anything fails once the engine exists (its thread may be running, its
+        backend holds the KV pool), it is shut down here: a server that failed to load holds no engine."""
         st = self.state
+        engine: Any | None = None
         try:
             engine = await asyncio.to_thread(self._load_engine)
             await engine.start()
@@ -61,9 +65,16 @@ class OpenAIServer:
             st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n)
             st.engine = engine
             log.info("model %s ready", st.model_name)
-        except Exception as exc:  # noqa: BLE001 - reported through /health, wait_ready() and the CLI
-            log.exception("loading the model failed")
+        except BaseException as exc:  # reported through /health, wait_ready() and the CLI
+            if isinstance(exc, OctavoError):  # a user error (bad folder, bad argument): the message says it all
+                log.error("loading the model failed: %s", exc)
+            else:
+                log.error("loading the model failed", exc_info=exc)
             st.load_error = f"{type(exc).__name__}: {exc}"
+            if engine is not None:
+                await _discard(engine)
+            if not isinstance(exc, Exception):
+                raise  # cancellation, KeyboardInterrupt: after the cleanup
         finally:
             self._ready.set()
 
@@ -98,6 +109,14 @@ class OpenAIServer:
         deadline = loop.time() + timeout
         while self.state.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
+
+
+async def _discard(engine: Any) -> None:
+    """Shut down an engine that will never serve (its thread, its backend); a failure here is only logged."""
+    try:
+        await engine.shutdown()
+    except Exception:  # noqa: BLE001 - the load error is the one to report
+        log.exception("shutting down the engine that failed to start also failed")
 
 
 def _engine_facts(engine: Any) -> tuple[Any, int, int | None]:
