@@ -1,10 +1,13 @@
 """Roofline: how close octavo's decode steps come to what this machine can do, measured in one run.
 
-- sgemm peak:   numpy (OpenBLAS) fp32 2048^3 matmul, best of a few, on the same thread count.
+- sgemm peak:   fp32 2048^3 matmul, best of a few, on the same thread count, by BOTH numpy (OpenBLAS) and
+                ONNX Runtime's own Gemm (MLAS, the kernels octavo's steps run on); the faster of the two is the
+                peak (on this project's 2-core EPYC MLAS is the faster one, so numpy alone flatters the ratio).
 - bandwidth:    numpy copy of a 256 MiB array (bytes read + bytes written per second), best of a few.
 - large batch:  decode steps of `batch` sequences straight through OnnxRuntimeBackend; matmul FLOPs
-                (2 x the weights of every Gemm in the graph x tokens) per second of step, as a share
-                of the sgemm peak; and (a second session with ORT's profiler on) the share of kernel
+                (2 x the weights of every Gemm/MatMul/MatMulNBits in the graph x tokens; attention's own
+                two matmuls, q.K^T and p.V over the context, are reported beside it, not in it) per second
+                of step, as a share of the sgemm peak; and (a second session with ORT's profiler on) the share of kernel
                 time per op type and the matmul FLOPs per second of Gemm kernel time alone.
 These four are measured in interleaved rounds, best round each, so that load from other processes
 (this machine is shared) hits them alike.
@@ -31,9 +34,9 @@ from octavo.export.manifest import Manifest
 @dataclass(slots=True)
 class Roofline:
     threads: int
-    sgemm_gflops: float
+    sgemm_gflops: float  # the peak: max(numpy, onnxruntime)
     copy_gbs: float
-    matmul_weight_bytes: int  # float32 bytes of all Gemm weights (what one token multiplies through)
+    matmul_weight_bytes: int  # bytes of all projection weights as stored (fp32, or packed int8/int4 + scales)
     batch: int
     context: int
     step_ms_batch: float
@@ -42,6 +45,8 @@ class Roofline:
     op_share_batch: dict[str, float] = field(default_factory=dict)  # op type -> share of kernel time
     step_ms_1: float = 0.0
     bandwidth_gbs_1: float = 0.0  # weight bytes / step time at batch 1
+    sgemm_by: dict[str, float] = field(default_factory=dict)  # implementation -> its 2048^3 GFLOP/s
+    attention_gflops_batch: float = 0.0  # q.K^T + p.V FLOPs of the batch step / whole step time
 
     @property
     def batch_vs_peak(self) -> float:
@@ -59,9 +64,12 @@ class Roofline:
                 f"({self.gemm_kernel_gflops_batch / self.sgemm_gflops * 100:.0f}% of peak)"
                 if self.gemm_kernel_gflops_batch else "")
         shares = ", ".join(f"{k} {v * 100:.0f}%" for k, v in sorted(self.op_share_batch.items(), key=lambda kv: -kv[1])[:4])
-        return (f"roofline ({self.threads} threads): sgemm peak {self.sgemm_gflops:.1f} GFLOP/s, copy {self.copy_gbs:.1f} GB/s\n"
-                f"  decode batch {self.batch} ctx {self.context}: {self.step_ms_batch:.1f} ms/step, matmuls at "
-                f"{self.achieved_gflops_batch:.1f} GFLOP/s = {self.batch_vs_peak * 100:.0f}% of sgemm peak{kern}\n"
+        by = ", ".join(f"{k} {v:.0f}" for k, v in self.sgemm_by.items())
+        return (f"roofline ({self.threads} threads): sgemm peak {self.sgemm_gflops:.1f} GFLOP/s ({by}), "
+                f"copy {self.copy_gbs:.1f} GB/s\n"
+                f"  decode batch {self.batch} ctx {self.context}: {self.step_ms_batch:.1f} ms/step, weight matmuls at "
+                f"{self.achieved_gflops_batch:.1f} GFLOP/s = {self.batch_vs_peak * 100:.0f}% of sgemm peak{kern} "
+                f"(+ attention's q.K/p.V {self.attention_gflops_batch:.1f} GFLOP/s, not counted)\n"
                 f"  kernel time by op: {shares}\n"
                 f"  decode batch 1: {self.step_ms_1:.2f} ms/step, {self.matmul_weight_bytes / 2**20:.0f} MiB of weights -> "
                 f"{self.bandwidth_gbs_1:.1f} GB/s = {self.batch1_vs_copy * 100:.0f}% of copy bandwidth")
@@ -72,6 +80,31 @@ def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
     a, b = rng.random((n, n), np.float32), rng.random((n, n), np.float32)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def ort_sgemm_gflops(n: int = 2048, repeats: int = 5, threads: int = 2) -> float:
+    """The same product through ONNX Runtime's Gemm (MLAS), B a graph input like A (nothing prepacked)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [n, n]) for name in ("a", "b")]
+    graph = helper.make_graph([helper.make_node("Gemm", ["a", "b"], ["c"])], "sgemm", inputs,
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feed = {"a": rng.random((n, n), np.float32), "b": rng.random((n, n), np.float32)}
+    binding = session.io_binding()
+    for name, value in feed.items():
+        binding.bind_cpu_input(name, value)
+    binding.bind_output("c")
+    session.run_with_iobinding(binding)
+    best = min(_timed(lambda: session.run_with_iobinding(binding)) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
 
 
@@ -89,19 +122,34 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def gemm_weight_elements(model_dir: Path, manifest: Manifest) -> int:
-    """Elements of every Gemm/MatMul weight initializer (read from the graph, weights not loaded)."""
+def gemm_weights(model_dir: Path, manifest: Manifest) -> tuple[int, int]:
+    """(multiply-adds one token does through the projection weights, bytes those weights take as stored)
+    over every Gemm/MatMul with a weight initializer and every MatMulNBits (packed weight + scales +
+    zero points); read from the graph, weights not loaded."""
     import onnx
 
     model = onnx.load(str(model_dir / manifest.onnx_file), load_external_data=False)
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
-    total = 0
+    inits = {t.name: t for t in model.graph.initializer}
+    size = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.UINT8: 1}
+    elements, nbytes = 0, 0
     for node in model.graph.node:
-        if node.op_type in ("Gemm", "MatMul"):
-            dims = shapes.get(node.input[1])
-            if dims:
-                total += int(np.prod(dims))
-    return total
+        if node.op_type in ("Gemm", "MatMul") and node.input[1] in inits:
+            t = inits[node.input[1]]
+            elements += int(np.prod(t.dims))
+            nbytes += int(np.prod(t.dims)) * size.get(t.data_type, 4)
+        elif node.op_type == "MatMulNBits":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            elements += int(attrs["K"]) * int(attrs["N"])
+            for name in node.input[1:4]:
+                if name in inits:
+                    t = inits[name]
+                    nbytes += int(np.prod(t.dims)) * size.get(t.data_type, 4)
+    return elements, nbytes
+
+
+def attention_flops(manifest: Manifest, batch: int, context: int) -> float:
+    """q.K^T and p.V of one decode step: 2 matmuls x 2 FLOPs x (context + 1) keys x head_dim per query head."""
+    return 4.0 * batch * (context + 1) * manifest.num_heads * manifest.head_dim * manifest.num_layers
 
 
 def _decode_inputs(batch: int, context: int, block_size: int, first_block: int = 0) -> Any:
@@ -144,16 +192,19 @@ def measure(model_dir: Path, *, threads: int = 2, batch: int = 64, context: int 
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     manifest = Manifest.load(model_dir)
-    weights = gemm_weight_elements(model_dir, manifest)
+    weights, weight_bytes = gemm_weights(model_dir, manifest)
     num_blocks = batch * (context // block_size + 1) + 1
     backend = OnnxRuntimeBackend(model_dir, manifest, num_blocks, block_size, num_threads=threads)
     rng = np.random.default_rng(0)
     for pool in (*backend.key_caches, *backend.value_caches):  # real data: no zero-page shortcuts
         pool[...] = rng.standard_normal(pool.shape, np.float32)
-    peak, bw, t_big, t_one = 0.0, 0.0, float("inf"), float("inf")
+    n = 512 if small else 2048
+    by = {"numpy": 0.0, "onnxruntime": 0.0}
+    bw, t_big, t_one = 0.0, float("inf"), float("inf")
     try:
         for _ in range(rounds):
-            peak = max(peak, sgemm_gflops(512 if small else 2048, repeats=2))
+            by["numpy"] = max(by["numpy"], sgemm_gflops(n, repeats=2))
+            by["onnxruntime"] = max(by["onnxruntime"], ort_sgemm_gflops(n, repeats=2, threads=threads))
             bw = max(bw, copy_gbs((32 if small else 256) << 20, repeats=2))
             t_big = min(t_big, decode_step_seconds(backend, batch, context, steps))
             t_one = min(t_one, decode_step_seconds(backend, 1, context, steps * 3))
@@ -161,8 +212,9 @@ def measure(model_dir: Path, *, threads: int = 2, batch: int = 64, context: int 
         backend.close()
     flops = 2.0 * weights * batch
     shares, kernel_gflops = _profiled_shares(model_dir, manifest, threads, batch, context, block_size, flops)
-    return Roofline(threads, peak, bw, weights * 4, batch, context, t_big * 1e3, flops / t_big / 1e9, kernel_gflops,
-                    shares, t_one * 1e3, weights * 4 / t_one / 1e9)
+    return Roofline(threads, max(by.values()), bw, weight_bytes, batch, context, t_big * 1e3, flops / t_big / 1e9,
+                    kernel_gflops, shares, t_one * 1e3, weight_bytes / t_one / 1e9, sgemm_by=by,
+                    attention_gflops_batch=attention_flops(manifest, batch, context) / t_big / 1e9)
 
 
 def _profiled_shares(model_dir: Path, manifest: Manifest, threads: int, batch: int, context: int, block_size: int,
@@ -183,7 +235,7 @@ def _profiled_shares(model_dir: Path, manifest: Manifest, threads: int, batch: i
             backend.close()
     agg = kernel_us_by_op(events)
     total = sum(agg.values()) or 1.0
-    gemm_us = sum(agg.get(k, 0.0) for k in ("Gemm", "MatMul", "FusedMatMul")) / steps
+    gemm_us = sum(agg.get(k, 0.0) for k in ("Gemm", "MatMul", "FusedMatMul", "MatMulNBits")) / steps
     return {k: v / total for k, v in agg.items()}, (flops / (gemm_us * 1e-6) / 1e9 if gemm_us else None)
 
 
