@@ -10,6 +10,7 @@ from op_cases import paged_attention_model, random_step
 
 from octavo.kernels.reference import paged_attention_ref
 from octavo.runtime.backends import build_op, oplib
+from octavo.runtime.kv_cache import set_cache_dtype
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +20,20 @@ def library() -> str:
     return str(oplib.library_path())
 
 
-def make_session(library: str, **attrs: object) -> ort.InferenceSession:
+def make_session(library: str, kv_dtype: str = "float32", **attrs: object) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)
     options.intra_op_num_threads = 2
     model = paged_attention_model(**attrs)  # type: ignore[arg-type]
+    set_cache_dtype(model, kv_dtype)  # the pools (inputs and aliased outputs) as the backend declares them
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def half_pools(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The feeds with float16 pools (their existing contents rounded once, as a float16 engine holds them)."""
+    for name in ("key_cache", "value_cache"):
+        feeds[name] = feeds[name].astype(np.float16)
+    return feeds
 
 
 CASES = {
@@ -88,6 +97,148 @@ def test_op_matches_reference_on_random_shapes(library: str, seed: int) -> None:
     np.testing.assert_allclose(output, expected, atol=1e-5, rtol=0, err_msg=str((seqs, attrs, head_dim, block_size)))
     np.testing.assert_array_equal(key_cache_out, ref_inputs["key_cache"])
     np.testing.assert_array_equal(value_cache_out, ref_inputs["value_cache"])
+
+
+# float16 pools. The oracle writes the new K/V rounded to fp16 (numpy's round-to-nearest-even cast)
+# and attends over the stored values widened, i.e. over exactly the numbers the op reads; what is left
+# is float32 (op) vs float64 (oracle) arithmetic, so the float32-pool tolerance (1e-5 absolute on
+# outputs of magnitude ~1) applies unchanged, and the pools must match bit for bit.
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_matches_reference_float16_pools(library: str, name: str) -> None:
+    seqs, heads, kv_heads, head_dim, block_size, window, cap = CASES[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    step = random_step(rng, seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=1 / math.sqrt(head_dim), sliding_window=window,
+                 softcap=cap)
+    ref_inputs = half_pools(step.feeds())
+    expected = paged_attention_ref(*ref_inputs.values(), **attrs)
+    feeds = half_pools(step.feeds())
+    output, key_cache_out, value_cache_out = make_session(library, "float16", **attrs).run(None, feeds)
+    assert key_cache_out.dtype == np.float16 and output.dtype == np.float32
+    np.testing.assert_allclose(output, expected, atol=1e-5, rtol=0)
+    for got in (key_cache_out, feeds["key_cache"]):  # the graph output and the caller's buffer (in place)
+        np.testing.assert_array_equal(got.view(np.uint16), ref_inputs["key_cache"].view(np.uint16))
+    for got in (value_cache_out, feeds["value_cache"]):
+        np.testing.assert_array_equal(got.view(np.uint16), ref_inputs["value_cache"].view(np.uint16))
+    # Against float32 pools holding the same numbers unrounded, fp16 storage moves the outputs only a
+    # little: K/V ~ N(0, 1) lose at most 2^-11 relative each; measured max |diff| ~1e-3 on these cases.
+    exact = paged_attention_ref(*step.feeds().values(), **attrs)
+    np.testing.assert_allclose(output, exact, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_op_matches_reference_float16_pools_random_shapes(library: str, seed: int) -> None:
+    rng = np.random.default_rng(2000 + seed)
+    kv_heads = int(rng.choice([1, 2, 3, 4]))
+    group = int(rng.choice([1, 2, 4, 8]))
+    head_dim = int(rng.choice([4, 8, 20, 40, 64, 72, 128]))
+    block_size = int(rng.choice([1, 3, 16, 256]))
+    seqs = [(int(rng.integers(0, 300)), int(rng.integers(0, 40))) for _ in range(int(rng.integers(1, 6)))]
+    seqs[0] = (seqs[0][0], max(seqs[0][1], 1))
+    window = int(rng.choice([0, 0, 1, 9, 500]))
+    cap = float(rng.choice([0.0, 0.0, 2.5]))
+    attrs = dict(num_heads=kv_heads * group, kv_num_heads=kv_heads, scale=float(rng.uniform(0.05, 0.3)),
+                 sliding_window=window, softcap=cap)
+    step = random_step(rng, seqs, num_heads=kv_heads * group, kv_num_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size)
+    ref_inputs = half_pools(step.feeds())
+    expected = paged_attention_ref(*ref_inputs.values(), **attrs)
+    output, key_cache_out, value_cache_out = make_session(library, "float16", **attrs).run(None, half_pools(step.feeds()))
+    np.testing.assert_allclose(output, expected, atol=1e-5, rtol=0, err_msg=str((seqs, attrs, head_dim, block_size)))
+    np.testing.assert_array_equal(key_cache_out.view(np.uint16), ref_inputs["key_cache"].view(np.uint16))
+    np.testing.assert_array_equal(value_cache_out.view(np.uint16), ref_inputs["value_cache"].view(np.uint16))
+
+
+def float16_edge_values() -> np.ndarray:
+    """float32 values that exercise every branch of the fp16 rounding: every finite half (exact), the
+    midpoints between neighbouring halves (ties: round to even) and one float32 ulp either side of
+    them, the overflow boundary (65504 .. 65520 .. inf), subnormal halves and their midpoints, signed
+    zeros and infinities, and random floats over 2^-30 .. 2^17."""
+    halves = np.arange(0, 0x7c00, dtype=np.uint16).view(np.float16)  # +0 .. 65504: every finite positive half
+    h = halves.astype(np.float32)
+    mid = ((h[:-1].astype(np.float64) + h[1:].astype(np.float64)) / 2).astype(np.float32)  # exact in float32
+    above = np.nextafter(mid, np.float32(np.inf))
+    below = np.nextafter(mid, np.float32(0))
+    special = np.array([65504, 65505, 65519, 65519.996, 65520, 65521, 1e6, np.inf, 0.0, 2.0 ** -25, 2.0 ** -25 * 1.5,
+                        2.0 ** -26, 2.0 ** -24 * 0.5, 2.0 ** -24 * 1.5, 2.0 ** -24 * 2.5, 2.0 ** -14 * (1 - 2.0 ** -12)],
+                       dtype=np.float32)
+    rng = np.random.default_rng(0)
+    random = (rng.uniform(1, 2, 20000) * 2.0 ** rng.integers(-30, 17, 20000)).astype(np.float32)
+    positive = np.concatenate([h, mid, above, below, special, random])
+    return np.concatenate([positive, -positive])
+
+
+@pytest.mark.parametrize("head_dim", [4, 16, 28])  # all scalar; all vector (F16C); vector + scalar tails
+def test_float16_pool_round_trip_is_numpys_rounding(library: str, head_dim: int) -> None:
+    """Each one-token sequence attends only to itself, so its output IS its value row as stored in and
+    read back from the float16 pool: fp16 round-to-nearest-even on write (numpy's cast), exact on read.
+    The key pool holds the same values (checked as stored bits)."""
+    values = float16_edge_values()
+    values = np.concatenate([values, np.zeros(-len(values) % head_dim, np.float32)]).reshape(-1, head_dim)
+    tokens = values.shape[0]
+    feeds = {
+        "query": np.zeros((tokens, head_dim), np.float32), "key": values, "value": values,
+        "key_cache": np.zeros((tokens, 1, 1, head_dim), np.float16),
+        "value_cache": np.zeros((tokens, 1, 1, head_dim), np.float16),
+        "cumulative_sequence_length": np.arange(tokens + 1, dtype=np.int32),
+        "past_seqlens": np.zeros(tokens, np.int32), "block_table": np.arange(tokens, dtype=np.int32).reshape(-1, 1),
+        "slot_mapping": np.arange(tokens, dtype=np.int64),
+    }
+    session = make_session(library, "float16", num_heads=1, kv_num_heads=1, scale=1.0)
+    output, key_cache_out, value_cache_out = session.run(None, feeds)
+    with np.errstate(over="ignore"):  # values past 65520 become inf, as intended
+        want = values.astype(np.float16)
+    np.testing.assert_array_equal(key_cache_out.reshape(tokens, head_dim).view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(value_cache_out.reshape(tokens, head_dim).view(np.uint16), want.view(np.uint16))
+    finite = np.isfinite(want).all(axis=1)  # an infinite value row makes p*V non-finite; compare the rest
+    np.testing.assert_array_equal(output[finite], want[finite].astype(np.float32))
+
+
+def test_float16_pools_zero_copy_through_iobinding(library: str) -> None:
+    """As the backend runs it: float16 numpy pools bound once, outputs dangling; the op writes into the
+    caller's arrays over two steps (prefill, decode)."""
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.125)
+    session = make_session(library, "float16", cache_outputs=False, **attrs)
+    rng = np.random.default_rng(8)
+    prefill = random_step(rng, [(0, 20), (0, 3)], num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                          block_size=block_size)
+    key_pool, value_pool = prefill.key_cache.astype(np.float16), prefill.value_cache.astype(np.float16)
+    ref_key, ref_value = key_pool.copy(), value_pool.copy()
+    binding = session.io_binding()
+    key_value = ort.OrtValue.ortvalue_from_numpy(key_pool)
+    assert key_value.data_ptr() == key_pool.ctypes.data
+    binding.bind_ortvalue_input("key_cache", key_value)
+    binding.bind_ortvalue_input("value_cache", ort.OrtValue.ortvalue_from_numpy(value_pool))
+    decode = random_step(rng, [(20, 1), (3, 1)], num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                         block_size=block_size)
+    decode.block_table = prefill.block_table
+    decode.slot_mapping = np.array([prefill.block_table[b, pos // block_size] * block_size + pos % block_size
+                                    for b, pos in enumerate((20, 3))], dtype=np.int64)
+    for step in (prefill, decode):
+        feeds = step.feeds()
+        expected = paged_attention_ref(
+            feeds["query"], feeds["key"], feeds["value"], ref_key, ref_value, feeds["cumulative_sequence_length"],
+            feeds["past_seqlens"], feeds["block_table"], feeds["slot_mapping"], **attrs)
+        for name in ("query", "key", "value", "cumulative_sequence_length", "past_seqlens", "block_table",
+                     "slot_mapping"):
+            binding.bind_cpu_input(name, feeds[name])
+        binding.bind_output("output")
+        session.run_with_iobinding(binding)
+        np.testing.assert_allclose(binding.get_outputs()[0].numpy(), expected, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(key_pool.view(np.uint16), ref_key.view(np.uint16))
+        np.testing.assert_array_equal(value_pool.view(np.uint16), ref_value.view(np.uint16))
+
+
+def test_pool_type_must_match_the_graph(library: str) -> None:
+    """A float32 pool fed to a graph declaring float16 pools (or the reverse) is refused by ONNX Runtime's
+    input type check before the op runs."""
+    attrs = dict(num_heads=4, kv_num_heads=2, scale=0.125)
+    step = random_step(np.random.default_rng(4), [(3, 2)], num_heads=4, kv_num_heads=2, head_dim=16, block_size=4)
+    with pytest.raises(Exception, match=r"data type.*expected: \(tensor\(float16\)\)"):
+        make_session(library, "float16", **attrs).run(None, step.feeds())
+    with pytest.raises(Exception, match=r"data type.*expected: \(tensor\(float\)\)"):
+        make_session(library, **attrs).run(None, half_pools(step.feeds()))
 
 
 def test_sequence_result_is_bit_identical_alone_or_in_any_batch(library: str) -> None:
@@ -237,6 +388,12 @@ def test_portable_builds_match_reference(arch: str, tmp_path) -> None:  # noqa: 
         test_op_matches_reference(library, name)
     for seed in range(16):
         test_op_matches_reference_on_random_shapes(library, seed)
+    for name in sorted(CASES):  # float16 pools: F16C (haswell) and the scalar conversions (x86-64)
+        test_op_matches_reference_float16_pools(library, name)
+    for seed in range(8):
+        test_op_matches_reference_float16_pools_random_shapes(library, seed)
+    for head_dim in (4, 16, 28):
+        test_float16_pool_round_trip_is_numpys_rounding(library, head_dim)
 
 
 def test_library_path_names_the_fix_when_missing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
