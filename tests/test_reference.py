@@ -70,3 +70,41 @@ def test_reference_writes_new_kv_at_slots() -> None:
     np.testing.assert_array_equal(flat_k[step.slot_mapping], step.key)
     untouched = np.setdiff1d(np.arange(flat_k.shape[0]), step.slot_mapping)
     np.testing.assert_array_equal(flat_k[untouched], step.key_cache.reshape(-1, 8)[untouched])
+
+
+def test_reference_with_float16_pools_is_dense_attention_over_rounded_kv() -> None:
+    """A float16 pool stores the new K/V rounded (numpy's float16 cast, round to nearest even); the
+    oracle then attends over exactly those stored values, the history included."""
+    heads, kv_heads, head_dim, block_size = 4, 2, 24, 4
+    seqs = [(0, 7), (9, 3), (5, 1)]
+    rng = np.random.default_rng(17)
+    step = random_step(rng, seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    feeds = step.feeds()
+    for name in ("key_cache", "value_cache"):
+        feeds[name] = feeds[name].astype(np.float16)
+    history_k, history_v = feeds["key_cache"].copy(), feeds["value_cache"].copy()
+    got = paged_attention_ref(*feeds.values(), num_heads=heads, kv_num_heads=kv_heads, scale=0.2)
+
+    assert feeds["key_cache"].dtype == np.float16
+    flat_k = feeds["key_cache"].reshape(-1, kv_heads * head_dim)
+    np.testing.assert_array_equal(flat_k[step.slot_mapping], step.key.astype(np.float16))
+    cu = step.cumulative_sequence_length
+    for b, (past, new) in enumerate(seqs):
+        rows = slice(cu[b], cu[b + 1])
+        table = step.block_table[b]
+        old_k = np.stack([history_k[table[p // block_size], p % block_size] for p in range(past)]) if past else \
+            np.zeros((0, kv_heads, head_dim), np.float16)
+        old_v = np.stack([history_v[table[p // block_size], p % block_size] for p in range(past)]) if past else \
+            np.zeros((0, kv_heads, head_dim), np.float16)
+        k = np.concatenate([old_k, step.key[rows].astype(np.float16).reshape(new, kv_heads, head_dim)]).astype(np.float32)
+        v = np.concatenate([old_v, step.value[rows].astype(np.float16).reshape(new, kv_heads, head_dim)]).astype(np.float32)
+        want = dense_attention(step.query[rows].reshape(new, heads, head_dim), k, v, past, heads // kv_heads, 0.2, 0, 0.0)
+        np.testing.assert_allclose(got[rows], want.reshape(new, -1), atol=1e-6, rtol=0)
+
+
+def test_reference_refuses_other_pool_dtypes() -> None:
+    step = random_step(np.random.default_rng(2), [(0, 2)], num_heads=2, kv_num_heads=1, head_dim=8, block_size=2)
+    feeds = step.feeds()
+    feeds["key_cache"] = feeds["key_cache"].astype(np.float64)
+    with pytest.raises(TypeError, match="key_cache must be float32 or float16"):
+        paged_attention_ref(*feeds.values(), num_heads=2, kv_num_heads=1, scale=0.3)
