@@ -134,3 +134,53 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
     assert together == alone
     other = req(seed=43, temperature=0.9, top_p=0.9)
     assert [s(lg[2:3], [other]).token_ids[0] for lg in steps] != alone
+
+
+EXTREME_PENALTIES = [1e30, 1e38, 1e300, 1.7976931348623157e308, 5e-324, 1e-30, 1e-45]
+
+
+def _exact_penalised(lg: np.ndarray, seen: set[int], penalty: float) -> list:  # noqa: ANN401
+    """Independent reference in exact rational arithmetic (no floats, so nothing can overflow)."""
+    from fractions import Fraction
+
+    rp = Fraction(penalty)
+    return [(Fraction(float(x)) / rp if x > 0 else Fraction(float(x)) * rp) if t in seen else Fraction(float(x))
+            for t, x in enumerate(lg)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), penalty=st.sampled_from(EXTREME_PENALTIES),
+       temperature=st.sampled_from([0.0, 1e-5, 0.7, 2.0]), all_seen=st.booleans())
+def test_extreme_repetition_penalty_is_warning_free_and_keeps_the_order(seed, penalty, temperature,  # noqa: ANN001
+                                                                         all_seen) -> None:
+    """Fuzzed penalties (1e30, 5e-324, ...) emit no numpy warning (every warning is an error here), greedy
+    picks the token the exact arithmetic picks (also when every token is penalised, so only the order
+    among penalised tokens decides), and the sampled distribution is the exact one: at these penalties
+    all mass sits on the winner (when the winner is penalised) or on the unpenalised tokens."""
+    import warnings
+
+    rng = np.random.default_rng(seed)
+    lg = (rng.standard_normal(V) * 3).astype(np.float32)
+    lg[rng.integers(0, V, 3)] *= 1000  # a few large logits, where multiplying by the penalty overflows float32
+    prompt = list(range(V)) if all_seen else [int(t) for t in rng.choice(V, 10, replace=False)]
+    exact = _exact_penalised(lg, set(prompt), penalty)
+    want = max(range(V), key=lambda t: exact[t])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = req(prompt=prompt, repetition_penalty=penalty, temperature=temperature, logprobs=2)
+        out = Sampler([EOS])(lg[None].copy(), [r])
+        processed = lg[None].copy()
+        Sampler._apply_penalties(processed, [r])
+        probs = Sampler.distribution(processed, [r])[0] if temperature else None  # after the penalty, as __call__
+    assert np.isfinite(processed).all()
+    assert all(np.isfinite(v) for v in out.logprobs[0].values())
+    if temperature == 0.0:
+        assert out.token_ids[0] == want
+        assert out.logprobs[0][want] == max(out.logprobs[0].values())  # (near-ties at float32 precision may share it)
+        return
+    # exact distribution: p_t = exp((e_t - e_max) / T) / sum; terms below e^-800 are 0 in float64 anyway
+    top = exact[want]
+    expo = [float(max(e - top, -800 * temperature)) / temperature for e in exact]
+    ref = np.exp(np.array(expo))
+    ref /= ref.sum()
+    np.testing.assert_allclose(probs / probs.sum(), ref, atol=1e-6)

@@ -19,6 +19,12 @@ from octavo.runtime.request import Request
 # temperatures below this sample as if at this (practically greedy): logits / 1e-38 overflow float32 to
 # inf, and inf - inf = NaN weights made every such row pick the last vocabulary id
 MIN_TEMPERATURE = 1e-5
+# SamplingParams accepts any finite repetition_penalty > 0 (as vLLM does). A penalised logit is kept within
+# this magnitude so that dividing it by MIN_TEMPERATURE and subtracting a row's max stay finite in float32
+PENALISED_LOGIT_LIMIT = float(np.finfo(np.float32).max) * MIN_TEMPERATURE / 4  # ~8.5e32
+# ... and the penalised side's largest magnitude is kept above this, so that its tokens keep their order
+# instead of underflowing to 0 together; next to an unpenalised logit it weighs nothing even in float64
+PENALISED_LOGIT_FLOOR = 1e-20
 
 
 @dataclass(slots=True)
@@ -44,6 +50,33 @@ def _plain_greedy(r: Request) -> bool:
     return (p.temperature == 0.0 and not p.logit_bias and p.logprobs is None and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and len(r.output_token_ids) >= p.min_tokens)
+
+
+def repetition_penalised(x: np.ndarray, penalty: float) -> np.ndarray:
+    """Seen tokens' logits X under a repetition penalty: positive ones divided, negative ones multiplied.
+
+    An extreme penalty (1e30, 5e-324) saturates instead of overflowing or underflowing: the factor on
+    each side is limited so that the side's largest magnitude lands in [PENALISED_LOGIT_FLOOR,
+    PENALISED_LOGIT_LIMIT]. One factor per side keeps the order of its tokens (so greedy still picks
+    what exact arithmetic picks, for magnitudes within ~1e25 of the side's largest), and at either bound the probabilities next to an unpenalised logit
+    are already what the exact values give (0, 1, or unchanged to float64 precision). Computed in
+    float64 (no overflow or division by a float32 zero on the way); non-finite logits stay as they are."""
+    x64 = x.astype(np.float64)
+    out = x64.copy()
+    pos, neg = np.isfinite(x64) & (x64 > 0), np.isfinite(x64) & (x64 < 0)
+    if pos.any():  # divided by the penalty: grows when it is < 1, shrinks when > 1
+        top = float(x64[pos].max())
+        divisor = max(penalty, top / PENALISED_LOGIT_LIMIT)
+        if divisor > 1:  # shrinking: not below the floor (nor at all if already there)
+            divisor = min(divisor, max(1.0, top / PENALISED_LOGIT_FLOOR))
+        out[pos] = x64[pos] / divisor
+    if neg.any():  # multiplied: grows when > 1, shrinks when < 1
+        top = float(-x64[neg].min())
+        factor = min(penalty, PENALISED_LOGIT_LIMIT / top)
+        if factor < 1:
+            factor = max(factor, min(1.0, PENALISED_LOGIT_FLOOR / top))
+        out[neg] = x64[neg] * factor
+    return out.astype(np.float32)
 
 
 class Sampler:
@@ -110,10 +143,7 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 seen = np.union1d(np.asarray(r.prompt_token_ids, np.int64), out_ids)
                 seen = seen[seen < v]
-                x = logits[i, seen]
-                # a tiny penalty (e.g. 5e-324) would divide to +inf: cap at the largest finite float32
-                logits[i, seen] = np.minimum(np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty),
-                                             np.finfo(np.float32).max)
+                logits[i, seen] = repetition_penalised(logits[i, seen], p.repetition_penalty)
             if out_ids.size and (p.presence_penalty or p.frequency_penalty):
                 logits[i, out_ids] -= p.frequency_penalty * counts + p.presence_penalty
 
