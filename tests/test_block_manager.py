@@ -106,6 +106,38 @@ def test_prefix_caching_off() -> None:
     assert bm.find_cached(req([1, 2, 3, 4, 5], "b")) == [] and bm.hash_to_block == {}
 
 
+def test_promises_are_filled_or_withdrawn() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = req([1, 2, 3, 4, 5, 6, 7], "a")
+    assert bm.allocate(a, 4)
+    bm.promise(a)  # a will compute 3 full blocks
+    assert list(bm.promised) == a.block_hashes[:3] and set(bm.promised.values()) == {a}
+    b = req([1, 2, 3, 4, 9, 9, 9], "b")
+    assert bm.find_cached(b) == [] and bm.producer_of_next(b, 0) is a
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)  # blocks 0 and 1 filled
+    assert bm.promised == {a.block_hashes[2]: a}
+    assert bm.find_cached(b) == a.block_table[:2] and bm.producer_of_next(b, 2) is None  # b's block 2 differs
+    c = req([1, 2, 3, 4, 5, 6, 7, 8, 0], "c")
+    assert bm.find_cached(c) == a.block_table[:2] and bm.producer_of_next(c, 2) is a
+    bm.check([a.block_table])
+    bm.release(a)  # preempted or aborted before filling block 2
+    assert bm.promised == {} and bm.producer_of_next(c, 2) is None
+    assert len(bm.find_cached(c)) == 2  # what a filled stays cached
+
+
+def test_the_last_token_block_is_never_waited_for() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a = req([1, 2, 3, 4], "a")
+    assert bm.allocate(a, 4)
+    bm.promise(a)
+    same = req([1, 2, 3, 4], "same")  # block 1 holds its last token: it computes it anyway
+    assert bm.find_cached(same) == [] and bm.producer_of_next(same, 0) is a
+    a.num_computed_tokens = 2
+    bm.cache_full_blocks(a)
+    assert len(bm.find_cached(same)) == 1 and bm.producer_of_next(same, 1) is None
+
+
 ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "free"]), st.integers(0, 10**6)), min_size=1, max_size=60)
 
 
@@ -128,6 +160,7 @@ def test_property_random_workload(num_blocks: int, block_size: int, ops: list, c
             if bm.can_admit(r, cached, n):
                 bm.admit(r, cached)
                 assert bm.allocate(r, n)
+                bm.promise(r)
                 for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
                     shadow[r.block_table[p // block_size]][p % block_size] = r.token(p)
                 r.num_computed_tokens += n
@@ -152,7 +185,9 @@ def test_property_random_workload(num_blocks: int, block_size: int, ops: list, c
             bm.release(live.pop(x % len(live)))
         bm.check([r.block_table for r in live])
         assert sum(1 for c in bm.ref_count if c) + bm.num_free_blocks == num_blocks
+        assert all(any(p is r for r in live) for p in bm.promised.values()), "a promise outlived its request"
     for r in live:
         bm.release(r)
     bm.check([])
+    assert bm.promised == {}
     assert bm.num_free_blocks == num_blocks
