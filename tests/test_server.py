@@ -774,3 +774,20 @@ def test_engine_that_fails_to_start_is_shut_down_and_reported(model_dir) -> None
         assert srv.state.engine is None
     finally:
         s.stop()
+
+
+def test_lone_surrogate_is_400_escaped_pair_is_served(server, llm) -> None:  # noqa: ANN001
+    """Bodies are checked for lone surrogates on the raw JSON text (no re-serialising): an unpaired \\ud800 is a
+    400 in OpenAI's shape; an emoji sent as an escaped pair (json.dumps' default) is served like the character."""
+    url, headers = server.base_url + "/v1/completions", {**auth(), "Content-Type": "application/json"}
+    r = httpx.post(url, headers=headers, content=b'{"model": "tiny", "prompt": "a \\ud800 b", "max_tokens": 2}')
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "surrogates not allowed" in err["message"]
+    prompt = "smile \U0001F600 please"
+    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert "\\ud83d\\ude00" in body
+    r = httpx.post(url, headers=headers, content=body.encode(), timeout=60)
+    assert r.status_code == 200, r.text
+    want = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert r.json()["choices"][0]["text"] == want[0].outputs[0].text

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -169,13 +170,44 @@ async def _read_json(request: web.Request) -> Any:
     limit = request.app[STATE].config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    raw = await request.read()
+    return parse_json_body(await request.read())
+
+
+# Surrogate escapes (\\uD800-\\uDFFF) in a JSON text. SUSPECT finds, in one scan, every escape that may stand alone
+# (a high half not followed by a low one, a low half not preceded by a high one, a high half after another
+# backslash, which may escape it) and some that do not; an exact look follows only then. The exact look reads
+# escapes left to right as the decoder does: escaped backslashes and valid pairs removed, any surrogate escape
+# left is a real one, and unpaired.
+_SUSPECT = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                      r"|\\u[dD][c-fC-F](?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F])"
+                      r"|\\\\u[dD][89abAB]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_BACKSLASH_OR_PAIR = re.compile(r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The request body as JSON in strict UTF-8, or a 400. Checked on the raw text, never by re-serialising:
+    strict decoding rejects encoded surrogates, so a lone surrogate can only come from a \\uD800-style escape
+    not paired with the next one (json.loads joins a pair into one character)."""
     try:  # strict UTF-8 (json.loads(bytes) would let encoded surrogates through)
-        body = json.loads(raw.decode("utf-8"))
-        json.dumps(body, ensure_ascii=False).encode("utf-8")  # no lone surrogates from \ud800 escapes
-        return body
+        text = raw.decode("utf-8")
+        body = json.loads(text)
     except (ValueError, UnicodeError, RecursionError) as exc:  # JSONDecodeError, int digits limit, nesting
         raise bad_request(f"the request body is not valid JSON in UTF-8: {str(exc)[:200]}") from None
+    lone = _lone_surrogate_escape(text)
+    if lone is not None:
+        raise bad_request(f"the request body is not valid JSON in UTF-8: it holds the lone surrogate {lone} "
+                          "(a \\uD800-\\uDFFF escape that is not part of a high-low pair): surrogates not allowed")
+    return body
+
+
+def _lone_surrogate_escape(text: str) -> str | None:
+    """The first unpaired surrogate escape of a valid JSON text (backslashes occur only in its strings' escapes),
+    else None."""
+    if _SUSPECT.search(text) is None:  # the common case, escaped pairs (emoji from ASCII-only clients) included
+        return None
+    found = _SURROGATE_ESCAPE.search(_BACKSLASH_OR_PAIR.sub("", text))
+    return None if found is None else found.group()
 
 
 def _engine_error(exc: BaseException) -> ApiError:
