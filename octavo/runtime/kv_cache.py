@@ -64,3 +64,33 @@ def set_cache_dtype(model: ModelProto, dtype: str) -> int:
             info.type.tensor_type.elem_type = elem_type
             changed += 1
     return changed
+
+
+def expose_pool_outputs(model: ModelProto) -> dict[str, str]:
+    """Make every octavo.PagedAttention pool output a graph output, in place; returns {pool output: the
+    pool input it aliases}. The caller must bind each to its pool input's own OrtValue (then the op
+    writes the caller's buffer and nothing is copied).
+
+    Why: ONNX Runtime's InsertCastTransformer forces an "isolated" float16 node on the CPU EP to run its
+    float32 kernel between inserted Casts when none of its float16 inputs comes from another node and none
+    of its float16 outputs is consumed — exactly a PagedAttention node over float16 graph-input pools with
+    dangling pool outputs. The op would then write a temporary float32 copy and the pools would never
+    change. A node that produces a graph output is exempt, so the pool outputs become graph outputs."""
+    from onnx import helper
+
+    graph = model.graph
+    declared = {info.name: info for info in [*graph.input, *graph.value_info]}
+    existing = {info.name for info in graph.output}
+    aliases: dict[str, str] = {}
+    for node in graph.node:
+        if (node.domain, node.op_type) != PAGED_ATTENTION:
+            continue
+        for pool_input, pool_output in zip(node.input[3:5], node.output[1:3]):
+            if not pool_output:
+                continue
+            aliases[pool_output] = pool_input
+            if pool_output not in existing:
+                elem_type = declared[pool_input].type.tensor_type.elem_type if pool_input in declared else 0
+                graph.output.append(helper.make_tensor_value_info(pool_output, elem_type, None))
+                existing.add(pool_output)
+    return aliases

@@ -3,7 +3,9 @@
 The KV pools are plain numpy arrays [num_blocks, block_size, kv_heads, head_dim], one key and one
 value pool per layer, float32 (the export's dtype) or, with kv_cache_dtype="float16", float16: then the
 loaded graph's pool declarations are switched to float16 in memory before the session is created (the
-export on disk is unchanged) and the op rounds new K/V to fp16 on write and widens them on read. They are bound ONCE through IOBinding as OrtValues that wrap the numpy
+export on disk is unchanged) and the op rounds new K/V to fp16 on write and widens them on read. The
+float16 graph also lists the pool outputs as graph outputs, bound to the pools themselves (see
+kv_cache.expose_pool_outputs for why). They are bound ONCE through IOBinding as OrtValues that wrap the numpy
 memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
 inputs and the logits output are bound.
 
@@ -27,7 +29,7 @@ from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.oplib import library_path
-from octavo.runtime.kv_cache import NUMPY_KV_DTYPE, resolve_kv_cache_dtype, set_cache_dtype
+from octavo.runtime.kv_cache import NUMPY_KV_DTYPE, expose_pool_outputs, resolve_kv_cache_dtype, set_cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class OnnxRuntimeBackend:
         onnx_path = self.model_dir / manifest.onnx_file
         if not onnx_path.is_file():
             raise ModelFormatError(f"{onnx_path} is missing; re-export the model with `octavo export`")
+        self._pool_output_aliases: dict[str, str] = {}  # float16 pools: pool output -> its pool input
         try:
             self.session = ort.InferenceSession(self._model_source(onnx_path, options), options,
                                                 providers=["CPUExecutionProvider"])
@@ -91,10 +94,14 @@ class OnnxRuntimeBackend:
         self._binding = self.session.io_binding()
         self._pool_values: list[ort.OrtValue] = []  # keep the wrappers alive as long as the binding
         pools = [p for pair in zip(self.key_caches, self.value_caches) for p in pair]
+        by_input: dict[str, ort.OrtValue] = {}
         for name, pool in zip(cache_input_names(manifest.num_layers), pools):
             value = ort.OrtValue.ortvalue_from_numpy(pool)
             self._binding.bind_ortvalue_input(name, value)
             self._pool_values.append(value)
+            by_input[name] = value
+        # float16 pools: each pool output is bound to its own pool's OrtValue, so it is written in place
+        self._pool_outputs = [(out, by_input[pool]) for out, pool in self._pool_output_aliases.items()]
         log.info(
             "onnxruntime backend: %s, %d blocks x %d slots, %.1f MiB KV (%s)", onnx_path, num_blocks, block_size,
             2 * manifest.num_layers * self.key_caches[0].nbytes / 2**20, self.kv_cache_dtype,
@@ -114,6 +121,7 @@ class OnnxRuntimeBackend:
         if set_cache_dtype(model, self.kv_cache_dtype) == 0 and self.manifest.num_layers > 0:
             raise ModelFormatError(f"{onnx_path} declares no octavo.PagedAttention pools to switch to "
                                    f"{self.kv_cache_dtype}; re-export the model")
+        self._pool_output_aliases = expose_pool_outputs(model)  # keeps ORT from casting the pools away
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(onnx_path.parent))
         return model.SerializeToString()
@@ -142,7 +150,7 @@ class OnnxRuntimeBackend:
                     f"octavo.json says dtype {m.dtype}; re-export the model"
                 )
         outputs = self.session.get_outputs()
-        if [o.name for o in outputs] != ["logits"] or outputs[0].shape[-1] != m.vocab_size:
+        if [o.name for o in outputs] != ["logits", *self._pool_output_aliases] or outputs[0].shape[-1] != m.vocab_size:
             raise ModelFormatError(
                 f"{self.model_dir}: model.onnx must have one output logits [N, {m.vocab_size}], "
                 f"found {[(o.name, o.shape) for o in outputs]}; re-export the model"
@@ -157,6 +165,8 @@ class OnnxRuntimeBackend:
             keep.append(array)
             self._binding.bind_cpu_input(name, array)
         self._binding.bind_output("logits", "cpu")
+        for name, pool in self._pool_outputs:
+            self._binding.bind_ortvalue_output(name, pool)
         self.session.run_with_iobinding(self._binding)
         logits = self._binding.get_outputs()[0].numpy()
         self._binding.clear_binding_outputs()
@@ -167,6 +177,7 @@ class OnnxRuntimeBackend:
         """Drop the session and the pools (their memory is freed once nobody else references it)."""
         self._binding = None  # type: ignore[assignment]
         self._pool_values = []
+        self._pool_outputs = []
         self.session = None  # type: ignore[assignment]
         self.key_caches = []
         self.value_caches = []
