@@ -102,16 +102,12 @@ def decode_tps(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, th
 def all_logits(model_dir: Path, ids: list[int], threads: int) -> np.ndarray:
     """Next-token logits at every position of IDS (one prefill step through the backend)."""
     from octavo.export.manifest import Manifest
-    from octavo.runtime.backends.base import StepInputs
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from octavo.runtime.step_inputs import prefill
 
-    blocks, t = -(-len(ids) // 16), len(ids)
-    backend = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), blocks, 16, num_threads=threads)
+    backend = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), -(-len(ids) // 16), 16, num_threads=threads)
     try:
-        return backend.run(StepInputs(
-            np.array(ids, np.int64), np.arange(t, dtype=np.int64), np.array([0, t], np.int32), np.array([0], np.int32),
-            np.arange(blocks, dtype=np.int32)[None], np.arange(t, dtype=np.int64), np.arange(t, dtype=np.int64),
-        )).copy()
+        return backend.run(prefill(ids, 16)).copy()
     finally:
         backend.close()
 

@@ -31,7 +31,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from octavo.export.quantize import MS_DOMAIN, QuantConfig, dequantize, pack_codes, quantize, unpack_codes
-from octavo.runtime.backends.base import StepInputs
+from octavo.runtime.step_inputs import prefill
 from octavo.runtime.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -131,16 +131,9 @@ def _full_logits(folder: Path, ids: list[int]) -> np.ndarray:
     from octavo.export.manifest import Manifest
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    manifest = Manifest.load(folder)
-    block = 16
-    blocks = -(-len(ids) // block)
-    backend = OnnxRuntimeBackend(folder, manifest, blocks, block, num_threads=2)
-    t = len(ids)
+    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), -(-len(ids) // 16), 16, num_threads=2)
     try:
-        return backend.run(StepInputs(
-            np.array(ids, np.int64), np.arange(t, dtype=np.int64), np.array([0, t], np.int32), np.array([0], np.int32),
-            np.arange(blocks, dtype=np.int32)[None], np.arange(t, dtype=np.int64), np.arange(t, dtype=np.int64),
-        )).copy()
+        return backend.run(prefill(ids, 16)).copy()
     finally:
         backend.close()
 
