@@ -25,10 +25,11 @@ PAGED_ATTENTION = ("octavo", "PagedAttention")  # (domain, op_type) of the node 
 
 
 def resolve_kv_cache_dtype(requested: str, manifest: Manifest) -> str:
-    """The pool's element type for EngineArgs.kv_cache_dtype REQUESTED: "auto" = the manifest's dtype."""
+    """The pool's element type for REQUESTED: "auto" = the manifest's dtype; a concrete dtype name
+    (what a backend is handed once the engine resolved "auto") stands for itself."""
     if requested == "auto":
         return manifest.dtype
-    if requested not in KV_CACHE_DTYPES:
+    if requested not in KV_ITEMSIZE:
         raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     return requested
 
