@@ -74,15 +74,15 @@ def _quant_config(weights: str | None, quant_block_size: int | None, quantize_lm
     if (quant_block_size is not None or quantize_lm_head) and weights not in ("int8", "int4"):
         raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
                                   f"weights='int8' or 'int4' with them (got weights={weights!r})")
-    default = QuantConfig()
-    return QuantConfig(weights or "fp32", quant_block_size or default.block_size, lm_head=quantize_lm_head).validate()
+    block_size = QuantConfig().block_size if quant_block_size is None else quant_block_size
+    return QuantConfig(weights or "fp32", block_size, lm_head=quantize_lm_head).validate()
 
 
 def _check_export_matches(source: Path, manifest: Manifest, weights: str | None, quant_block_size: int | None,
                           quantize_lm_head: bool) -> None:
     """An export folder's weight format is fixed: what the caller named must be what it holds."""
     howto = ("the weight format is chosen at export time: pass the HF folder or .gguf file instead, or "
-             "`octavo export SRC OUT --weights ...`")
+             f"`octavo export SRC OUT --weights {weights or manifest.weights}`")
     if weights is not None and manifest.weights != weights:
         raise ModelFormatError(f"{source} is an export with {manifest.weights} weights, not {weights}; {howto}")
     quantization = manifest.quantization or {}
