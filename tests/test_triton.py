@@ -355,3 +355,111 @@ def test_cli_writes_a_repository(exported: Path, tmp_path: Path) -> None:
     config = (tmp_path / "r" / MODEL / "config.pbtxt").read_text()
     assert f'string_value: "{exported.resolve()}"' in config and "count: 3" in config
     assert 'key: "num_threads" value: { string_value: "2" }' in config
+
+
+# ---- engine parameters: every EngineArgs field is a config.pbtxt parameter ----------------------------------
+def _lines_until(proc, marker: str, timeout_s: float) -> list[str]:  # noqa: ANN001
+    """Lines of PROC's stdout until one contains MARKER (read on a thread; fails on exit or timeout)."""
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if marker in line:
+                found.set()
+        found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert found.wait(timeout_s) and any(marker in ln for ln in lines), "".join(lines)[-4000:]
+    return lines
+
+
+def test_cli_weights_int8_serves_the_int8_export(hf_model_dir, reference: dict[str, str], tmp_path: Path,  # noqa: ANN001
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`octavo triton HF --weights int8` (weights was not a parameter before: the fp32 export was served, or the
+    load failed) exports the int8 variant and serves it: config.pbtxt points at an export whose manifest says
+    int8, and Triton's greedy text equals octavo.LLM's on that export, not the fp32 model's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from octavo import LLM, SamplingParams
+    from octavo.export.manifest import Manifest
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))  # the CLI and the reference share one export
+    hf = hf_model_dir("llama")
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "octavo", "triton", str(hf), "--weights", "int8", "--num-threads", "1",
+         "--num-blocks", str(NUM_BLOCKS), "--repo-out", str(tmp_path / "repo"), "--workdir", str(tmp_path / "work"),
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+         "--install-numpy"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _lines_until(proc, "tritonserver ready", 240)
+        config = (tmp_path / "repo" / MODEL / "config.pbtxt").read_text()
+        assert 'key: "weights" value: { string_value: "int8" }' in config
+        model_path = Path(config.split('key: "model_path" value: { string_value: "')[1].split('"')[0])
+        assert Manifest.load(model_path).weights == "int8"
+        srv = TritonServer(tmp_path / "repo", tmp_path / "work", http_port=http_port)
+        status, body = http_post(srv, "generate", greedy(PROMPT, exclude_input_in_output=True))
+        assert status == 200, body
+        served = json.loads(body)["text_output"]
+    finally:
+        proc.send_signal(signal.SIGTERM)  # = Ctrl-C: the command stops its tritonserver
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    llm = LLM(str(hf), weights="int8", num_threads=1, num_blocks=NUM_BLOCKS)
+    try:
+        assert llm.engine.model_dir == model_path
+        want = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.close()
+    assert want != reference[PROMPT], "int8 and fp32 agree on this prompt: the check could not tell them apart"
+    assert served == want
+
+
+def test_unknown_parameter_fails_the_load_naming_it(exported: Path, tmp_path: Path) -> None:
+    repo = write_model_repository(tmp_path / "repo", exported, parameters={"num_threads": "1", "num_blocks": "16"})
+    config = repo / MODEL / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters { key: "no_such_knob" value: { string_value: "1" } }\n')
+    srv = TritonServer(repo, tmp_path / "work", http_port=free_port(), grpc_port=free_port(),
+                       metrics_port=free_port(), auto_install_numpy=True)
+    with pytest.raises(BackendUnavailableError) as err:
+        srv.start(timeout_s=120)
+    assert "unknown config.pbtxt parameter 'no_such_knob'" in str(err.value), str(err.value)[-3000:]
+
+
+# ---- a client that drops its HTTP stream -----------------------------------------------------------------
+def test_dropped_http_generate_stream_cancels_and_frees_blocks(server: TritonServer, trace: Path) -> None:
+    """A raw HTTP client reads three SSE events of a 900-token generate_stream and closes its socket."""
+    import socket
+
+    wait_for(lambda: engine_metrics(server).get("num_running") == 0)
+    before = len(trace_rows(trace))
+    body = json.dumps(dict(text_input=PROMPT * 4, max_tokens=MAX_CANCEL_TOKENS, ignore_eos=True, stream=True,
+                           exclude_input_in_output=True)).encode()
+    head = (f"POST /v2/models/{MODEL}/generate_stream HTTP/1.1\r\nHost: {server.http_url}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+        sock.sendall(head + body)
+        got = b""
+        while got.count(b"data:") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+    assert b" 200 " in got.split(b"\r\n", 1)[0], got[:200]
+    freed = wait_for(lambda: (m := engine_metrics(server)).get("num_running") == 0
+                     and m.get("free_blocks") == NUM_BLOCKS, timeout_s=60)
+    assert freed, f"blocks not freed after the client left: {engine_metrics(server)}"
+    mine = [q for r in trace_rows(trace)[before:] for q in r["requests"]]
+    assert mine and max(q["blocks"] for q in mine) >= 2
+    generated = max(q["output_len"] for q in mine)
+    print(f"dropped HTTP stream: the engine generated {generated} of {MAX_CANCEL_TOKENS} tokens")
+    assert generated < MAX_CANCEL_TOKENS, "the request ran to max_tokens after its client left"

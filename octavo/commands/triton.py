@@ -11,13 +11,13 @@ import tempfile
 from pathlib import Path
 
 from octavo.errors import InvalidRequestError, ModelFormatError
+from octavo.serving.engine_params import engine_args_from_strings, engine_parameter_names
 
 HELP = "serve a model behind NVIDIA Triton Inference Server (writes a model repository, starts tritonserver)"
 
 MODEL_NAME = "octavo"
-# config.pbtxt parameters the generator may fill in (the template lists them all with empty values)
-PARAMETER_KEYS = ("model_path", "backend", "block_size", "num_blocks", "kv_cache_memory", "max_num_seqs",
-                  "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "num_threads", "trace_path")
+# config.pbtxt parameters: model_path and every EngineArgs field (model.py converts them by the field's type)
+PARAMETER_KEYS = ("model_path", *engine_parameter_names())
 _PARAM_RE = re.compile(r'parameters\s*\{\s*key:\s*"(?P<key>[^"]+)"\s*value:\s*\{\s*string_value:\s*"(?P<value>[^"]*)"\s*\}\s*\}')
 _INSTANCE_RE = re.compile(r"instance_group\s*\[\s*\{\s*count:\s*\d+")
 
@@ -39,22 +39,26 @@ def _pbtxt_string(value: str) -> str:
     return value
 
 
+def _parameter_entry(key: str, value: str) -> str:
+    return f'parameters {{ key: "{key}" value: {{ string_value: "{_pbtxt_string(str(value))}" }} }}'
+
+
 def render_config(template: str, parameters: dict[str, str], instance_count: int | None = None) -> str:
-    """The template's config.pbtxt with the given parameters' values replaced (unknown keys are refused)."""
+    """The template's config.pbtxt with the given parameters' values filled in: entries the template has are
+    replaced, the others appended (unknown keys are refused)."""
     unknown = set(parameters) - set(PARAMETER_KEYS)
     if unknown:
         raise InvalidRequestError(f"unknown Triton model parameters {sorted(unknown)}; known: {list(PARAMETER_KEYS)}")
+    present = {m.group("key") for m in _PARAM_RE.finditer(template)}
 
     def fill(match: re.Match[str]) -> str:
         key = match.group("key")
-        if key not in parameters:
-            return match.group(0)
-        return f'parameters {{ key: "{key}" value: {{ string_value: "{_pbtxt_string(str(parameters[key]))}" }} }}'
+        return _parameter_entry(key, parameters[key]) if key in parameters else match.group(0)
 
     text = _PARAM_RE.sub(fill, template)
-    missing = [k for k in parameters if f'key: "{k}"' not in text]
-    if missing:
-        raise ModelFormatError(f"the template config.pbtxt has no parameters entry for {missing}")
+    extra = [_parameter_entry(k, v) for k, v in parameters.items() if k not in present]
+    if extra:
+        text = text.rstrip("\n") + "\n" + "\n".join(extra) + "\n"
     if instance_count is not None:
         if instance_count < 1:
             raise InvalidRequestError(f"instance count must be >= 1, got {instance_count}")
@@ -95,18 +99,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, help="folder for the stub environment and backend links")
     parser.add_argument("--install-numpy", action="store_true",
                         help="pip-install numpy<2 for the python-backend stub if it is missing (see docs/triton.md)")
-    for key in PARAMETER_KEYS[1:]:
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, default=None,
-                            help=f"engine parameter {key} (config.pbtxt)")
+    for key in PARAMETER_KEYS[1:]:  # every EngineArgs field, as text (model.py converts it by the field's type)
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, default=None, metavar="VALUE",
+                            help=f"engine argument {key} (a config.pbtxt parameter; default: the engine's)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.export.resolve import resolve_model
+    from octavo.runtime.engine import resolve_model_dir
     from octavo.serving.triton_launcher import TritonServer
 
-    model = resolve_model(args.model)  # export once now, not inside every Triton instance
-    repo = Path(args.repo_out) if args.repo_out else Path(tempfile.mkdtemp(prefix="octavo-triton-repo-"))
     params = {k: getattr(args, k) for k in PARAMETER_KEYS[1:] if getattr(args, k) is not None}
+    engine_args = engine_args_from_strings(args.model, params, where="engine parameter")  # refuse bad values now
+    # export once now (in the format asked for: --weights int8 exports the int8 variant), not in every instance
+    model = resolve_model_dir(engine_args.model, engine_args.weights, engine_args.quant_block_size,
+                              engine_args.quantize_lm_head)
+    repo = Path(args.repo_out) if args.repo_out else Path(tempfile.mkdtemp(prefix="octavo-triton-repo-"))
     write_model_repository(repo, model, parameters=params, instance_count=args.instances, template=args.template)
     print(f"model repository: {repo} (model {model})", flush=True)
     if args.no_serve:

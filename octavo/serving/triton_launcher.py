@@ -273,9 +273,11 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                failures = "".join(f"\n  {line}" for line in self.load_failures())
                 raise BackendUnavailableError(
-                    f"tritonserver exited with code {self.process.returncode} before it was ready; "
-                    f"its log:\n{self.log_tail()}"
+                    f"tritonserver exited with code {self.process.returncode} before it was ready"
+                    + (f"; models that failed to load:{failures}" if failures else "")
+                    + f"\nits log:\n{self.log_tail()}"
                 )
             if self.ready():
                 return
@@ -301,6 +303,13 @@ class TritonServer:
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
         return self.log_path.read_text(errors="replace")[-chars:]
+
+    def load_failures(self) -> list[str]:
+        """The log's "failed to load 'MODEL' ..." lines (the reason a model is unavailable), first 1000 chars each."""
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        return [line.split("] ", 1)[-1][:1000] for line in self.log_path.read_text(errors="replace").splitlines()
+                if "failed to load '" in line]
 
     def wait(self) -> int:
         assert self.process is not None

@@ -25,16 +25,13 @@ from octavo.errors import InvalidRequestError, OctavoError
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.serving.engine_params import engine_args_from_strings
 
 log = logging.getLogger("octavo.triton")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WATCH_INTERVAL_S = 0.02  # cancellation polling and metrics refresh
 
-# EngineArgs fields that config.pbtxt `parameters` may set, with their parsers
-INT_PARAMS = ("block_size", "num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-              "max_model_len", "num_threads")
-BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 # optional request inputs -> (SamplingParams field, python type)
 SCALAR_INPUTS: dict[str, tuple[str, type]] = {
@@ -74,34 +71,17 @@ class LiveRequest:
 
 
 def engine_args_from_config(model_config: dict, model_dir: Path) -> EngineArgs:
-    """EngineArgs from config.pbtxt `parameters` (strings; empty means the engine's default)."""
-    raw = {k: str(v.get("string_value", "")).strip() for k, v in model_config.get("parameters", {}).items()}
-    values = {k: v for k, v in raw.items() if v != ""}
-    model_path = values.pop("model_path", None)
+    """EngineArgs from config.pbtxt `parameters`: model_path, plus any EngineArgs field under its own name (strings
+    converted by the field's type; empty means the engine's default). An unknown parameter fails the model load."""
+    values = {k: str(v.get("string_value", "")).strip() for k, v in model_config.get("parameters", {}).items()}
+    model_path = values.pop("model_path", "")
     if not model_path:
         raise InvalidRequestError("config.pbtxt parameter model_path is empty: set it to an octavo export folder, "
                                   "an HF checkpoint folder or a .gguf file")
     path = Path(model_path)
     if not path.is_absolute():
         path = (model_dir / path).resolve()
-    kwargs: dict[str, Any] = {"model": str(path)}
-    for key, value in values.items():
-        if key in INT_PARAMS:
-            try:
-                kwargs[key] = int(value)
-            except ValueError:
-                raise InvalidRequestError(f"config.pbtxt parameter {key} must be an integer, got {value!r}") from None
-        elif key == "enable_prefix_caching":
-            if value.lower() not in BOOL_WORDS:
-                raise InvalidRequestError(f"config.pbtxt parameter {key} must be true or false, got {value!r}")
-            kwargs[key] = BOOL_WORDS[value.lower()]
-        elif key in ("backend", "trace_path"):
-            kwargs[key] = value
-        else:
-            raise InvalidRequestError(f"config.pbtxt has an unknown parameter {key!r}")
-    args = EngineArgs(**kwargs)
-    args.validate()
-    return args
+    return engine_args_from_strings(str(path), values, where="config.pbtxt parameter")
 
 
 def _optional_scalar(request: Any, name: str) -> Any:
