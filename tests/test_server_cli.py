@@ -57,3 +57,14 @@ def test_serve_sigterm_finishes_in_flight_stream_then_exits(model_dir) -> None: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_a_bad_model_folder_exits_1_with_the_reason(tmp_path) -> None:  # noqa: ANN001
+    """No hang and no traceback for a user error: the reason is printed and the process exits 1 promptly."""
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "octavo", "serve", str(bad), "--port", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: ModelFormatError" in proc.stdout and str(bad) in proc.stdout and "is not a model" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr

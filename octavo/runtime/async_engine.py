@@ -46,7 +46,11 @@ class AsyncEngine:
         self._live: set[str] = set()  # submitted and not finished yet
         self._callbacks: dict[str, Callback] = {}
         self._groups: dict[str, RequestGroup] = {}  # the live requests' groups (what `_end_all` reports from)
-        self._stats = self.engine.stats()
+        try:
+            self._stats = self.engine.stats()
+        except BaseException:
+            self.engine.close()  # nobody else holds the engine yet: release its backend before raising
+            raise
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dead: str | None = None

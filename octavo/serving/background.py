@@ -20,8 +20,12 @@ class ServerThread:
     def __init__(self, server: OpenAIServer, host: str = "127.0.0.1", port: int = 0) -> None:
         self.server = server
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+        except OSError:
+            self._sock.close()
+            raise
         self.host, self.port = self._sock.getsockname()[:2]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="octavo-server", daemon=True)
