@@ -115,14 +115,16 @@ def test_surrogate_check_agrees_with_the_decoded_strings() -> None:
     assert refused > 500 and accepted > 500, (refused, accepted)
 
 
-def _best_of(fn, repeat: int = 7) -> float:  # noqa: ANN001
+def _best_times(fns: list, repeat: int = 9) -> list[float]:  # noqa: ANN001
+    """Best-of-REPEAT wall time of each function, the runs interleaved (a load spike hits them alike)."""
     import time
 
-    best = float("inf")
+    best = [float("inf")] * len(fns)
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -130,7 +132,7 @@ def _best_of(fn, repeat: int = 7) -> float:  # noqa: ANN001
 def test_body_check_costs_little_beyond_json_decoding(kind: str) -> None:
     """The body is parsed on the event loop: the surrogate check must not cost a second pass as expensive as
     the decode itself (it re-serialised the whole body with json.dumps: ~2x the decode on a 1.4 MB token list).
-    Reference: plain json.loads of the same body, timed the same way (best of 7)."""
+    Reference: plain json.loads of the same body, timed the same way (best of 9, interleaved)."""
     import json
 
     from octavo.serving.app import parse_json_body
@@ -141,8 +143,7 @@ def test_body_check_costs_little_beyond_json_decoding(kind: str) -> None:
              }[kind]
     raw = json.dumps(value).encode()
     assert parse_json_body(raw) == value
-    decode = _best_of(lambda: json.loads(raw.decode("utf-8")))
-    checked = _best_of(lambda: parse_json_body(raw))
+    decode, checked = _best_times([lambda: json.loads(raw.decode("utf-8")), lambda: parse_json_body(raw)])
     print(f"{kind}: {len(raw) / 1e6:.1f} MB, json.loads {decode * 1e3:.1f} ms, parse_json_body {checked * 1e3:.1f} ms")
-    budget = 1.6 if kind == "escaped_pairs" else 1.25  # escaped pairs: every string is looked at once
+    budget = 2.0 if kind == "escaped_pairs" else 1.5  # escaped pairs: a second regex pass; re-serialising: 2.4-4x
     assert checked < budget * decode + 0.002, (checked, decode)
