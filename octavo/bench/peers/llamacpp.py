@@ -53,7 +53,7 @@ async def _offline(base: str, workload: IdWorkload) -> tuple[list[list[int]], fl
 
 
 def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, slots: int,
-                extra_args: list[str] | None = None) -> PeerResult:
+                extra_args: list[str] | None = None, name: str = NAME) -> PeerResult:
     port = free_port()
     slots = min(slots, len(workload.requests))
     cmd = server_command(binary, gguf, port, slots=slots, ctx_per_slot=ctx_per_slot(workload), threads=threads,
@@ -61,7 +61,7 @@ def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, 
     base = f"http://127.0.0.1:{port}"
     with server_process(cmd, base):
         outputs, elapsed = asyncio.run(_offline(base, workload))
-    res = PeerResult(NAME, workload.name, len(outputs), workload.prompt_tokens, elapsed_s=elapsed)
+    res = PeerResult(name, workload.name, len(outputs), workload.prompt_tokens, elapsed_s=elapsed)
     res.outputs = [o if all(t >= 0 for t in o) else [] for o in outputs]
     res.output_tokens = res.generated_tokens = sum(len(o) for o in outputs)
     if not all(res.outputs):

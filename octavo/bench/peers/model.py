@@ -3,8 +3,9 @@ weights converted for each peer (octavo export, onnxruntime-genai's model builde
 
 The init range is large (DESIGN.md: 0.3-0.6) so greedy outputs depend on the context and are far from
 fp32 ties, which makes "every peer produced the same tokens" a meaningful check. The tokenizer is a
-byte-level BPE vocabulary of the model's full size without merges: every peer is fed token ids
-directly, the tokenizer only has to exist (octavo detokenizes, llama.cpp needs tokenizer.ggml.*).
+byte-level BPE vocabulary of the model's full size with a single merge: every peer is fed token ids
+directly, the tokenizer only has to exist (octavo detokenizes, llama.cpp needs tokenizer.ggml.* and refuses
+a byte-level vocabulary without a tokenizer.ggml.merges key, which GGUF cannot store empty).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+MERGE = ("\u0120", "\u0120")  # byte-level "space" + "space"; its result is the first token after the bytes
+TOKENIZER_VERSION = 2  # part of the cache key: 1 had no merges (llama.cpp could not load its GGUF)
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,7 +45,8 @@ class PerfModelConfig:
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = {**asdict(self), "tokenizer_version": TOKENIZER_VERSION}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
     @property
     def head_dim(self) -> int:
@@ -59,13 +63,15 @@ class PerfModelConfig:
 
 
 def make_tokenizer_json(vocab_size: int) -> dict:
-    """A byte-level BPE tokenizer.json: 3 specials, the 256 byte symbols, then filler tokens, no merges."""
+    """A byte-level BPE tokenizer.json: 3 specials, the 256 byte symbols, the one merge's result, then
+    filler tokens."""
     from tokenizers import pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab: dict[str, int] = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     for ch in alphabet:
         vocab.setdefault(ch, len(vocab))
+    vocab.setdefault("".join(MERGE), len(vocab))
     n = 0
     while len(vocab) < vocab_size:
         vocab.setdefault(f"tok{n}", len(vocab))
@@ -81,7 +87,7 @@ def make_tokenizer_json(vocab_size: int) -> dict:
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
+                  "vocab": vocab, "merges": [list(MERGE)]},
     }
 
 

@@ -90,8 +90,9 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         binary, gguf, slots = paths["llama_server"], Path(paths["gguf"]), int(opts.get("slots", 64))
         extra = list(opts.get("extra_args") or [])
         if peer == "llamacpp":
-            return _each(llamacpp.NAME, workloads, lambda w: llamacpp.run_offline(
-                binary, gguf, w, threads=threads, slots=slots, extra_args=extra))
+            name = f"{llamacpp.NAME} -np {slots}" if opts.get("label_slots") else llamacpp.NAME
+            return _each(name, workloads, lambda w: llamacpp.run_offline(
+                binary, gguf, w, threads=threads, slots=slots, extra_args=extra, name=name))
         return _each(llamacpp.NAME, workloads, lambda w: llamacpp.run_online(
             binary, gguf, w, threads=threads, slots=slots, rate=float(opts["rate"]), extra_args=extra))
     raise ValueError(f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
