@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup op demo test test-slow perf gpu-check clean
+.PHONY: setup op demo test test-slow perf perf-llama llama-server gpu-check clean
 
 setup: $(VENV)/.installed op
 
@@ -35,6 +35,12 @@ test-slow: setup
 
 perf: setup
 	$(PY) scripts/compare_peers.py --repeat 2
+
+llama-server: setup
+	scripts/build_llama_server.sh
+
+perf-llama: setup
+	$(PY) scripts/compare_peers.py --repeat 2 --llama-np 8,16,64 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
 
 gpu-check: setup
 	$(PY) scripts/gpu_check.py
