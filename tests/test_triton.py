@@ -463,3 +463,27 @@ def test_dropped_http_generate_stream_cancels_and_frees_blocks(server: TritonSer
     generated = max(q["output_len"] for q in mine)
     print(f"dropped HTTP stream: the engine generated {generated} of {MAX_CANCEL_TOKENS} tokens")
     assert generated < MAX_CANCEL_TOKENS, "the request ran to max_tokens after its client left"
+
+
+def test_a_field_added_to_engine_args_later_reaches_the_engine(exported: Path, tmp_path: Path) -> None:
+    """kv_cache_dtype was added to EngineArgs after the Triton model was written; as a derived parameter it
+    reaches the engine: the same kv_cache_memory holds twice the blocks with float16 pools (octavo_total_blocks,
+    against the byte count the manifest gives)."""
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.kv_cache import kv_bytes_per_block
+
+    manifest = Manifest.load(exported)
+    fp32_blocks = 40
+    memory = fp32_blocks * kv_bytes_per_block(manifest, 16, "float32")
+    assert memory // kv_bytes_per_block(manifest, 16, "float16") == 2 * fp32_blocks
+    repo = write_model_repository(tmp_path / "repo", exported, parameters={
+        "num_threads": "1", "kv_cache_memory": str(memory), "kv_cache_dtype": "float16"})
+    srv = TritonServer(repo, tmp_path / "work", http_port=free_port(), grpc_port=free_port(),
+                       metrics_port=free_port(), auto_install_numpy=True)
+    srv.start(timeout_s=120)
+    try:
+        assert wait_for(lambda: engine_metrics(srv).get("total_blocks") == 2 * fp32_blocks), engine_metrics(srv)
+        status, body = http_post(srv, "generate", greedy(PROMPT))
+        assert status == 200 and json.loads(body)["num_output_tokens"] == MAX_TOKENS, body
+    finally:
+        srv.stop()
