@@ -1,10 +1,10 @@
 """octavo itself: offline through octavo.LLM (token-id prompts, greedy, ignore_eos), and online through
 `octavo serve` in its own process. A fresh engine per workload, so no prefix cache carries over.
 
-A workload with a shared prefix gets one untimed request made of that prefix first (with the cache on
-or off alike): the steady state of a server whose system prompt is already cached. Without it, requests
-that all arrive in the same step are admitted together, before any of them has computed (and
-registered) the prefix blocks, so nobody hits the cache (the hit count is in `extra`)."""
+A workload with a shared prefix runs COLD, like every other peer's: nothing of the prefix is cached
+before the timed run. Requests arriving together still compute it once: the scheduler holds a request
+whose next prefix block another request is computing (docs/engine.md, "Cold shared prefixes"); the hit
+count is in `extra`."""
 from __future__ import annotations
 
 import sys
@@ -33,9 +33,6 @@ def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_
     try:
         warm = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        if workload.shared_prefix_len:
-            prefix = {"prompt_token_ids": workload.requests[0].prompt[: workload.shared_prefix_len]}
-            llm.generate(prefix, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
         hits0 = llm.engine.stats().prefix_cache_hits
         prof = None
         if profile:

@@ -3,9 +3,8 @@
 - seed10:        the seed's 10-request mix: its prompt lengths (2 .. 507 tokens) and generation lengths
                  (4 .. 64) from octavo.bench.workloads.SEED10, prompts of random ids of those lengths.
 - random64:      64 requests, prompt lengths uniform in 16..256, output lengths uniform in 16..128.
-- shared-prefix: one long random prefix shared by every request, then a short distinct suffix. Engines
-                 with a prefix cache see the prefix once before the timed run (one untimed request), as a
-                 server that has served this system prompt before would; see octavo_peer.run_offline.
+- shared-prefix: one long random prefix shared by every request, then a short distinct suffix, all sent
+                 at once and cold (nothing cached before the timed run) to every peer.
 Ids are drawn from the non-special part of the vocabulary, seeded: same seed, same workload everywhere.
 Fixed output lengths: every peer generates exactly max_tokens tokens, ignoring EOS.
 """
@@ -30,7 +29,7 @@ class IdWorkload:
     name: str
     requests: list[IdRequest]
     note: str = ""
-    shared_prefix_len: int = 0  # leading tokens every prompt shares (a server would have them cached)
+    shared_prefix_len: int = 0  # leading tokens every prompt shares
 
     @property
     def output_tokens(self) -> int:
