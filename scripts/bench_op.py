@@ -2,13 +2,21 @@
 com.microsoft.GroupQueryAttention (contiguous KV, CPU) on the same shapes. Prints µs per call and
 the ratio; both run in this process with the same thread count. Not a test.
 
-    .venv/bin/python scripts/bench_op.py [--threads N] [--iters N]
+--large: decode at batch 64 over pools far beyond the last-level cache, float32 and float16 pools
+(issue 9's model shape: 8 query / 4 kv heads, head_dim 64, block 16). Each call uses the next of
+several "layers" (own pools, same shapes) so nothing stays cached between calls, as in a real
+model; blocks are scattered over each pool. Prints µs per call and the KV bytes read per second.
+--library OTHER.so adds a second build of the op (e.g. the previous kernel) to the large runs,
+interleaved with the current one, and prints the ratio OTHER/current.
+
+    .venv/bin/python scripts/bench_op.py [--threads N] [--rounds N] [--large] [--library OTHER.so]
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from op_cases import paged_attention_model, random_step  # noqa: E402
 
 from octavo.runtime.backends.oplib import library_path  # noqa: E402
+from octavo.runtime.kv_cache import set_cache_dtype  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
 
 
-def session(model_bytes: bytes, threads: int, custom: bool) -> ort.InferenceSession:
+def session(model_bytes: bytes, threads: int, custom: bool, library: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     if custom:
-        options.register_custom_ops_library(str(library_path()))
+        options.register_custom_ops_library(library or str(library_path()))
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
@@ -114,11 +123,97 @@ def gqa_runner(batch: int, past: int, new: int, threads: int) -> Runner:
     return sess, binding
 
 
+LARGE_HEADS, LARGE_KV_HEADS = 8, 4  # issue 9's benchmark model (hidden 512, 8 heads, 4 kv heads)
+LARGE_BATCH = 64
+LARGE_MIN_BYTES = 512 << 20  # pools over all layers, whatever the dtype: 16x a 32 MB L3
+
+
+@dataclass(slots=True)
+class LayerCycle:
+    """One session; per layer a binding with its own pools. Each call runs the next layer."""
+    sess: ort.InferenceSession
+    bindings: list[ort.IOBinding]
+    kv_bytes_per_call: int
+    next: int = 0
+
+    def call(self) -> None:
+        self.sess.run_with_iobinding(self.bindings[self.next])
+        self.next = (self.next + 1) % len(self.bindings)
+
+
+def large_cycle(context: int, dtype: str, threads: int, library: str | None) -> LayerCycle:
+    """Decode B=64 at CONTEXT tokens each; enough layers that their pools total LARGE_MIN_BYTES."""
+    itemsize = 2 if dtype == "float16" else 4
+    row_bytes = 2 * LARGE_KV_HEADS * HEAD_DIM * itemsize  # key + value of one token, one layer
+    per_layer = LARGE_BATCH * context * row_bytes
+    layers = max(2, -(-LARGE_MIN_BYTES // per_layer))
+    model = paged_attention_model(num_heads=LARGE_HEADS, kv_num_heads=LARGE_KV_HEADS, scale=HEAD_DIM ** -0.5,
+                                  cache_outputs=False)
+    set_cache_dtype(model, dtype)
+    sess = session(model.SerializeToString(), threads, custom=True, library=library)
+    bindings = []
+    for layer in range(layers):
+        rng = np.random.default_rng(layer)
+        step = random_step(rng, [(context - 1, 1)] * LARGE_BATCH, num_heads=LARGE_HEADS,
+                           kv_num_heads=LARGE_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, spare_blocks=0)
+        binding = sess.io_binding()
+        for name, array in step.feeds().items():
+            if name in ("key_cache", "value_cache"):
+                array = array.astype(dtype)
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        binding.bind_output("output")
+        bindings.append(binding)
+    return LayerCycle(sess, bindings, per_layer)
+
+
+def time_cycle(cycle: LayerCycle, calls: int) -> float:
+    """Median µs of CALLS calls, each on the next layer."""
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        cycle.call()
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples)) * 1e6
+
+
+def run_large(threads: int, rounds: int, other: str | None) -> None:
+    print(f"\nlarge pools: decode B={LARGE_BATCH}, {LARGE_HEADS}q/{LARGE_KV_HEADS}kv heads, head_dim {HEAD_DIM}, "
+          f"block {BLOCK}, >= {LARGE_MIN_BYTES >> 20} MiB of pools cycled per shape")
+    for context in (128, 256, 512, 1024):
+        for dtype in ("float32", "float16"):
+            cycles = {"current": large_cycle(context, dtype, threads, None)}
+            if other is not None:
+                try:
+                    cycles["other"] = large_cycle(context, dtype, threads, other)
+                except Exception as error:  # noqa: BLE001 - an older build may lack float16 pools
+                    print(f"  (other library on {dtype}: {str(error).splitlines()[0][:100]})")
+            calls = max(4, len(cycles["current"].bindings))
+            for cycle in cycles.values():
+                time_cycle(cycle, calls)  # warm-up: every layer once
+            times: dict[str, list[float]] = {name: [] for name in cycles}
+            for _ in range(rounds):
+                for name, cycle in cycles.items():
+                    times[name].append(time_cycle(cycle, calls))
+            us = float(np.median(times["current"]))
+            gbps = cycles["current"].kv_bytes_per_call / us / 1e3
+            line = f"ctx{context:<5d} {dtype:8s} {us:9.1f} µs  {gbps:5.2f} GB/s of KV"
+            if "other" in times:
+                ratio = float(np.median([o / c for o, c in zip(times["other"], times["current"])]))
+                line += f"   other {float(np.median(times['other'])):9.1f} µs   ratio other/current {ratio:5.2f}x"
+            print(line, flush=True)
+            del cycles
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ORT default)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape")
+    parser.add_argument("--large", action="store_true", help="only the batch-64 decode over pools beyond the LLC")
+    parser.add_argument("--library", help="another build of the op to compare with in --large (e.g. the previous kernel)")
     args = parser.parse_args()
+    if args.large:
+        run_large(args.threads, args.rounds, args.library)
+        return 0
     shapes = {"decode B=32 ctx128": (32, 127, 1, 20), "prefill 4x256": (4, 0, 256, 2),
               "decode B=1 ctx2048": (1, 2047, 1, 20)}
     print(f"heads {HEADS}q/{KV_HEADS}kv, head_dim {HEAD_DIM}, block {BLOCK}, threads {args.threads or 'default'}")
