@@ -418,6 +418,10 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
       int64_t m = 0;
       for (; m + kRowsPerTile <= rows; m += kRowsPerTile)
         pv_rows<kRowsPerTile>(scores + m * layout.row_stride, layout, s.v_rows.data(), keys, out + m * dim_p, dim_p);
+      if (m + 2 <= rows) {  // decode with GQA groups of 2 (or a tail of 2): both rows share each V load
+        pv_rows<2>(scores + m * layout.row_stride, layout, s.v_rows.data(), keys, out + m * dim_p, dim_p);
+        m += 2;
+      }
       for (; m < rows; ++m)
         pv_rows<1>(scores + m * layout.row_stride, layout, s.v_rows.data(), keys, out + m * dim_p, dim_p);
     }
