@@ -105,11 +105,14 @@ def _available_memory() -> int:
 
 def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_model_len: int) -> Backend:
     if args.backend == "tensorrt":  # sizes its pool from free GPU memory unless told
-        from octavo.build.tensorrt_builder import BuildInfo
+        from octavo.build.tensorrt_builder import BUILD_INFO_NAME, BuildInfo
         from octavo.runtime.backends.tensorrt import TensorRTBackend
 
-        pool_dtype = BuildInfo.load(model_dir).dtype  # the engine's pool dtype is fixed at build time
-        if args.kv_cache_dtype not in ("auto", pool_dtype):
+        # The pool dtype is the engine's, fixed at build time. Without an engine the backend itself says
+        # what is missing (TensorRT, or the engine), so sizing falls back to the manifest's dtype.
+        built = (model_dir / BUILD_INFO_NAME).is_file()
+        pool_dtype = BuildInfo.load(model_dir).dtype if built else manifest.dtype
+        if built and args.kv_cache_dtype not in ("auto", pool_dtype):
             raise InvalidRequestError(
                 f"this TensorRT engine keeps its KV pool in {pool_dtype} (set by `octavo build --dtype`); "
                 f"kv_cache_dtype={args.kv_cache_dtype!r} needs an engine built for it, or use 'auto'")
