@@ -190,7 +190,8 @@ def run_roofline(octavo_dir: Path, threads: int, batch: int, tmp: Path, timeout:
 
     out = tmp / "roofline.json"
     cmd = [sys.executable, "-m", "octavo.bench.roofline", str(octavo_dir), "--threads", str(threads),
-           "--batch", str(batch), "--json", str(out), *(["--small", "--steps", "3"] if small else [])]
+           "--batch", str(batch), "--json", str(out),
+           *(["--small", "--steps", "3"] if small else ["--extra-batches", "128,256"])]
     proc = subprocess.run(cmd, env={**os.environ, **thread_env(threads)}, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.is_file():
         return None, f"roofline failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
