@@ -50,6 +50,9 @@ CASES = {
     "split_long_decode": ([(1000, 1), (700, 1)], 4, 1, 64, 16, 0, 0.0),
     "split_window": ([(600, 40)], 2, 2, 64, 16, 500, 0.0),
     "split_chunked_softcap_hd40": ([(600, 5), (0, 3)], 4, 2, 40, 32, 0, 3.0),
+    # Many sequences: several kv heads per work item (one pass over each slot row serves them all).
+    "decode_many_seqs_heads_per_item": ([(past, 1) for past in range(3, 400, 10)], 8, 4, 64, 16, 0, 0.0),
+    "decode_many_seqs_heads_per_item_hd40": ([(past, 1) for past in range(0, 330, 9)], 8, 4, 40, 3, 0, 0.0),
 }
 
 
