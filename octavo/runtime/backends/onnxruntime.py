@@ -29,6 +29,7 @@ from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.oplib import library_path
+from octavo.runtime.backends.ort_fusions import fuse_rotary
 from octavo.runtime.kv_cache import NUMPY_KV_DTYPE, expose_pool_outputs, resolve_kv_cache_dtype, set_cache_dtype
 
 log = logging.getLogger(__name__)
@@ -107,21 +108,23 @@ class OnnxRuntimeBackend:
             2 * manifest.num_layers * self.key_caches[0].nbytes / 2**20, self.kv_cache_dtype,
         )
 
-    def _model_source(self, onnx_path: Path, options: ort.SessionOptions) -> str | bytes:
-        """The model file as is when the pools keep the export's dtype; else the graph (weights left in
-        their external file) with its pool declarations switched, as bytes."""
-        if self.kv_cache_dtype == self.manifest.dtype:
-            return str(onnx_path)
+    def _model_source(self, onnx_path: Path, options: ort.SessionOptions) -> bytes:
+        """The graph (weights left in their external file) as bytes, rewritten in memory: RoPE fused into
+        ONNX Runtime's RotaryEmbedding (ort_fusions; OCTAVO_ORT_FUSIONS=0 turns it off) and, for pools in
+        another dtype than the export's, the pool declarations switched."""
         import onnx
 
         try:
             model = onnx.load(str(onnx_path), load_external_data=False)
         except Exception as exc:  # protobuf / onnx raise assorted types
             raise ModelFormatError(f"cannot read {onnx_path}: {exc}; re-export the model") from exc
-        if set_cache_dtype(model, self.kv_cache_dtype) == 0 and self.manifest.num_layers > 0:
-            raise ModelFormatError(f"{onnx_path} declares no octavo.PagedAttention pools to switch to "
-                                   f"{self.kv_cache_dtype}; re-export the model")
-        self._pool_output_aliases = expose_pool_outputs(model)  # keeps ORT from casting the pools away
+        if self.kv_cache_dtype != self.manifest.dtype:
+            if set_cache_dtype(model, self.kv_cache_dtype) == 0 and self.manifest.num_layers > 0:
+                raise ModelFormatError(f"{onnx_path} declares no octavo.PagedAttention pools to switch to "
+                                       f"{self.kv_cache_dtype}; re-export the model")
+            self._pool_output_aliases = expose_pool_outputs(model)  # keeps ORT from casting the pools away
+        if os.environ.get("OCTAVO_ORT_FUSIONS", "1") != "0":
+            fuse_rotary(model, self.manifest.max_context)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(onnx_path.parent))
         return model.SerializeToString()

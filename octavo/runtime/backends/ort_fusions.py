@@ -1,0 +1,224 @@
+"""Graph rewrites the ONNX Runtime backend applies to the loaded graph in memory (the export on disk, the
+ONNX contract and the TensorRT path are unchanged).
+
+Rotary embedding: the exporter writes RoPE as plain ONNX so that every runtime can read it — per q and k
+of every layer Reshape -> Split -> Neg -> Concat -> Mul(cos) / Mul(sin) -> Add -> Reshape, eight nodes
+(with the shared angle/cos/sin nodes, about half of a Llama graph's nodes). ONNX Runtime's graph
+optimizer does not fuse that pattern, and at small batch a decode step is dominated by per-node
+dispatch rather than by the arithmetic. `fuse_rotary` replaces each occurrence with one
+`com.microsoft.RotaryEmbedding` (rotate-half form, `interleaved=0`) between an Unsqueeze and a Squeeze
+(the step's T tokens as a batch of T sequences of one token, each with its own position: ORT bounds the
+sequence length by the table's rows, and a packed step can hold more tokens than the context length),
+reading cos/sin tables of every position up to the model's context length, computed in float32 exactly
+as the graph computes its angles (float32(position) x inv_freq, then cos / sin).
+
+A pattern that does not match exactly (another exporter version, a different rope) is left as it is:
+the rewrite is an optimisation, never a requirement.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+INV_FREQ = "rope.inv_freq"
+MAX_TABLE_BYTES = 256 << 20  # cos + sin tables larger than this: keep the unfused graph
+
+
+@dataclass(slots=True)
+class _Index:
+    """Who produces and who consumes each value of a graph."""
+
+    producer: dict[str, onnx.NodeProto]
+    consumers: dict[str, list[onnx.NodeProto]]
+    graph_outputs: set[str]
+
+    @classmethod
+    def of(cls, nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> _Index:
+        producer: dict[str, onnx.NodeProto] = {}
+        consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in nodes:
+            for name in node.output:
+                producer[name] = node
+            for name in node.input:
+                consumers[name].append(node)
+        return cls(producer, consumers, {o.name for o in graph.output})
+
+    def only_use(self, value: str, op_type: str) -> onnx.NodeProto | None:
+        """The single consumer of VALUE if it is an OP_TYPE node and VALUE is not a graph output."""
+        users = self.consumers.get(value, [])
+        if len(users) != 1 or users[0].op_type != op_type or value in self.graph_outputs:
+            return None
+        return users[0]
+
+    def made_by(self, value: str, op_type: str) -> onnx.NodeProto | None:
+        node = self.producer.get(value)
+        return node if node is not None and node.op_type == op_type else None
+
+
+def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _angles_from_positions(index: _Index, angles: str) -> bool:
+    """ANGLES = Unsqueeze(Concat(h, h)), h = Mul(Unsqueeze(Cast(position_ids)), rope.inv_freq)?"""
+    unsq = index.made_by(angles, "Unsqueeze")
+    concat = index.made_by(unsq.input[0], "Concat") if unsq is not None else None
+    if concat is None or len(concat.input) != 2 or concat.input[0] != concat.input[1]:
+        return False
+    mul = index.made_by(concat.input[0], "Mul")
+    if mul is None or INV_FREQ not in mul.input:
+        return False
+    pos = mul.input[0] if mul.input[1] == INV_FREQ else mul.input[1]
+    unsq_pos = index.made_by(pos, "Unsqueeze")
+    cast = index.made_by(unsq_pos.input[0], "Cast") if unsq_pos is not None else None
+    return cast is not None and cast.input[0] == "position_ids"
+
+
+@dataclass(slots=True)
+class _Rope:
+    """One matched occurrence: the nodes to drop, its input, its output and its head count."""
+
+    nodes: list[onnx.NodeProto]
+    source: str
+    result: str
+    heads: int
+
+
+def _match(index: _Index, reshape: onnx.NodeProto, inits: dict[str, np.ndarray]) -> _Rope | None:
+    shape = inits.get(reshape.input[1])
+    if shape is None or shape.ndim != 1 or len(shape) != 3:
+        return None
+    shaped = reshape.output[0]
+    users = index.consumers.get(shaped, [])
+    split = next((u for u in users if u.op_type == "Split"), None)
+    mul_cos = next((u for u in users if u.op_type == "Mul"), None)
+    if len(users) != 2 or split is None or mul_cos is None or _attr(split, "axis") != 2 or len(split.output) != 2:
+        return None
+    half = inits.get(split.input[1]) if len(split.input) > 1 else None
+    if half is None or len(half) != 2 or half[0] != half[1] or 2 * int(half[0]) != int(shape[2]):
+        return None
+    x1, x2 = split.output
+    neg = index.only_use(x2, "Neg")
+    concat = index.only_use(neg.output[0], "Concat") if neg is not None else None
+    if concat is None or list(concat.input) != [neg.output[0], x1] or _attr(concat, "axis") != 2 \
+            or len(index.consumers.get(x1, [])) != 1:
+        return None
+    mul_sin = index.only_use(concat.output[0], "Mul")
+    if mul_sin is None:
+        return None
+    cos = mul_cos.input[1] if mul_cos.input[0] == shaped else mul_cos.input[0]
+    sin = mul_sin.input[1] if mul_sin.input[0] == concat.output[0] else mul_sin.input[0]
+    cos_node, sin_node = index.made_by(cos, "Cos"), index.made_by(sin, "Sin")
+    if cos_node is None or sin_node is None or cos_node.input[0] != sin_node.input[0] \
+            or not _angles_from_positions(index, cos_node.input[0]):
+        return None
+    add = index.only_use(mul_cos.output[0], "Add")
+    if add is None or set(add.input) != {mul_cos.output[0], mul_sin.output[0]} \
+            or index.only_use(mul_sin.output[0], "Add") is not add:
+        return None
+    flat = index.only_use(add.output[0], "Reshape")
+    if flat is None:
+        return None
+    heads = int(shape[1])
+    return _Rope([reshape, split, neg, concat, mul_cos, mul_sin, add, flat], reshape.input[0], flat.output[0], heads)
+
+
+def _replace_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    """Make NODES (copied first: clearing a repeated field detaches the messages in it) the graph's nodes."""
+    copies = []
+    for node in nodes:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copies.append(copy)
+    del graph.node[:]
+    graph.node.extend(copies)
+
+
+def _remove_dead(graph: onnx.GraphProto) -> int:
+    """Drop nodes none of whose outputs is used (repeatedly), then initializers nobody reads; returns how
+    many nodes went."""
+    removed = 0
+    while True:
+        nodes = list(graph.node)
+        used = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
+        live = [n for n in nodes if any(o in used for o in n.output if o)]
+        if len(live) == len(nodes):
+            break
+        removed += len(nodes) - len(live)
+        _replace_nodes(graph, live)
+    inputs = {i.name for i in graph.input}
+    initializers = list(graph.initializer)
+    keep = [t for t in initializers if t.name in used or t.name in inputs]
+    if len(keep) != len(initializers):
+        copies = []
+        for t in keep:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(t)
+            copies.append(copy)
+        del graph.initializer[:]
+        graph.initializer.extend(copies)
+    return removed
+
+
+def fuse_rotary(model: onnx.ModelProto, max_positions: int) -> int:
+    """Rewrite MODEL in place; returns the number of rope subgraphs replaced (0: model unchanged)."""
+    graph = model.graph
+    inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer
+             if t.data_location != onnx.TensorProto.EXTERNAL and t.name.startswith(("const.", INV_FREQ))}
+    inv_freq = inits.get(INV_FREQ)
+    if inv_freq is None or inv_freq.ndim != 1 or max_positions < 1:
+        return 0
+    if 2 * max_positions * inv_freq.size * 4 > MAX_TABLE_BYTES:
+        log.info("rope not fused: cos/sin tables for %d positions would take over %d MiB", max_positions,
+                 MAX_TABLE_BYTES >> 20)
+        return 0
+    nodes = list(graph.node)  # one wrapper per node, alive while this list is: id() below is stable
+    index = _Index.of(nodes, graph)
+    found = [r for r in (_match(index, n, inits) for n in nodes if n.op_type == "Reshape") if r is not None]
+    if not found:
+        return 0
+    angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    graph.initializer.extend([
+        numpy_helper.from_array(np.cos(angles).astype(np.float32), "rope.cos_cache"),
+        numpy_helper.from_array(np.sin(angles).astype(np.float32), "rope.sin_cache"),
+        numpy_helper.from_array(np.array([1], np.int64), "rope.axis1"),
+    ])
+    drop = {id(n) for r in found for n in r.nodes}
+    starts = {id(r.nodes[0]): r for r in found}
+    first = min(i for i, n in enumerate(nodes) if id(n) in drop)
+    new_nodes = [helper.make_node("Unsqueeze", ["position_ids", "rope.axis1"], ["rope.position_ids_2d"],
+                                  name="rope.position_ids_2d")]
+    kept: list[onnx.NodeProto] = []
+    for i, node in enumerate(nodes):
+        if i == first:
+            kept.extend(new_nodes)
+        if id(node) in drop:
+            rope = starts.get(id(node))
+            if rope is not None:  # emit the fused node where the pattern started
+                base = rope.result.replace(":", "_")
+                kept += [
+                    helper.make_node("Unsqueeze", [rope.source, "rope.axis1"], [f"{base}.rope_in"], name=f"{base}.rope_in"),
+                    helper.make_node("RotaryEmbedding", [f"{base}.rope_in", "rope.position_ids_2d", "rope.cos_cache",
+                                                         "rope.sin_cache"], [f"{base}.rope_out"], name=f"{base}.rope",
+                                     domain=MS_DOMAIN, num_heads=rope.heads, interleaved=0),
+                    helper.make_node("Squeeze", [f"{base}.rope_out", "rope.axis1"], [rope.result], name=f"{base}.rope_flat"),
+                ]
+            continue
+        kept.append(node)
+    _replace_nodes(graph, kept)
+    removed = _remove_dead(graph)
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    log.info("fused %d rotary embeddings (%d unused angle nodes dropped)", len(found), removed)
+    return len(found)
