@@ -105,10 +105,56 @@ void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, in
     }
     return;
   }
+  // Rows in pairs: kWidth / 2 keys of two rows at once share every key load (GQA groups of 2, or
+  // any even number of rows). The sums are formed exactly as one row at a time would form them.
+  constexpr int kHalf = kWidth / 2;
+  int64_t m0 = 0;
+  for (; m0 + 2 <= rows; m0 += 2) {
+    const float* q0 = q + m0 * D;
+    const float* q1 = q0 + D;
+    for (int64_t j0 = 0; j0 < keys; j0 += kHalf) {
+      const float* k[kHalf];
+      for (int l = 0; l < kHalf; ++l) k[l] = j0 + l < keys ? s.k_rows[j0 + l] : s.zeros.data();
+      vf acc[kWidth];  // [row 0: keys 0..kHalf) [row 1: keys 0..kHalf)
+      const vf qa = simd::load(q0);
+      const vf qb = simd::load(q1);
+      for (int l = 0; l < kHalf; ++l) {
+        const vf kv = simd::load(k[l]);
+        acc[l] = qa * kv;
+        acc[kHalf + l] = qb * kv;
+      }
+      for (int64_t d = kWidth; d < vector_dims; d += kWidth) {
+        const vf qad = simd::load(q0 + d);
+        const vf qbd = simd::load(q1 + d);
+        for (int l = 0; l < kHalf; ++l) {
+          const vf kv = simd::load(k[l] + d);
+          acc[l] += qad * kv;
+          acc[kHalf + l] += qbd * kv;
+        }
+      }
+      vf sums = simd::reduce_lanes<kWidth>(acc);
+      if (vector_dims < D) {
+        for (int l = 0; l < kHalf; ++l) {
+          float tail0 = 0.0f, tail1 = 0.0f;
+          for (int64_t d = vector_dims; d < D; ++d) {
+            tail0 += q0[d] * k[l][d];
+            tail1 += q1[d] * k[l][d];
+          }
+          sums[l] += tail0;
+          sums[kHalf + l] += tail1;
+        }
+      }
+      float lanes[kWidth];
+      simd::store(lanes, sums);
+      std::memcpy(scores + m0 * kKeyChunk + j0, lanes, sizeof(float) * kHalf);
+      std::memcpy(scores + (m0 + 1) * kKeyChunk + j0, lanes + kHalf, sizeof(float) * kHalf);
+    }
+  }
+  if (m0 == rows) return;
   for (int64_t j0 = 0; j0 < keys; j0 += kWidth) {
     const float* k[kWidth];
     for (int l = 0; l < kWidth; ++l) k[l] = j0 + l < keys ? s.k_rows[j0 + l] : s.zeros.data();
-    for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t m = m0; m < rows; ++m) {
       const float* qm = q + m * D;
       vf acc[kWidth];
       const vf q0 = simd::load(qm);
