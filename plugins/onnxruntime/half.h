@@ -74,6 +74,10 @@ inline void from_floats(const float* src, uint16_t* dst, int64_t n) {
 }
 
 // dst[0..n) = float(src[0..n)).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12 flags _mm512_cvtph_ps's own undefined source
+#endif
 inline void to_floats(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX512F__)
@@ -88,5 +92,8 @@ inline void to_floats(const uint16_t* src, float* dst, int64_t n) {
 #endif
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 }  // namespace octavo::half
