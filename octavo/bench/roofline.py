@@ -207,7 +207,7 @@ def measure(model_dir: Path, *, threads: int = 2, batch: int = 64, context: int 
 
     manifest = Manifest.load(model_dir)
     weights, weight_bytes = gemm_weights(model_dir, manifest)
-    num_blocks = max(batch, *extra_batches) * (context // block_size + 1) + 1
+    num_blocks = max((batch, *extra_batches)) * (context // block_size + 1) + 1
     t_extra = {b: float("inf") for b in extra_batches}
     backend = OnnxRuntimeBackend(model_dir, manifest, num_blocks, block_size, num_threads=threads)
     rng = np.random.default_rng(0)
