@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
+
 namespace octavo::half {
 
 inline uint32_t bits_of(float f) {
@@ -91,6 +93,28 @@ inline void to_floats(const uint16_t* src, float* dst, int64_t n) {
   }
 #endif
   for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+// simd::kWidth float16 values widened into one float vector (exact).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+inline simd::vf load_widened(const uint16_t* src) {
+#if defined(__F16C__) && defined(__AVX512F__)
+  static_assert(simd::kWidth == 16);
+  return reinterpret_cast<simd::vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+#elif defined(__F16C__) && defined(__AVX__)
+  static_assert(simd::kWidth == 8);
+  return reinterpret_cast<simd::vf>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#else
+  simd::vf v;
+  for (int i = 0; i < simd::kWidth; ++i) v[i] = to_float(src[i]);
+  return v;
+#endif
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop

@@ -48,6 +48,8 @@ struct Scratch {
   std::vector<float> zeros;    // [head_dim] stands in for missing keys of a short chunk
   std::vector<int64_t> slots;  // [kKeyChunk] pool slot of each key of the chunk
   std::vector<const float*> k_rows, v_rows;  // [kKeyChunk] this head's pool rows of the chunk's keys
+  std::vector<const uint16_t*> k_rows16, v_rows16;  // ... read straight from a float16 pool (decode)
+  std::vector<uint16_t> zeros16;  // [head_dim] float16 zeros
 };
 
 Scratch& thread_scratch() {
@@ -88,18 +90,27 @@ void qk_gemm_keys(const float* const* k_rows, const float* q_t, int64_t rows_p, 
   }
 }
 
+// Key/value rows are read as float32 (float pools, widened scratch) or straight from a float16
+// pool, widened in registers; both give the same floats.
+inline vf load_row(const float* p) { return simd::load(p); }
+inline vf load_row(const uint16_t* p) { return half::load_widened(p); }
+inline float value_of(const float* p) { return *p; }
+inline float value_of(const uint16_t* p) { return half::to_float(*p); }
+
 // Decode: scores[m][j] (row-major, kKeyChunk per row) for few rows, kWidth keys at a time with
 // one shuffle-tree reduction.
-void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, int64_t keys, float* scores) {
+template <typename T>
+void qk_dot(const T* const* k_rows, const T* zeros, const float* q, int64_t rows, int64_t head_dim, int64_t keys,
+            float* scores) {
   const int64_t D = head_dim;
   const int64_t vector_dims = D / kWidth * kWidth;  // the rest (head_dim % kWidth) is summed in scalar
   if (vector_dims == 0) {
     for (int64_t j = 0; j < keys; ++j) {
       for (int64_t m = 0; m < rows; ++m) {
         const float* qm = q + m * D;
-        const float* k = s.k_rows[j];
+        const T* k = k_rows[j];
         float acc = 0.0f;
-        for (int64_t d = 0; d < D; ++d) acc += qm[d] * k[d];
+        for (int64_t d = 0; d < D; ++d) acc += qm[d] * value_of(k + d);
         scores[m * kKeyChunk + j] = acc;
       }
     }
@@ -113,13 +124,13 @@ void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, in
     const float* q0 = q + m0 * D;
     const float* q1 = q0 + D;
     for (int64_t j0 = 0; j0 < keys; j0 += kHalf) {
-      const float* k[kHalf];
-      for (int l = 0; l < kHalf; ++l) k[l] = j0 + l < keys ? s.k_rows[j0 + l] : s.zeros.data();
+      const T* k[kHalf];
+      for (int l = 0; l < kHalf; ++l) k[l] = j0 + l < keys ? k_rows[j0 + l] : zeros;
       vf acc[kWidth];  // [row 0: keys 0..kHalf) [row 1: keys 0..kHalf)
       const vf qa = simd::load(q0);
       const vf qb = simd::load(q1);
       for (int l = 0; l < kHalf; ++l) {
-        const vf kv = simd::load(k[l]);
+        const vf kv = load_row(k[l]);
         acc[l] = qa * kv;
         acc[kHalf + l] = qb * kv;
       }
@@ -127,7 +138,7 @@ void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, in
         const vf qad = simd::load(q0 + d);
         const vf qbd = simd::load(q1 + d);
         for (int l = 0; l < kHalf; ++l) {
-          const vf kv = simd::load(k[l] + d);
+          const vf kv = load_row(k[l] + d);
           acc[l] += qad * kv;
           acc[kHalf + l] += qbd * kv;
         }
@@ -137,8 +148,8 @@ void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, in
         for (int l = 0; l < kHalf; ++l) {
           float tail0 = 0.0f, tail1 = 0.0f;
           for (int64_t d = vector_dims; d < D; ++d) {
-            tail0 += q0[d] * k[l][d];
-            tail1 += q1[d] * k[l][d];
+            tail0 += q0[d] * value_of(k[l] + d);
+            tail1 += q1[d] * value_of(k[l] + d);
           }
           sums[l] += tail0;
           sums[kHalf + l] += tail1;
@@ -152,22 +163,22 @@ void qk_dot(const Scratch& s, const float* q, int64_t rows, int64_t head_dim, in
   }
   if (m0 == rows) return;
   for (int64_t j0 = 0; j0 < keys; j0 += kWidth) {
-    const float* k[kWidth];
-    for (int l = 0; l < kWidth; ++l) k[l] = j0 + l < keys ? s.k_rows[j0 + l] : s.zeros.data();
+    const T* k[kWidth];
+    for (int l = 0; l < kWidth; ++l) k[l] = j0 + l < keys ? k_rows[j0 + l] : zeros;
     for (int64_t m = m0; m < rows; ++m) {
       const float* qm = q + m * D;
       vf acc[kWidth];
       const vf q0 = simd::load(qm);
-      for (int l = 0; l < kWidth; ++l) acc[l] = q0 * simd::load(k[l]);
+      for (int l = 0; l < kWidth; ++l) acc[l] = q0 * load_row(k[l]);
       for (int64_t d = kWidth; d < vector_dims; d += kWidth) {  // kWidth independent FMA chains
         const vf qd = simd::load(qm + d);
-        for (int l = 0; l < kWidth; ++l) acc[l] += qd * simd::load(k[l] + d);
+        for (int l = 0; l < kWidth; ++l) acc[l] += qd * load_row(k[l] + d);
       }
       vf sums = simd::reduce_lanes<kWidth>(acc);
       if (vector_dims < D) {
         for (int l = 0; l < kWidth; ++l) {
           float tail = 0.0f;
-          for (int64_t d = vector_dims; d < D; ++d) tail += qm[d] * k[l][d];
+          for (int64_t d = vector_dims; d < D; ++d) tail += qm[d] * value_of(k[l] + d);
           sums[l] += tail;
         }
       }
@@ -183,13 +194,13 @@ struct ProbLayout {
 };
 
 // out[r][col..col + NV*kWidth) += sum_j prob(j, r) * v_rows[j][col..] for RB rows.
-template <int RB, int NV>
-void pv_tile(const float* __restrict__ probs, ProbLayout layout, const float* const* v_rows, int64_t keys, int64_t col,
+template <int RB, int NV, typename T>
+void pv_tile(const float* __restrict__ probs, ProbLayout layout, const T* const* v_rows, int64_t keys, int64_t col,
              float* __restrict__ out, int64_t dim_p) {
   vf acc[RB][NV] = {};
   for (int64_t j = 0; j < keys; ++j) {
     vf v[NV];
-    for (int i = 0; i < NV; ++i) v[i] = simd::load(v_rows[j] + col + i * kWidth);
+    for (int i = 0; i < NV; ++i) v[i] = load_row(v_rows[j] + col + i * kWidth);
     for (int r = 0; r < RB; ++r) {
       const float p = probs[j * layout.key_stride + r * layout.row_stride];
       for (int i = 0; i < NV; ++i) acc[r][i] += p * v[i];
@@ -202,17 +213,31 @@ void pv_tile(const float* __restrict__ probs, ProbLayout layout, const float* co
     }
 }
 
-template <int RB>
-void pv_rows(const float* probs, ProbLayout layout, const float* const* v_rows, int64_t keys, float* out, int64_t dim_p) {
+template <int RB, typename T>
+void pv_rows(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t keys, float* out, int64_t dim_p) {
   int64_t col = 0;
   for (; col + kVecsPerTile * kWidth <= dim_p; col += kVecsPerTile * kWidth)
-    pv_tile<RB, kVecsPerTile>(probs, layout, v_rows, keys, col, out, dim_p);
+    pv_tile<RB, kVecsPerTile, T>(probs, layout, v_rows, keys, col, out, dim_p);
   switch ((dim_p - col) / kWidth) {
     case 0: break;
-    case 1: pv_tile<RB, 1>(probs, layout, v_rows, keys, col, out, dim_p); break;
-    case 2: pv_tile<RB, 2>(probs, layout, v_rows, keys, col, out, dim_p); break;
-    default: pv_tile<RB, 3>(probs, layout, v_rows, keys, col, out, dim_p); break;
+    case 1: pv_tile<RB, 1, T>(probs, layout, v_rows, keys, col, out, dim_p); break;
+    case 2: pv_tile<RB, 2, T>(probs, layout, v_rows, keys, col, out, dim_p); break;
+    default: pv_tile<RB, 3, T>(probs, layout, v_rows, keys, col, out, dim_p); break;
   }
+}
+
+// out[m][:] += sum_j prob(j, m) * v_rows[j][:] for all rows: 4-row tiles, then 2, then 1.
+template <typename T>
+void pv_chunk(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t rows, int64_t keys, float* out,
+              int64_t dim_p) {
+  int64_t m = 0;
+  for (; m + kRowsPerTile <= rows; m += kRowsPerTile)
+    pv_rows<kRowsPerTile>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p);
+  if (m + 2 <= rows) {  // decode with GQA groups of 2 (or a tail of 2): both rows share each V load
+    pv_rows<2>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p);
+    m += 2;
+  }
+  for (; m < rows; ++m) pv_rows<1>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p);
 }
 
 // Masks scores^T of keys [c0, c0 + keys) that row m may not see: keys after its position
@@ -295,7 +320,10 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   const int64_t heads = item.kv_head_end - item.kv_head_begin;
   const bool gemm = rows >= kGemmRows;
   const bool direct_v = D % kWidth == 0;  // value rows are read straight from the pool
-  const bool f16 = t.kv_type == KvType::kFloat16;  // pool rows are widened into k_conv / v_conv first
+  const bool f16 = t.kv_type == KvType::kFloat16;
+  // float16 decode reads the pool rows in registers; prefill (GEMM) and head_dim not a multiple of
+  // the vector width widen them into k_conv / v_conv first.
+  const bool f16_direct = f16 && !gemm && direct_v;
   const int64_t seq_begin = t.cumulative_sequence_length[item.seq];
   const int64_t past = t.past_seqlens[item.seq];
   const int64_t window = p.sliding_window;
@@ -315,8 +343,13 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   s.k_rows.resize(kKeyChunk);
   s.v_rows.resize(kKeyChunk);
   s.zeros.assign(D, 0.0f);
+  if (f16_direct) {
+    s.k_rows16.resize(kKeyChunk);
+    s.v_rows16.resize(kKeyChunk);
+    s.zeros16.assign(D, 0);
+  }
   if (!direct_v && !f16) s.v_pad.assign(kKeyChunk * dim_p, 0.0f);
-  if (f16) {
+  if (f16 && !f16_direct) {
     s.k_conv.resize(kKeyChunk * dim_p * heads);
     s.v_conv.resize(kKeyChunk * dim_p * heads);
     if (!direct_v) std::fill(s.v_conv.begin(), s.v_conv.end(), 0.0f);
@@ -388,7 +421,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
     // in pool order (one contiguous run per slot, consecutive slots of a block adjacent), which the
     // hardware prefetchers follow far better than a head-by-head stride (~12% faster decode from
     // DRAM than widening per head, scripts/bench_op.py --large).
-    if (f16) {
+    if (f16 && !f16_direct) {
       const int64_t first = item.kv_head_begin * D;
       for (int64_t j = 0; j < keys; ++j) {
         float* kd = s.k_conv.data() + j * heads * dim_p;
@@ -409,7 +442,12 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
 
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t head_offset = (item.kv_head_begin + h) * D;
-      if (f16) {  // rows widened above, [key][head][dim_p]
+      if (f16_direct) {
+        for (int64_t j = 0; j < keys; ++j) {
+          s.k_rows16[j] = key_f16 + s.slots[j] * kv_row + head_offset;
+          s.v_rows16[j] = value_f16 + s.slots[j] * kv_row + head_offset;
+        }
+      } else if (f16) {  // rows widened above, [key][head][dim_p]
         for (int64_t j = 0; j < keys; ++j) {
           s.k_rows[j] = s.k_conv.data() + (j * heads + h) * dim_p;
           s.v_rows[j] = s.v_conv.data() + (j * heads + h) * dim_p;
@@ -434,7 +472,11 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
           qk_gemm_keys<kKeysPerTile>(s.k_rows.data() + j, q, rows_p, D, scores + j * rows_p);
         for (; j < keys; ++j) qk_gemm_keys<1>(s.k_rows.data() + j, q, rows_p, D, scores + j * rows_p);
       } else {
-        qk_dot(s, q, rows, D, keys, scores);
+        if (f16_direct) {
+          qk_dot(s.k_rows16.data(), s.zeros16.data(), q, rows, D, keys, scores);
+        } else {
+          qk_dot(s.k_rows.data(), s.zeros.data(), q, rows, D, keys, scores);
+        }
       }
       if (p.softcap > 0.0f) {
         for (int64_t i = 0; i < score_count; i += kWidth)
@@ -461,15 +503,11 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
         }
       }
       const ProbLayout layout = gemm ? ProbLayout{rows_p, 1} : ProbLayout{1, kKeyChunk};
-      int64_t m = 0;
-      for (; m + kRowsPerTile <= rows; m += kRowsPerTile)
-        pv_rows<kRowsPerTile>(scores + m * layout.row_stride, layout, s.v_rows.data(), keys, out + m * dim_p, dim_p);
-      if (m + 2 <= rows) {  // decode with GQA groups of 2 (or a tail of 2): both rows share each V load
-        pv_rows<2>(scores + m * layout.row_stride, layout, s.v_rows.data(), keys, out + m * dim_p, dim_p);
-        m += 2;
+      if (f16_direct) {
+        pv_chunk(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p);
+      } else {
+        pv_chunk(scores, layout, s.v_rows.data(), rows, keys, out, dim_p);
       }
-      for (; m < rows; ++m)
-        pv_rows<1>(scores + m * layout.row_stride, layout, s.v_rows.data(), keys, out + m * dim_p, dim_p);
     }
   }
 
