@@ -305,15 +305,18 @@ def test_iobinding_writes_callers_pool_zero_copy(library: str) -> None:
         np.testing.assert_array_equal(value_pool, ref_value)
 
 
-def test_cache_outputs_bound_to_the_pool_share_its_buffer(library: str) -> None:
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_cache_outputs_bound_to_the_pool_share_its_buffer(library: str, kv_dtype: str) -> None:
     """With the cache outputs as graph outputs bound to the pool's own OrtValue, ORT hands the op that
     same buffer: the output OrtValue points at the caller's array."""
     heads, kv_heads, head_dim = 2, 1, 64
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.125)
-    session = make_session(library, **attrs)
+    session = make_session(library, kv_dtype, **attrs)
     step = random_step(np.random.default_rng(3), [(5, 4)], num_heads=heads, kv_num_heads=kv_heads,
                        head_dim=head_dim, block_size=4)
     feeds = step.feeds()
+    if kv_dtype == "float16":
+        half_pools(feeds)
     ref_key, ref_value = feeds["key_cache"].copy(), feeds["value_cache"].copy()
     expected = paged_attention_ref(feeds["query"], feeds["key"], feeds["value"], ref_key, ref_value,
                                    *[feeds[n] for n in ("cumulative_sequence_length", "past_seqlens", "block_table",
@@ -332,8 +335,57 @@ def test_cache_outputs_bound_to_the_pool_share_its_buffer(library: str) -> None:
     outputs = binding.get_outputs()
     np.testing.assert_allclose(outputs[0].numpy(), expected, atol=1e-5, rtol=0)
     assert outputs[1].data_ptr() == feeds["key_cache"].ctypes.data
+    assert outputs[2].data_ptr() == feeds["value_cache"].ctypes.data
     np.testing.assert_array_equal(feeds["key_cache"], ref_key)
     np.testing.assert_array_equal(feeds["value_cache"], ref_value)
+
+
+def test_float16_pools_inside_a_graph_are_written_in_place(library: str) -> None:
+    """As in an exported model the op's query comes from another node and its output feeds another
+    node. Switched to float16 the way the backend does it (set_cache_dtype + expose_pool_outputs, pool
+    outputs bound to the pools), ONNX Runtime must run the float16 kernel on the caller's buffers: no
+    inserted Cast, pools written in place, output as the oracle's."""
+    from onnx import TensorProto, helper
+
+    from octavo.runtime.kv_cache import expose_pool_outputs
+
+    heads, kv_heads, head_dim = 4, 2, 16
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.25)
+    model = paged_attention_model(cache_outputs=False, **attrs)
+    graph = model.graph
+    graph.node[0].input[0] = "query_relu"
+    graph.node[0].output[0] = "attention"
+    graph.node.insert(0, helper.make_node("Relu", ["query"], ["query_relu"]))
+    graph.node.append(helper.make_node("Neg", ["attention"], ["output"]))
+    set_cache_dtype(model, "float16")
+    aliases = expose_pool_outputs(model)
+    assert aliases == {"key_cache_out": "key_cache", "value_cache_out": "value_cache"}
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    step = random_step(np.random.default_rng(12), [(6, 3), (0, 4)], num_heads=heads, kv_num_heads=kv_heads,
+                       head_dim=head_dim, block_size=4)
+    feeds = half_pools(step.feeds())
+    ref = half_pools(step.feeds())
+    ref["query"] = np.maximum(ref["query"], 0)
+    expected = -paged_attention_ref(*ref.values(), **attrs)
+    binding = session.io_binding()
+    pools = {name: ort.OrtValue.ortvalue_from_numpy(feeds[name]) for name in ("key_cache", "value_cache")}
+    for name, array in feeds.items():
+        if name in pools:
+            binding.bind_ortvalue_input(name, pools[name])
+        else:
+            binding.bind_cpu_input(name, array)
+    binding.bind_output("output")
+    for out, pool in aliases.items():
+        binding.bind_ortvalue_output(out, pools[pool])
+    session.run_with_iobinding(binding)
+    outputs = binding.get_outputs()
+    np.testing.assert_allclose(outputs[0].numpy(), expected, atol=1e-5, rtol=0)
+    assert outputs[1].data_ptr() == feeds["key_cache"].ctypes.data
+    np.testing.assert_array_equal(feeds["key_cache"].view(np.uint16), ref["key_cache"].view(np.uint16))
+    np.testing.assert_array_equal(feeds["value_cache"].view(np.uint16), ref["value_cache"].view(np.uint16))
 
 
 BAD_INPUTS = {
