@@ -184,3 +184,17 @@ def test_extreme_repetition_penalty_is_warning_free_and_keeps_the_order(seed, pe
     ref = np.exp(np.array(expo))
     ref /= ref.sum()
     np.testing.assert_allclose(probs / probs.sum(), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e30, 1e300, float(np.finfo(np.float64).max)])
+def test_huge_temperature_is_uniform_and_warning_free(temperature: float) -> None:
+    """Any finite temperature is accepted (as vLLM does); past ~1e30 the distribution is uniform, and
+    computing it must not overflow the float32 divisor (which made every logit 0 / inf = NaN-prone)."""
+    import warnings
+
+    lg = logits_rows(1, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids, w = Sampler.candidates(lg[0], req(temperature=temperature))
+    assert len(ids) == V and np.isfinite(w).all()
+    np.testing.assert_allclose(w / w.sum(), np.full(V, 1.0 / V), rtol=1e-6)

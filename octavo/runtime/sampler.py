@@ -19,6 +19,9 @@ from octavo.runtime.request import Request
 # temperatures below this sample as if at this (practically greedy): logits / 1e-38 overflow float32 to
 # inf, and inf - inf = NaN weights made every such row pick the last vocabulary id
 MIN_TEMPERATURE = 1e-5
+# ... and above this a temperature changes nothing any more (every logit / it is ~0: uniform); larger
+# values (SamplingParams accepts any finite one) would overflow the float32 divisor
+MAX_TEMPERATURE = 1e30
 # SamplingParams accepts any finite repetition_penalty > 0 (as vLLM does). A penalised logit is kept within
 # this magnitude so that dividing it by MIN_TEMPERATURE and subtracting a row's max stay finite in float32
 PENALISED_LOGIT_LIMIT = float(np.finfo(np.float32).max) * MIN_TEMPERATURE / 4  # ~8.5e32
@@ -173,7 +176,7 @@ class Sampler:
         is a partition; top_p sorts only tokens with p >= (1 - top_p) / n, a superset of the nucleus
         (a token below that could only be reached after tokens of mass > 1 - top_p, all as small)."""
         p = req.params
-        x = row.astype(np.float32) / np.float32(max(p.temperature, MIN_TEMPERATURE))
+        x = row.astype(np.float32) / np.float32(min(max(p.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE))
         v = x.shape[0]
         m = x.max()
         ids: np.ndarray | None = None
