@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma list of workloads for HF one-at-a-time (default all; it is slow); elsewhere HF's "
                         "static batch is the greedy reference")
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), help="llama-server binary (or $LLAMA_SERVER)")
+    p.add_argument("--variants", action="store_true",
+                   help="also run octavo with a float16 KV cache (llama.cpp's default KV type) and llama-server "
+                        "with a float32 KV cache (-ctk f32 -ctv f32, at its best -np so far): like-for-like rows")
     p.add_argument("--llama-server-args", default="", help="extra llama-server arguments (one string)")
     p.add_argument("--slots", type=int, default=64, help="octavo max_num_seqs (and llama-server -np unless --llama-np)")
     p.add_argument("--llama-np", default=None, metavar="N,N,...",
@@ -238,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             results += worker("octavo", everything, f"octavo{tag}", max_num_seqs=args.slots, profile=True)
             results += worker("octavo", [offline[-1], shared], f"octavo-nocache{tag}", prefix_caching=False,
                               max_num_seqs=args.slots, profile=True)
+            if args.variants:
+                results += worker("octavo", everything, f"octavo-fp16kv{tag}", kv_cache_dtype="float16",
+                                  max_num_seqs=args.slots, name="octavo (float16 KV)")
         if "hf" in peers:
             results += worker("hf", everything, f"hf{tag}", batch=args.hf_batch,
                               sequential=hf_sequential if rnd == 0 else False)
@@ -247,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             for np_ in llama_np:
                 results += worker("llamacpp", everything, f"llamacpp-np{np_}{tag}", slots=np_,
                                   extra_args=args.llama_server_args.split(), label_slots=len(llama_np) > 1)
+            if args.variants:
+                np_ = best_llama_np(results, offline[-1].name, llama_np)
+                results += worker("llamacpp", everything, f"llamacpp-f32kv{tag}", slots=np_,
+                                  extra_args=[*args.llama_server_args.split(), "-ctk", "f32", "-ctv", "f32"],
+                                  name=f"{LLAMA} -np {np_} (f32 KV)")
     results = best_of_rounds(results)
     if "genai" in peers and models.genai_dir is None:
         notes.append(f"onnxruntime-genai not run: {models.genai_error}")

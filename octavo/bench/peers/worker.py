@@ -75,10 +75,11 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         from octavo.bench.peers import octavo_peer
 
         caching = bool(opts.get("prefix_caching", True))
-        name = "octavo" if caching else "octavo (no prefix cache)"
+        kv = str(opts.get("kv_cache_dtype", "auto"))
+        name = opts.get("name") or ("octavo" if caching else "octavo (no prefix cache)")
         return _each(name, workloads, lambda w: octavo_peer.run_offline(
             Path(paths["octavo"]), w, threads=threads, prefix_caching=caching, name=name,
-            max_num_seqs=opts.get("max_num_seqs", 64), profile=bool(opts.get("profile"))))
+            max_num_seqs=opts.get("max_num_seqs", 64), profile=bool(opts.get("profile")), kv_cache_dtype=kv))
     if peer == "octavo-online":
         from octavo.bench.peers import octavo_peer
 
@@ -90,7 +91,7 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         binary, gguf, slots = paths["llama_server"], Path(paths["gguf"]), int(opts.get("slots", 64))
         extra = list(opts.get("extra_args") or [])
         if peer == "llamacpp":
-            name = f"{llamacpp.NAME} -np {slots}" if opts.get("label_slots") else llamacpp.NAME
+            name = opts.get("name") or (f"{llamacpp.NAME} -np {slots}" if opts.get("label_slots") else llamacpp.NAME)
             return _each(name, workloads, lambda w: llamacpp.run_offline(
                 binary, gguf, w, threads=threads, slots=slots, extra_args=extra, name=name))
         return _each(llamacpp.NAME, workloads, lambda w: llamacpp.run_online(
