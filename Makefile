@@ -40,7 +40,7 @@ llama-server: setup
 	scripts/build_llama_server.sh
 
 perf-llama: setup
-	$(PY) scripts/compare_peers.py --repeat 2 --llama-np 8,16,64 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
+	$(PY) scripts/compare_peers.py --repeat 2 --variants --llama-np 16,32,64 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
 
 gpu-check: setup
 	$(PY) scripts/gpu_check.py
