@@ -97,3 +97,46 @@ def test_roofline_profile_and_online(report: dict) -> None:
     (online,) = report["online"]
     assert online["error"] is None and online["extra"]["completed"] == online["num_requests"]
     assert online["extra"]["p50_ttft_ms"] > 0
+
+
+def _compare_peers_module():  # noqa: ANN202
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_peers", ROOT / "scripts" / "compare_peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_target_uses_the_best_np_row() -> None:
+    """Several -np rows: the target ratio is octavo over the fastest of them, and that -np serves online."""
+    from octavo.bench.peers.result import PeerResult, compare
+
+    cp = _compare_peers_module()
+    rows = [PeerResult("octavo", "random64", 64, 100, output_tokens=1000, elapsed_s=2.0)]
+    for np_, secs in ((16, 5.0), (32, 4.0), (64, 8.0)):
+        r = PeerResult(f"{cp.LLAMA} -np {np_}", "random64", 64, 100, output_tokens=1000, elapsed_s=secs)
+        r.extra = {"slots": np_}
+        rows.append(r)
+    assert cp.best_llama_np(rows, "random64", [16, 32, 64]) == 32
+    assert cp.best_llama_np(rows[:1], "random64", [16, 32, 64]) == 16  # none ran: the first candidate
+    table = compare(rows)
+    seed = cp.IdWorkload("seed10", [])
+    shared = cp.IdWorkload("shared-prefix", [])
+    checks = cp.targets(table, [seed, cp.IdWorkload("random64", [])], shared, None, [], rows)
+    assert checks["random64: octavo / llama-server (best -np) >= 1.3"] == pytest.approx(2.0)
+
+
+def test_perf_gguf_is_loadable_by_llama_cpp_tokenizer_rules(tmp_path: Path) -> None:
+    """llama.cpp refuses a byte-level BPE vocabulary without tokenizer.ggml.merges, and GGUF cannot store an
+    empty array: the perf tokenizer must carry at least one merge, and the GGUF must hold it."""
+    import gguf
+
+    from octavo.bench.peers.model import PerfModelConfig, prepare_models
+
+    models = prepare_models(tmp_path, PerfModelConfig.tiny(), genai=False, gguf=True)
+    assert models.gguf_error is None and models.gguf_path is not None
+    reader = gguf.GGUFReader(str(models.gguf_path))
+    field = reader.fields.get("tokenizer.ggml.merges")
+    assert field is not None and len(field.data) >= 1
+    assert str(bytes(reader.fields["tokenizer.ggml.model"].parts[-1]), "utf-8") == "gpt2"
