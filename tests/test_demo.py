@@ -18,6 +18,7 @@ import pytest
 from octavo.cli import main
 from octavo.demo.profiles import Profile
 from octavo.demo.run import DemoConfig, run_demo
+from octavo.errors import InvalidRequestError
 from octavo.tracing.files import write_outputs
 from octavo.tracing.reader import check_rows, read_trace
 from octavo.tracing.report import format_terminal
@@ -254,3 +255,15 @@ def test_octavo_demo_smollm2_end_to_end(tmp_path):
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "data:image/png;base64," in (tmp_path / "demo.html").read_text()
     assert len(read_trace(tmp_path / "t.jsonl")) == 64
+
+
+def test_float16_kv_cache_halves_the_reported_bytes(model_dir, together):
+    """--kv-cache-dtype float16 reaches the engine: the memory report prices a slot at half the bytes, and
+    the run keeps the same schedule (the same requests finish at the same steps)."""
+    run16 = run_demo(DemoConfig(model=str(model_dir), block_size=BLOCK, kv_cache_dtype="float16"), PROFILES)
+    run32, _ = together
+    assert run16.report.memory.bytes_per_slot * 2 == run32.report.memory.bytes_per_slot
+    assert _finish_steps(run16.rows) == _finish_steps(run32.rows)
+    _check_blocks(run16.rows)
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):  # the engine itself sees the setting
+        run_demo(DemoConfig(model=str(model_dir), block_size=BLOCK, kv_cache_dtype="float8"), PROFILES)

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-log", action="store_true", help="leave out the per-step log")
     parser.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
                         help="run the model with int8 or int4 linear weights (exported once into its own cache folder)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "float16"), default="auto",
+                        help="KV pool element type: auto = the model's (float32), float16 = half the memory per token")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         arrivals=args.arrivals, stagger_every=args.stagger_every, num_threads=args.threads,
         trace_path=args.trace, use_chat_template=not args.no_chat_template,
-        enable_prefix_caching=not args.no_prefix_caching, weights=args.weights,
+        enable_prefix_caching=not args.no_prefix_caching, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype,
     )
     print(f"octavo demo: model {model}", file=sys.stderr)
     print("(exported once into the cache on first use; later runs start at once)", file=sys.stderr)

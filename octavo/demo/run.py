@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from octavo.demo.profiles import SEED_PROFILES, Profile, prompt_ids
 from octavo.errors import InvalidRequestError
+from octavo.runtime.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.tracing.reader import check_rows
@@ -48,6 +49,7 @@ class DemoConfig:
     use_chat_template: bool = True
     enable_prefix_caching: bool = True
     weights: str | None = None  # "int8" | "int4": export the quantized variant (docs/quantization.md)
+    kv_cache_dtype: str = "auto"  # "float16": half the KV bytes per token (docs/engine.md)
 
 
 @dataclass(slots=True)
@@ -162,7 +164,7 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
         model=str(model_dir), block_size=config.block_size, num_blocks=num_blocks,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         num_threads=config.num_threads, trace_path=config.trace_path,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=config.enable_prefix_caching, kv_cache_dtype=config.kv_cache_dtype,
     ))
     try:
         rows, outputs = run_requests(engine, requests, on_step)
@@ -174,6 +176,6 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
     report = build_report(
         check_rows(rows), labels={r.id: r.kind for r in requests}, answers=answers, notes=notes,
         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-        bytes_per_slot=manifest.kv_bytes_per_block(1),
+        bytes_per_slot=kv_bytes_per_block(manifest, 1, resolve_kv_cache_dtype(config.kv_cache_dtype, manifest)),
     )
     return DemoRun(requests, rows, outputs, report, num_blocks, max_model_len, eos, answers)
