@@ -240,3 +240,31 @@ def test_priority_decides_who_runs_first(toy_dir) -> None:  # noqa: ANN001
     order = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
     assert order == [1, 2, 0]
     assert all(o.outputs[0].token_ids == toy_greedy(p["prompt_token_ids"], 2) for o, p in zip(outs, prompts))
+
+
+def test_final_only_outputs_equal_the_last_cumulative_ones(toy_dir) -> None:  # noqa: ANN001
+    """output_kind="final_only" (what LLM.generate asks for): step() returns a request only once, finished,
+    with exactly what the cumulative stream ends with; LLM.generate leaves the caller's params alone."""
+    params = {kind: SamplingParams(temperature=1.0, seed=3, max_tokens=9, stop_token_ids=[7], output_kind=kind)
+              for kind in ("cumulative", "final_only")}
+    ends = {}
+    for kind, p in params.items():
+        eng = llm(toy_dir).engine
+        for i in range(4):
+            eng.add_request(f"r{i}", {"prompt_token_ids": P[i:]}, p)
+        seen: dict[str, int] = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                seen[out.request_id] = seen.get(out.request_id, 0) + 1
+                assert kind == "cumulative" or out.finished
+                if out.finished:
+                    ends[kind, out.request_id] = ([c.token_ids for c in out.outputs], [c.text for c in out.outputs],
+                                                  [c.finish_reason for c in out.outputs])
+        assert (max(seen.values()) > 1) == (kind == "cumulative")
+    for i in range(4):
+        assert ends["final_only", f"r{i}"] == ends["cumulative", f"r{i}"]
+    mine = SamplingParams(temperature=0.0, max_tokens=3)
+    llm(toy_dir).generate({"prompt_token_ids": P}, mine, use_tqdm=False)
+    assert mine.output_kind == "cumulative"
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        SamplingParams(output_kind="delta")

@@ -54,6 +54,7 @@ class RequestGroup:
     children: list[Request]
     arrival_time: float
     pending: list[Request] = field(default_factory=list)  # children 1..n-1 until child 0 has its prompt cached
+    final_only: bool = False  # SamplingParams.output_kind == "final_only": no output until it is finished
 
     @property
     def finished(self) -> bool:
@@ -200,7 +201,8 @@ class LLMEngine:
                 self.tokenizer, ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
             children.append(req)
         # children 1..n-1 join once child 0 has computed the prompt: they then share its cached blocks
-        return RequestGroup(request_id, text, ids, children, now, pending=children[1:])
+        return RequestGroup(request_id, text, ids, children, now, pending=children[1:],
+                            final_only=params.output_kind == "final_only")
 
     def add_group(self, group: RequestGroup) -> None:
         """Queue a request made by make_group."""
@@ -335,7 +337,8 @@ class LLMEngine:
                     self.scheduler.add(req)
                 group.pending = []
         for group in touched.values():
-            outputs.append(self._output(group))
+            if group.finished or not group.final_only:
+                outputs.append(self._output(group))
             if group.finished:
                 del self.groups[group.request_id]
         if tracing:

@@ -1,6 +1,8 @@
 """LLM: the offline facade (vLLM's names). `LLM(model).generate(prompts, params)` runs to completion."""
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import uuid
 from collections.abc import Iterator
@@ -46,6 +48,10 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        # only finished outputs are returned: the engine need not build one per request per step
+        final: dict[int, SamplingParams] = {}
+        params = [final.setdefault(id(p), dataclasses.replace(p, output_kind="final_only"))
+                  if isinstance(p, SamplingParams) else p for p in params]
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
         prios = priority or [0] * len(prompts)

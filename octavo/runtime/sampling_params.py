@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from octavo.errors import InvalidRequestError
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -26,6 +29,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen one)
     skip_special_tokens: bool = True
+    # "cumulative": an output after every step that changed the request (streaming); "final_only": only
+    # the finished one (vLLM's RequestOutputKind; LLM.generate asks for it: no per-step output objects)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +83,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise bad(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         if self.logit_bias is not None:
