@@ -30,8 +30,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--backend", choices=("onnxruntime", "tensorrt"), default="onnxruntime")
     g.add_argument("--trace", metavar="FILE", default=None, help="write one JSON line per engine step here")
+    g.add_argument("--engine-seed", type=int, default=0, help="seed of sampled requests that bring none (default 0)")
     g.add_argument("--weights", choices=("fp32", "int8", "int4"), default=None,
                    help="export an HF folder / .gguf with int8 or int4 linear weights (own cache folder; default fp32)")
+    g.add_argument("--quant-block-size", type=int, default=None,
+                   help="with --weights int8/int4: values per scale / zero point (power of two >= 16; default 32)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --weights int8/int4: quantize the LM head too (default: it stays float32)")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float16"), default="auto",
                    help="KV pool element type: auto = the model's (float32 on onnxruntime); float16 halves the KV "
                         "memory (twice the blocks for the same --kv-cache-memory)")
@@ -44,6 +49,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.num_threads, backend=args.backend,
         trace_path=args.trace, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype,
+        quant_block_size=args.quant_block_size, quantize_lm_head=args.quantize_lm_head, seed=args.engine_seed,
     )
     ea.validate()
     return ea
