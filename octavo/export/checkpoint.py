@@ -19,7 +19,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # dense only; Qwen3MoeForCausalLM is refused
 }
+# architectures whose attention RMS-normalizes each q and k head (weights self_attn.q_norm / k_norm, [head_dim])
+QK_NORM_ARCHITECTURES = ("qwen3",)
+# architectures whose config gates the sliding window with use_sliding_window / max_window_layers
+GATED_WINDOW_ARCHITECTURES = ("qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -62,6 +67,7 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: list[int]
     pad_token_id: int | None
+    qk_norm: bool = False  # per-head RMSNorm of q and k after the projections, before RoPE (Qwen3)
 
 
 def _supported_list() -> str:
@@ -118,10 +124,12 @@ def _sliding_windows(config: dict[str, Any], architecture: str, num_layers: int)
     window = config.get("sliding_window")
     if not window:
         return [0] * num_layers
+    if architecture == "qwen3" and not config.get("use_sliding_window", False):
+        return [0] * num_layers  # transformers' Qwen3Config drops the window unless use_sliding_window
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list) and len(layer_types) == num_layers:
         return [int(window) if t == "sliding_attention" else 0 for t in layer_types]
-    if architecture == "qwen2":  # transformers 4 layout
+    if architecture in GATED_WINDOW_ARCHITECTURES:  # transformers 4 layout
         if not config.get("use_sliding_window", False):
             return [0] * num_layers
         first = int(config.get("max_window_layers", num_layers))
@@ -174,4 +182,5 @@ def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] 
         bos_token_id=config.get("bos_token_id") if isinstance(config.get("bos_token_id"), int) else None,
         eos_token_ids=eos,
         pad_token_id=config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else None,
+        qk_norm=architecture in QK_NORM_ARCHITECTURES,
     )
