@@ -136,6 +136,13 @@ def _rope(g: _Graph, x: str, heads: int, head_dim: int, cos: str, sin: str) -> s
     return g.op1("Reshape", [out, f"const.flat_shape_{heads}"])
 
 
+def _head_rms_norm(g: _Graph, x: str, heads: int, weight: str, eps: str) -> str:
+    """RMSNorm of each head of X [T, heads*head_dim] over head_dim (Qwen3's q_norm / k_norm); the result is
+    flat again, the layout `_rope` (and the backend's RoPE fusion, which matches on it) expects."""
+    shaped = g.op1("Reshape", [x, f"const.heads_shape_{heads}"])
+    return g.op1("Reshape", [_rms_norm(g, shaped, weight, eps), f"const.flat_shape_{heads}"])
+
+
 def build_model(
     spec: ModelSpec,
     checkpoint: Checkpoint,
@@ -188,6 +195,9 @@ def build_model(
             qkv_b = (a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
         qkv = _project(g, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant)
         q, k, v = g.op("Split", [qkv, split_qkv], num_outputs=3, axis=1)
+        if spec.qk_norm:  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
+            q = _head_rms_norm(g, q, nq, g.weight(a + "q_norm.weight", [w.get(a + "q_norm.weight", (D,))]), eps)
+            k = _head_rms_norm(g, k, nkv, g.weight(a + "k_norm.weight", [w.get(a + "k_norm.weight", (D,))]), eps)
         q, k = _rope(g, q, nq, D, cos, sin), _rope(g, k, nkv, D, cos, sin)
 
         attn = g.op(
