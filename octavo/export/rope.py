@@ -1,7 +1,12 @@
-"""Rotary embedding inverse frequencies, computed at export time (default, linear and llama3 scaling).
+"""Rotary embedding inverse frequencies, computed at export time (default, linear, llama3 and yarn scaling).
 
 The graph multiplies these by the position ids and takes cos/sin (rotate_half layout, as HF does),
 so only `inv_freq` [head_dim / 2] float32 goes into the ONNX file.
+
+YaRN (https://arxiv.org/abs/2309.00071, transformers' "yarn" rope type) also scales cos and sin by an
+attention factor f. Since q and k are both rotated, that multiplies every q·k by f^2: the exporter folds
+it into the attention node's `scale` (`attention_scale`) and leaves the rope subgraph untouched, so the
+ONNX Runtime backend's rotary fusion still matches it.
 """
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ import math
 from typing import Any
 
 import numpy as np
+
+YARN_BETA_FAST = 32.0  # transformers' defaults (the paper's alpha / beta)
+YARN_BETA_SLOW = 1.0
 
 
 def default_inv_freq(theta: float, head_dim: int) -> np.ndarray:
@@ -34,14 +42,98 @@ def _llama3(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """The paper's sqrt(1/t) fit: 0.1 * mscale * ln(factor) + 1 (1 when the factor does not stretch)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def complete_yarn(scaling: dict[str, Any], max_position_embeddings: int,
+                  top_level_original: int | None = None) -> dict[str, Any]:
+    """SCALING (a "yarn" dict from config.json) with every default transformers would use written out.
+
+    - original_max_position_embeddings: a top-level config entry of that name wins (transformers gives it
+      priority), then the dict's own, then max_position_embeddings;
+    - factor missing or null: max_position_embeddings / original_max_position_embeddings;
+    - attention_factor missing or null: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both
+      are set (and non-zero), else mscale(factor);
+    - beta_fast / beta_slow missing, null or 0: 32 / 1; truncate missing: true.
+    """
+    out = dict(scaling)
+    original = top_level_original or out.get("original_max_position_embeddings") or max_position_embeddings
+    out["original_max_position_embeddings"] = int(original)
+    if out.get("factor") is None:
+        out["factor"] = max_position_embeddings / int(original)
+    factor = float(out["factor"])
+    if out.get("attention_factor") is None:
+        mscale, mscale_all_dim = out.get("mscale"), out.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            out["attention_factor"] = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            out["attention_factor"] = _yarn_mscale(factor)
+    out["beta_fast"] = float(out.get("beta_fast") or YARN_BETA_FAST)
+    out["beta_slow"] = float(out.get("beta_slow") or YARN_BETA_SLOW)
+    out["truncate"] = bool(out.get("truncate", True))
+    return out
+
+
+def _completed(scaling: dict[str, Any]) -> dict[str, Any]:
+    """A yarn dict with its defaults filled in; factor and original context must be there already
+    (spec_from_config completes the config's dict with complete_yarn, which knows the model's context)."""
+    missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"yarn rope scaling lacks {missing}: complete it with complete_yarn first")
+    return complete_yarn(scaling, int(scaling["original_max_position_embeddings"]))
+
+
+def _yarn_correction_dim(rotations: float, dim: int, theta: float, context: int) -> float:
+    """The dimension index whose wave turns ROTATIONS times over CONTEXT positions."""
+    return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _yarn(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """Per dimension: interpolated (divided by factor) below the correction range, kept (extrapolated)
+    above it, a linear ramp between. float32 arithmetic in transformers' order, so the result matches its
+    float32 tensors."""
+    yarn = _completed(scaling)
+    factor, context = float(yarn["factor"]), int(yarn["original_max_position_embeddings"])
+    low = _yarn_correction_dim(yarn["beta_fast"], head_dim, theta, context)
+    high = _yarn_correction_dim(yarn["beta_slow"], head_dim, theta, context)
+    if yarn["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    pos_freqs = (theta ** exponents.astype(np.float64)).astype(np.float32)
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    ramp = (np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    keep = np.float32(1.0) - np.clip(ramp, np.float32(0.0), np.float32(1.0))  # 1: extrapolate, 0: interpolate
+    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
+
+
 def inv_freq(theta: float, head_dim: int, scaling: dict[str, Any] | None) -> np.ndarray:
     """Inverse frequencies [head_dim / 2] float32 for the given rope scaling (None = default)."""
-    base = default_inv_freq(theta, head_dim)
     if scaling is None:
-        return base
+        return default_inv_freq(theta, head_dim)
     rope_type = scaling["rope_type"]
     if rope_type == "linear":
-        return (base.astype(np.float64) / float(scaling["factor"])).astype(np.float32)
+        return (default_inv_freq(theta, head_dim).astype(np.float64) / float(scaling["factor"])).astype(np.float32)
     if rope_type == "llama3":
-        return _llama3(base, scaling)
+        return _llama3(default_inv_freq(theta, head_dim), scaling)
+    if rope_type == "yarn":
+        return _yarn(theta, head_dim, scaling)
     raise ValueError(f"unsupported rope type {rope_type!r}")  # spec_from_config refuses these first
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor transformers multiplies cos and sin by (1 except for yarn)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    return float(_completed(scaling)["attention_factor"])
+
+
+def attention_scale(head_dim: int, scaling: dict[str, Any] | None) -> float:
+    """The attention node's q·k scale: 1/sqrt(head_dim), times attention_factor^2 (cos and sin both carry it)."""
+    return attention_factor(scaling) ** 2 / math.sqrt(head_dim)
