@@ -32,7 +32,16 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=24)),
     "tied": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    # head_dim 24 != hidden 64 / 4 heads (catches a derived head_dim); q_norm / k_norm per head
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24)),
+    "qwen3tied": ("Qwen3Config", dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)),
+    # layer 0 full attention, layer 1 a sliding window of 8 (use_sliding_window, max_window_layers)
+    "qwen3window": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24, use_sliding_window=True,
+                                         sliding_window=8, max_window_layers=1)),
 }
+# archs whose RMSNorm weights are randomized (transformers initializes them to ones, which would hide a
+# norm weight that is dropped or swapped, e.g. qwen3's q_norm / k_norm)
+RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window")
 
 
 def make_tokenizer(vocab_size: int = 384):
@@ -71,6 +80,11 @@ def make_random_model(path: str | Path, arch: str = "llama", seed: int = 0, **ov
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch in RANDOM_NORM_ARCHS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
