@@ -14,7 +14,6 @@ The graph contract (names, dtypes, order) is DESIGN.md's "The ONNX contract".
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +24,7 @@ from onnx import TensorProto, helper
 from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
 from octavo.export.quantize import MS_DOMAIN, QuantConfig, concat, quantize
-from octavo.export.rope import inv_freq
+from octavo.export.rope import attention_scale, inv_freq
 from octavo.export.weights_file import WeightsFile
 
 OPSET = 17
@@ -205,7 +204,7 @@ def build_model(
             [q, k, v, f"key_cache.{layer}", f"value_cache.{layer}",
              "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping"],
             num_outputs=3, domain=OP_DOMAIN,
-            num_heads=nq, kv_num_heads=nkv, scale=1.0 / math.sqrt(D),
+            num_heads=nq, kv_num_heads=nkv, scale=attention_scale(D, spec.rope_scaling),
             sliding_window=spec.sliding_windows[layer], softcap=0.0,
         )[0]
         o_b = w.bias(a + "o_proj.bias", H)
