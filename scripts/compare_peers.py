@@ -171,6 +171,23 @@ def divergences(results: list[PeerResult], workloads: list[IdWorkload]) -> list[
     return out
 
 
+def resources(results: list[PeerResult]) -> dict[str, dict[str, float | None]]:
+    """Per peer: time to load (imports + model / engine, or server start to ready; the slowest of its
+    workloads' loads, i.e. the cold one) and the peak resident memory of its process (the server's, for
+    llama-server), the largest over its workloads."""
+    out: dict[str, dict[str, float | None]] = {}
+    for r in results:
+        if not r.ok:
+            continue
+        e = out.setdefault(r.peer, {"load_s": None, "peak_rss_mib": None})
+        load, rss = r.extra.get("load_s"), r.extra.get("peak_rss_mib")
+        if load is not None:
+            e["load_s"] = load if e["load_s"] is None else max(e["load_s"], load)
+        if rss is not None:
+            e["peak_rss_mib"] = rss if e["peak_rss_mib"] is None else max(e["peak_rss_mib"], rss)
+    return out
+
+
 def best_of_rounds(results: list[PeerResult]) -> list[PeerResult]:
     """One result per (peer, workload): the fastest round that ran; every round's time goes to extra."""
     best: dict[tuple[str, str], PeerResult] = {}
@@ -296,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                        "output_tokens": w.output_tokens} for w in [*everything, online_wl]],
         "reference": REFERENCE, "results": [r.to_dict() for r in results], "table": table,
         "online": [r.to_dict() for r in online], "roofline": roof, "engine_profile": profile,
-        "divergences": diverged, "targets": checks, "notes": notes,
+        "divergences": diverged, "targets": checks, "resources": resources(results), "notes": notes,
     }
     out = args.json or args.workdir / f"perf-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -322,6 +339,10 @@ def markdown(report: dict[str, Any], table: dict[str, dict[str, Any]]) -> str:
             ratio, agree = e.get("octavo_over_peer"), e.get("agreement_with_hf")
             lines.append(f"| {workload} | {peer} | {e['output_tokens']} | {e['elapsed_s']:.2f} | {e['output_tok_s']:.1f} | "
                          f"{'-' if ratio is None else f'{ratio:.2f}x'} | {'-' if agree is None else f'{agree * 100:.0f}%'} |")
+    lines += ["", "| peer | load (s) | peak RSS (MiB) |", "| --- | ---: | ---: |"]
+    for peer, e in report.get("resources", {}).items():
+        load, rss = e.get("load_s"), e.get("peak_rss_mib")
+        lines.append(f"| {peer} | {'-' if load is None else f'{load:.2f}'} | {'-' if rss is None else f'{rss:.0f}'} |")
     lines += ["", "| target | measured |", "| --- | ---: |"]
     lines += [f"| {k} | {'not measured' if v is None else f'{v:.2f}'} |" for k, v in report["targets"].items()]
     return "\n".join(lines) + "\n"
@@ -333,6 +354,10 @@ def print_report(report: dict[str, Any], table: dict[str, dict[str, Any]], roof_
           f"load average before {report['loadavg_before']} after {report['loadavg_after']}")
     print(format_table(table))
     print(roof_text)
+    for peer, e in report.get("resources", {}).items():
+        load, rss = e.get("load_s"), e.get("peak_rss_mib")
+        print(f"resources {peer:40s} load {'-' if load is None else f'{load:.2f} s':>8s}, "
+              f"peak RSS {'-' if rss is None else f'{rss:.0f} MiB':>9s}")
     for s in (report["engine_profile"] or {}).get("summaries", []):
         secs = s["seconds"]
         parts = ", ".join(f"{k} {v / s['total'] * 100:.0f}%" for k, v in secs.items())

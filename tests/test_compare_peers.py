@@ -140,3 +140,12 @@ def test_perf_gguf_is_loadable_by_llama_cpp_tokenizer_rules(tmp_path: Path) -> N
     field = reader.fields.get("tokenizer.ggml.merges")
     assert field is not None and len(field.data) >= 1
     assert str(bytes(reader.fields["tokenizer.ggml.model"].parts[-1]), "utf-8") == "gpt2"
+
+
+def test_load_time_and_peak_memory_per_peer(report: dict) -> None:
+    res = report["resources"]
+    ran = {r["peer"] for r in report["results"] if r["error"] is None}
+    assert ran <= set(res)
+    for peer in ran:
+        assert res[peer]["load_s"] is not None and res[peer]["load_s"] > 0, peer
+        assert res[peer]["peak_rss_mib"] is not None and res[peer]["peak_rss_mib"] > 20, peer  # a real process

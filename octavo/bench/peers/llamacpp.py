@@ -59,14 +59,16 @@ def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, 
     cmd = server_command(binary, gguf, port, slots=slots, ctx_per_slot=ctx_per_slot(workload), threads=threads,
                          extra=extra_args)
     base = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
     with server_process(cmd, base):
+        load_s = time.perf_counter() - t0  # process start to /health answering 200
         outputs, elapsed = asyncio.run(_offline(base, workload))
     res = PeerResult(name, workload.name, len(outputs), workload.prompt_tokens, elapsed_s=elapsed)
     res.outputs = [o if all(t >= 0 for t in o) else [] for o in outputs]
     res.output_tokens = res.generated_tokens = sum(len(o) for o in outputs)
     if not all(res.outputs):
         res.outputs = []  # this llama-server does not return token ids: no agreement check
-    res.extra = {"slots": slots, "command": " ".join(cmd)}
+    res.extra = {"slots": slots, "command": " ".join(cmd), "load_s": load_s}
     return res
 
 

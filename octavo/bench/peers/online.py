@@ -46,7 +46,7 @@ def server_process(cmd: list[str], base_url: str, timeout_s: float = 300.0,
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{Path(cmd[0]).name} not ready after {timeout_s:.0f} s: {_tail(log.name)}")
-            time.sleep(0.5)
+            time.sleep(0.05)
         yield proc
     finally:
         if proc.poll() is None:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,9 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
     if peer == "hf":
         from octavo.bench.peers import hf
 
+        t0 = time.perf_counter()
         model = hf.load(Path(paths["hf"]), threads)
+        load_s = time.perf_counter() - t0
         hf.warm_up(model)
         out = []
         seq = opts.get("sequential", True)  # True, False or the names of the workloads to run it on
@@ -57,6 +60,8 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         out += _each("hf-sequential", seq_workloads, lambda w: hf.run_sequential(model, w))
         out += _each("hf-static-batch", workloads,
                      lambda w: hf.run_static(model, w, opts.get("batch") or len(w.requests)))
+        for r in out:
+            r.extra.setdefault("load_s", load_s)
         return out
     if peer == "hf-margins":  # options.sequences: prompt + agreed prefix of each divergence
         from octavo.bench.peers import hf
@@ -67,10 +72,15 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
     if peer == "genai":
         from octavo.bench.peers import ortgenai
 
+        t0 = time.perf_counter()
         loaded = ortgenai.load(Path(paths["genai"]), threads)
+        load_s = time.perf_counter() - t0
         ortgenai.warm_up(loaded)
-        return _each(ortgenai.NAME, workloads, lambda w: ortgenai.run(
+        out = _each(ortgenai.NAME, workloads, lambda w: ortgenai.run(
             loaded, w, opts.get("batch") or min(len(w.requests), ortgenai.MAX_BATCH)))
+        for r in out:
+            r.extra.setdefault("load_s", load_s)
+        return out
     if peer == "octavo":
         from octavo.bench.peers import octavo_peer
 
@@ -117,9 +127,22 @@ def run_worker(spec: dict[str, Any], workdir: Path, timeout_s: float, label: str
     return [PeerResult.from_dict(d) for d in json.loads(out_path.read_text())]
 
 
+def peak_rss_mib() -> float:
+    """Peak resident memory of this worker or of the largest process it started and waited for (a
+    llama-server, an `octavo serve`): what the peer needed at most over its workloads."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024.0  # Linux reports KiB
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     results = run_peer(spec)
+    peak = peak_rss_mib()
+    for r in results:
+        r.extra["peak_rss_mib"] = peak
     Path(argv[1]).write_text(json.dumps([r.to_dict() for r in results]))
     return 0
 
