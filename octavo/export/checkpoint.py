@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export.rope import complete_yarn
 
 # HF `architectures` entry -> manifest architecture name
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -25,7 +26,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 QK_NORM_ARCHITECTURES = ("qwen3",)
 # architectures whose config gates the sliding window with use_sliding_window / max_window_layers
 GATED_WINDOW_ARCHITECTURES = ("qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope types transformers has that octavo refuses, and why
+REFUSED_ROPE_TYPES = {
+    "dynamic": "transformers recomputes its frequencies from each batch's longest sequence, which a paged "
+               "engine serving many lengths in one step cannot reproduce",
+    "longrope": "its frequencies switch with the sequence length (short/long factors)",
+}
 
 
 @dataclass(slots=True)
@@ -106,11 +113,16 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
+        why = f" ({REFUSED_ROPE_TYPES[rope_type]})" if rope_type in REFUSED_ROPE_TYPES else ""
         raise UnsupportedArchitectureError(
-            f"rope type {rope_type!r} is not supported; octavo supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"rope type {rope_type!r} is not supported{why}; octavo supports {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn":  # every default written out, so the manifest records what the graph uses
+        top_level = config.get("original_max_position_embeddings")
+        context = int(config.get("max_position_embeddings") or 2048)
+        return theta, {"rope_type": rope_type, **complete_yarn(scaling, context, top_level)}
     needed = ["factor"] + (
         ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"] if rope_type == "llama3" else []
     )
