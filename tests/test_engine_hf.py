@@ -7,7 +7,7 @@ from engine_helpers import exported, hf_reference, random_requests, seed10_reque
 
 from octavo import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2"]
+ARCHS = ["llama", "qwen2", "qwen3window"]
 
 
 def _run(llm: LLM, reqs: list[tuple[list[int], int]]) -> list[list[int]]:
