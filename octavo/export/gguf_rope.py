@@ -1,10 +1,11 @@
 """RoPE scaling of a GGUF file as a HF `rope_scaling` dict.
 
 GGUF facts: `<arch>.rope.scaling.type` ("none" | "linear" | "yarn"), `.rope.scaling.factor`,
-`.rope.scaling.original_context_length` (older files: `.rope.scale_linear`). Llama 3.1-style scaling is not
-stored as metadata: llama.cpp's converter writes the per-frequency divisors as a tensor `rope_freqs.weight`
-(head_dim/2 values). We recover the HF "llama3" parameters by finding the (factor, low_freq_factor,
-high_freq_factor, original_max_position_embeddings) whose divisors reproduce that tensor.
+`.rope.scaling.original_context_length` (older files: `.rope.scale_linear`); for yarn optionally
+`.rope.scaling.yarn_beta_fast` / `.yarn_beta_slow` (and multipliers, refused unless neutral).
+Llama 3.1-style scaling is not stored as metadata: llama.cpp's converter writes the per-frequency divisors
+as a tensor `rope_freqs.weight` (head_dim/2 values). We recover the HF "llama3" parameters by finding the
+(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) whose divisors reproduce it.
 """
 from __future__ import annotations
 
@@ -41,11 +42,33 @@ def rope_scaling_from_gguf(meta: dict[str, Any], reader: Any, arch: str, head_di
     if kind in (None, "linear"):
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
-        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
-        if original is not None:
-            scaling["original_max_position_embeddings"] = int(original)
-        return scaling
+        return _yarn(meta, arch, factor, original, name)
     raise ModelFormatError(f"{name}: rope scaling type {kind!r} is not supported (supported: linear, yarn, llama3)")
+
+
+def _yarn(meta: dict[str, Any], arch: str, factor: Any, original: Any, name: str) -> dict[str, Any]:
+    """HF "yarn" from llama.cpp's keys. llama.cpp always truncates the correction range (HF's default) and
+    scales cos/sin by yarn_attn_factor x (1 + 0.1 ln factor); only the default multiplier (1) and the
+    default ramp (ext_factor -1 / 1) are HF's yarn, so other values are refused rather than guessed."""
+    if factor is None:
+        raise ModelFormatError(f"{name}: yarn rope scaling without {arch}.rope.scaling.factor")
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+    if original is not None:  # absent: the context length, as in llama.cpp and transformers
+        scaling["original_max_position_embeddings"] = int(original)
+    for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = meta.get(f"{arch}.rope.scaling.{key}")
+        if value is not None:
+            scaling[hf] = float(value)
+    neutral = {"yarn_attn_factor": (1.0,), "attn_factor": (1.0,), "yarn_ext_factor": (-1.0, 1.0),
+               "yarn_log_multiplier": (0.0,)}
+    for key, allowed in neutral.items():
+        value = meta.get(f"{arch}.rope.scaling.{key}")
+        if value is not None and float(value) not in allowed:
+            raise ModelFormatError(
+                f"{name}: {arch}.rope.scaling.{key} = {value} changes YaRN in a way octavo does not reproduce; "
+                "export the model from its HF checkpoint instead (config.json's rope_scaling is supported)"
+            )
+    return scaling
 
 
 def _fit_llama3(divisors: np.ndarray, head_dim: int, theta: float, name: str) -> dict[str, Any]:
