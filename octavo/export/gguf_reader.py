@@ -8,6 +8,8 @@ Metadata keys used (llama.cpp's names): general.architecture, general.name, <arc
 .embedding_length, .feed_forward_length, .context_length, .attention.head_count, .attention.head_count_kv,
 .attention.key_length, .attention.layer_norm_rms_epsilon, .attention.sliding_window, .rope.freq_base,
 .rope.scaling.type/.factor/.original_context_length, .vocab_size, and tokenizer.* (see gguf_tokenizer).
+Architectures: llama (and Mistral, told apart by a sliding window), qwen2 (q/k/v biases), qwen3 (per-head
+q/k RMSNorm tensors blk.N.attn_q_norm / attn_k_norm, explicit key_length = head_dim).
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "mistral": ("mistral", "MistralForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
+QK_NORM_ARCHITECTURES = ("qwen3",)  # blk.N.attn_q_norm / attn_k_norm ([head_dim]) in every layer
 GGUF_MAGIC = b"GGUF"
 
 
@@ -183,6 +187,9 @@ def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[st
         config["sliding_window"] = int(window)
         if arch == "llama":  # llama.cpp writes Mistral models as "llama"; the window is what tells them apart
             config["model_type"], config["architectures"] = "mistral", ["MistralForCausalLM"]
+        if arch == "qwen3":  # one window for every layer, as the metadata states it
+            config["use_sliding_window"] = True
+            config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
     return config
 
 
@@ -192,6 +199,7 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
     q_out = config["num_attention_heads"] * config["head_dim"]
     kv_out = config["num_key_value_heads"] * config["head_dim"]
     ffn = config["intermediate_size"]
+    qk_norm = config["model_type"] in QK_NORM_ARCHITECTURES
     expected: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config["vocab_size"], h),
         "model.norm.weight": (h,),
@@ -208,6 +216,11 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         if config["attention_bias"]:
             expected |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
                          p + "self_attn.v_proj.bias": (kv_out,)}
+            if qk_norm and p + "self_attn.o_proj.bias" in tensors:  # qwen3 attention_bias: o_proj too
+                expected[p + "self_attn.o_proj.bias"] = (h,)
+        if qk_norm:
+            expected |= {p + "self_attn.q_norm.weight": (config["head_dim"],),
+                         p + "self_attn.k_norm.weight": (config["head_dim"],)}
     if "lm_head.weight" in tensors:
         expected["lm_head.weight"] = (config["vocab_size"], h)
     for name, shape in expected.items():
@@ -217,6 +230,12 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         if got != shape:
             raise ModelFormatError(f"{path.name}: tensor {name!r} has shape {got}, the metadata implies {shape}")
     extra = sorted(set(tensors) - set(expected))
+    stray_norms = [n for n in extra if n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
+    if stray_norms:
+        raise ModelFormatError(
+            f"{path.name}: {stray_norms[0]!r} (per-head q/k norm) belongs to a qwen3 model, but the file's "
+            f"architecture is {config['model_type']!r}; octavo would ignore it and compute wrong attention"
+        )
     if extra:
         log.warning("%s: ignoring GGUF tensors with no use in the model: %s", path.name, extra[:5])
 

@@ -2,12 +2,14 @@
 
 GGUF facts this module relies on (llama.cpp's converter and the `gguf` package):
 - names: `token_embd.weight`, `output_norm.weight`, `output.weight`, `blk.{i}.attn_q|attn_k|attn_v|
-  attn_output|ffn_gate|ffn_up|ffn_down|attn_norm|ffn_norm.weight` (+ `.bias` on attn_q/k/v for qwen2);
+  attn_output|ffn_gate|ffn_up|ffn_down|attn_norm|ffn_norm.weight` (+ `.bias` on attn_q/k/v for qwen2;
+  + `blk.{i}.attn_q_norm|attn_k_norm.weight`, qwen3's per-head q/k RMSNorm);
 - GGUF lists dimensions innermost first, so a HF Linear weight [out, in] is stored with shape (in, out);
   `gguf.GGUFReader` already gives `tensor.data` in numpy order (rows = out), quantised rows as bytes;
 - for llama-arch models llama.cpp permutes the rows of q_proj / k_proj (weight and bias) per head from
   HF's rotate-half RoPE layout to the interleaved (GPT-J) layout: HF row (head, half, i) is stored at
-  (head, i, half). `unpermute_qk` undoes that. qwen2 files are stored unpermuted (NeoX RoPE in llama.cpp).
+  (head, i, half). `unpermute_qk` undoes that. qwen2 and qwen3 files are stored unpermuted (NeoX RoPE in
+  llama.cpp).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3: per-head RMSNorm weights, [head_dim]
+    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 # Tensors a GGUF may carry that have no HF tensor (their content goes into the config instead).
@@ -131,7 +135,7 @@ def index_tensors(reader: object, *, num_heads: int, num_kv_heads: int, permuted
         if target is None:
             raise ModelFormatError(
                 f"GGUF tensor {name!r} has no counterpart in a Llama-family HF checkpoint; "
-                "this file is not a plain llama/mistral/qwen2 model"
+                "this file is not a plain llama/mistral/qwen2/qwen3 model"
             )
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             raise ModelFormatError(

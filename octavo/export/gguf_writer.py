@@ -15,15 +15,17 @@ from typing import Any
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export.checkpoint import spec_from_config
 from octavo.export.gguf_rope import llama3_divisors
 from octavo.export.gguf_tensors import permute_qk
 from octavo.export.gguf_tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
 
-_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _BLOCK_PARTS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -46,7 +48,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
 
     tensor_type: F32, F16, Q8_0, Q4_0 or Q4_1 for 2-D weights (norms and biases stay F32, as llama.cpp
     keeps them); arch: the GGUF general.architecture to write (default: llama for llama/mistral configs,
-    qwen2 for qwen2); tokenizer_pre: tokenizer.ggml.pre to write; add_bos_token: overrides
+    qwen2 for qwen2, qwen3 for qwen3: q_norm / k_norm become blk.N.attn_q_norm / attn_k_norm);
+    tokenizer_pre: tokenizer.ggml.pre to write; add_bos_token: overrides
     tokenizer_config.json's add_bos_token."""
     import gguf
     from safetensors.numpy import load_file
@@ -61,6 +64,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+    qwen3_window = _qwen3_window(config) if arch == "qwen3" else 0  # refuse before writing anything
 
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name or hf_dir.name)
@@ -78,6 +83,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     writer.add_vocab_size(config["vocab_size"])
     if config.get("sliding_window") and config.get("model_type") == "mistral":
         writer.add_sliding_window(int(config["sliding_window"]))
+    if qwen3_window:
+        writer.add_sliding_window(qwen3_window)
     _write_rope_scaling(writer, config, head_dim, theta)
     _write_tokenizer(writer, hf_dir, config, tokenizer_pre, add_bos_token)
 
@@ -94,6 +101,21 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _qwen3_window(config: dict[str, Any]) -> int:
+    """The sliding window to write (0: none). GGUF has one window for all layers: a model whose layers
+    differ (max_window_layers / layer_types) cannot be stored faithfully and is refused."""
+    windows = set(spec_from_config(config).sliding_windows)
+    if windows == {0}:
+        return 0
+    if len(windows) > 1:
+        raise ModelFormatError(
+            "this qwen3 model slides its attention window on some layers only (max_window_layers / layer_types); "
+            "GGUF stores one window for all layers, so it cannot be written faithfully. Export the HF folder "
+            "directly with `octavo export`"
+        )
+    return windows.pop()
 
 
 def _write_rope_scaling(writer: Any, config: dict[str, Any], head_dim: int, theta: float) -> None:
