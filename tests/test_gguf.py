@@ -200,7 +200,7 @@ def _with_random_biases(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_written_gguf_round_trip(hf_model_dir, tmp_path: Path, arch: str, qtype: str) -> None:  # noqa: ANN001
     from safetensors.numpy import load_file
 

@@ -103,7 +103,7 @@ def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, hf_gguf_
 
 
 # ----------------------------------------------------------------------------- tiny models through GGUF
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama3rope", "tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama3rope", "tied", "qwen3"])
 def test_tiny_gguf_export_logits_match_hf(hf_model_dir, tmp_path: Path, arch: str) -> None:  # noqa: ANN001
     """HF checkpoint -> F32 GGUF (llama.cpp layout, q/k permuted) -> read_gguf -> export: the exported
     graph's logits equal the original HF model's (the GGUF detour loses nothing at F32)."""

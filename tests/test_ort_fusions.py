@@ -37,7 +37,7 @@ def _feeds(manifest: Manifest, tokens: list[int], start: int, block_size: int = 
     return feeds
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_fused_rope_gives_the_exported_graphs_logits_with_fewer_nodes(hf_model_dir, arch: str) -> None:
     folder = exported(hf_model_dir(arch))
     manifest = Manifest.load(folder)
