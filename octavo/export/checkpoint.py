@@ -144,7 +144,8 @@ def _sliding_windows(config: dict[str, Any], architecture: str, num_layers: int)
     if architecture in GATED_WINDOW_ARCHITECTURES:  # transformers 4 layout
         if not config.get("use_sliding_window", False):
             return [0] * num_layers
-        first = int(config.get("max_window_layers", num_layers))
+        # transformers' Qwen3Config defaults max_window_layers to 28 (the first 28 layers attend fully)
+        first = int(config.get("max_window_layers", 28 if architecture == "qwen3" else num_layers))
         return [int(window) if i >= first else 0 for i in range(num_layers)]
     return [int(window)] * num_layers
 
