@@ -92,8 +92,8 @@ def _yarn_correction_dim(rotations: float, dim: int, theta: float, context: int)
 
 def _yarn(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
     """Per dimension: interpolated (divided by factor) below the correction range, kept (extrapolated)
-    above it, a linear ramp between. float32 arithmetic in transformers' order, so the result matches its
-    float32 tensors."""
+    above it, a linear ramp between. float32 arithmetic in transformers' order: equal to its float32
+    tensors, except that theta^(2i/d) is rounded correctly here and torch's float32 pow is at times 1 ulp off."""
     yarn = _completed(scaling)
     factor, context = float(yarn["factor"]), int(yarn["original_max_position_embeddings"])
     low = _yarn_correction_dim(yarn["beta_fast"], head_dim, theta, context)
