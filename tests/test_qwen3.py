@@ -123,6 +123,16 @@ def test_attention_bias_on_q_k_v_and_o(tmp_path: Path) -> None:
     np.testing.assert_allclose(_logits(tmp_path / "out", ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
 
 
+def test_yarn_rope_scaling_as_qwen3_documents_it(tmp_path: Path) -> None:
+    """Qwen3's long-context recipe is YaRN in rope_scaling; q/k norm and yarn together match transformers."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+    src = make_random_model(tmp_path / "hf", "qwen3", rope_parameters=yarn)
+    manifest = export_model(src, tmp_path / "out", progress=False)
+    assert manifest.rope_scaling is not None and manifest.rope_scaling["rope_type"] == "yarn"
+    ids = _prompt(manifest.vocab_size)
+    np.testing.assert_allclose(_logits(tmp_path / "out", ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+
+
 def test_engine_greedy_matches_transformers(hf_model_dir) -> None:  # noqa: ANN001
     from octavo import LLM, SamplingParams
 
