@@ -112,6 +112,12 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling = dict(config.get("rope_scaling") or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    partial = scaling.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedArchitectureError(
+            f"partial_rotary_factor {partial} (rotary embedding on part of each head) is not supported; "
+            "octavo rotates the whole head_dim"
+        )
     if rope_type not in SUPPORTED_ROPE_TYPES:
         why = f" ({REFUSED_ROPE_TYPES[rope_type]})" if rope_type in REFUSED_ROPE_TYPES else ""
         raise UnsupportedArchitectureError(
