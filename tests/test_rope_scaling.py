@@ -274,3 +274,13 @@ def test_dynamic_and_longrope_are_refused_naming_what_is_supported(config: dict[
     message = str(info.value)
     assert repr(kind) in message and why in message
     assert "default, linear, llama3, yarn" in message
+
+
+@pytest.mark.parametrize("config", [
+    dict(rope_theta=10000.0, partial_rotary_factor=0.5),
+    dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "partial_rotary_factor": 0.5}),
+], ids=["top_level", "in_rope_parameters"])
+def test_partial_rotary_is_refused(config: dict[str, Any]) -> None:
+    """transformers rotates only part of each head then (yarn's ramp also spans that part): not exportable."""
+    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor"):
+        spec_from_config({**SHAPE, "max_position_embeddings": 256, **config})
