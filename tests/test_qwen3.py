@@ -161,14 +161,18 @@ LAYERS4 = ["sliding_attention", "full_attention", "sliding_attention", "full_att
     dict(sliding_window=16, use_sliding_window=False, layer_types=LAYERS4),
     dict(sliding_window=None, use_sliding_window=True, max_window_layers=0),
 ])
-def test_sliding_windows_per_layer_as_transformers(window: dict) -> None:
-    """Our per-layer windows from a raw config.json == the window each transformers attention layer uses."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_sliding_windows_per_layer_as_transformers(window: dict, arch: str) -> None:
+    """Our per-layer windows from a raw config.json == the window each transformers attention layer uses
+    (Qwen2 follows the same rules: use_sliding_window gates the window, also over layer_types)."""
     import transformers
 
-    raw = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=32, hidden_size=16,
+    cls, config_cls = {"qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config),
+                       "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[arch]
+    raw = dict(architectures=[cls.__name__], model_type=arch, vocab_size=32, hidden_size=16,
                intermediate_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-               head_dim=8, **window)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**raw))
+               **({"head_dim": 8} if arch == "qwen3" else {}), **window)
+    model = cls(config_cls(**raw))
     want = [layer.self_attn.sliding_window or 0 for layer in model.model.layers]
     assert spec_from_config(raw).sliding_windows == want
 

@@ -142,8 +142,8 @@ def _sliding_windows(config: dict[str, Any], architecture: str, num_layers: int)
     window = config.get("sliding_window")
     if not window:
         return [0] * num_layers
-    if architecture == "qwen3" and not config.get("use_sliding_window", False):
-        return [0] * num_layers  # transformers' Qwen3Config drops the window unless use_sliding_window
+    if architecture in GATED_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
+        return [0] * num_layers  # transformers' Qwen2/Qwen3 configs drop the window unless use_sliding_window
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list) and len(layer_types) == num_layers:
         return [int(window) if t == "sliding_attention" else 0 for t in layer_types]
