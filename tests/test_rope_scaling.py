@@ -32,6 +32,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_yarn": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}),
     "qwen2_yarn_mscale": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
                                     "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0}),
+    "llama_yarn_betas": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
+                                   "beta_fast": 16.0, "beta_slow": 2.0}),
     "llama_yarn_untruncated": ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
                                          "attention_factor": 1.25, "truncate": False}),
 }
@@ -284,3 +286,27 @@ def test_partial_rotary_is_refused(config: dict[str, Any]) -> None:
     """transformers rotates only part of each head then (yarn's ramp also spans that part): not exportable."""
     with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor"):
         spec_from_config({**SHAPE, "max_position_embeddings": 256, **config})
+
+
+def test_yarn_gguf_keeps_the_betas_and_refuses_what_it_cannot_hold(yarn_model, tmp_path: Path) -> None:
+    """beta_fast / beta_slow go into llama.cpp's yarn_beta_* keys and come back (same logits as the HF
+    model that has them); mscale / attention_factor / truncate=False have no GGUF key: refused, no file."""
+    import gguf
+
+    from octavo.errors import ModelFormatError
+    from octavo.export import export_model
+    from octavo.export.gguf_writer import write_gguf
+
+    src, _, _, model = yarn_model("llama_yarn_betas")
+    path = write_gguf(src, tmp_path / "betas.gguf")
+    fields = gguf.GGUFReader(str(path)).fields
+    assert fields["llama.rope.scaling.yarn_beta_fast"].contents() == 16.0
+    assert fields["llama.rope.scaling.yarn_beta_slow"].contents() == 2.0
+    manifest = export_model(path, tmp_path / "out", progress=False)
+    ids = np.random.default_rng(6).integers(1, manifest.vocab_size, 160).tolist()
+    got = run_chunks(tmp_path / "out", manifest, ids, [0, 100, 160])
+    np.testing.assert_allclose(got, hf_logits(model, ids), rtol=0, atol=ATOL)
+    for name in ("qwen2_yarn_mscale", "llama_yarn_untruncated"):
+        with pytest.raises(ModelFormatError, match="cannot be written to GGUF"):
+            write_gguf(yarn_model(name)[0], tmp_path / f"{name}.gguf")
+        assert not (tmp_path / f"{name}.gguf").exists()

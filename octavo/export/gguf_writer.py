@@ -131,12 +131,32 @@ def _write_rope_scaling(writer: Any, config: dict[str, Any], head_dim: int, thet
                                    scaling["original_max_position_embeddings"])
         writer.add_tensor("rope_freqs.weight", divisors.astype(np.float32))
     elif kind in ("linear", "yarn"):
+        if kind == "yarn":
+            _check_yarn_fits_gguf(scaling)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
-        if "original_max_position_embeddings" in scaling:
-            writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        original = config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        if original:  # transformers reads a top-level original_max_position_embeddings first
+            writer.add_rope_scaling_orig_ctx_len(int(original))
+        if kind == "yarn" and "beta_fast" in scaling:
+            writer.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
+        if kind == "yarn" and "beta_slow" in scaling:
+            writer.add_rope_scaling_yarn_beta_slow(float(scaling["beta_slow"]))
     else:
         raise ModelFormatError(f"rope scaling {kind!r} cannot be written to GGUF")
+
+
+def _check_yarn_fits_gguf(scaling: dict[str, Any]) -> None:
+    """GGUF (llama.cpp) stores yarn's factor, original context and betas; it always truncates the
+    correction range and derives the attention factor from the factor. Anything else would read back as
+    a different model: refused."""
+    extra = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if scaling.get(k) not in (None,)]
+    if scaling.get("truncate", True) is False:
+        extra.append("truncate=False")
+    if extra:
+        raise ModelFormatError(
+            f"yarn rope scaling with {', '.join(extra)} cannot be written to GGUF faithfully (llama.cpp's keys hold "
+            "only the factor, the original context and beta_fast/beta_slow); export the HF folder with `octavo export`")
 
 
 def _add_tensor(writer: Any, name: str, data: np.ndarray, qtype: Any) -> None:
