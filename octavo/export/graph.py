@@ -1,6 +1,7 @@
 """Build the ONNX graph of a Llama-family decoder directly from its weights (no tracing).
 
-Per layer: RMSNorm -> fused qkv Gemm (+ optional bias) -> RoPE (rotate_half, as HF) -> ONE
+Per layer: RMSNorm -> fused qkv Gemm (+ optional bias) -> (Qwen3: per-head RMSNorm of q and k) -> RoPE
+(rotate_half, as HF; YaRN's attention factor squared goes into the op's scale) -> ONE
 `octavo.PagedAttention` node (which writes the new K/V into that layer's pool in place) -> o_proj ->
 residual -> RMSNorm -> fused gate/up Gemm -> SiLU(gate) * up -> down_proj -> residual. After the last
 layer only the rows in `logits_indices` are gathered, then final norm + lm_head, so a prefill of T
