@@ -52,6 +52,23 @@ def folder(hf_model_dir):  # noqa: ANN001, ANN201
     return exported(hf_model_dir("llama"))
 
 
+LONG_CONTEXT = 8192
+
+
+@pytest.fixture(scope="module")
+def long_folder(tmp_path_factory):  # noqa: ANN001, ANN201
+    """The tiny llama with an 8192-token context: a request for ~8000 tokens takes seconds even when the
+    tiny model's steps take a millisecond, so it is surely still running when a 1 s shutdown timeout ends."""
+    from models import make_random_model
+
+    from octavo.export import export_model
+
+    root = tmp_path_factory.mktemp("long_context")
+    src = make_random_model(root / "hf", "llama", max_position_embeddings=LONG_CONTEXT)
+    export_model(src, root / "octavo", progress=False)
+    return root / "octavo"
+
+
 def test_sigterm_aborts_what_outlasts_the_timeout_cleanly(folder) -> None:  # noqa: ANN001
     timeout = 0.5
     proc, url = start_serve(folder, "--num-blocks", "256", "--max-num-seqs", "1", "--shutdown-timeout", str(timeout))
@@ -136,7 +153,7 @@ def test_sigterm_while_idle_exits_at_once(folder) -> None:  # noqa: ANN001
             proc.wait()
 
 
-def test_sigterm_under_load_exits_cleanly_and_nobody_hangs(folder) -> None:  # noqa: ANN001
+def test_sigterm_under_load_exits_cleanly_and_nobody_hangs(long_folder) -> None:  # noqa: ANN001
     """SIGTERM in the middle of 32 concurrent clients sending request after request (streams and whole,
     some long): the process exits 0 within timeout + EXIT_SLACK; every request that got in either finished
     or ended with finish_reason "abort" ([DONE] for streams); later ones are refused at connect; no client
@@ -145,7 +162,7 @@ def test_sigterm_under_load_exits_cleanly_and_nobody_hangs(folder) -> None:  # n
     import random
 
     timeout = 1.0
-    proc, url = start_serve(folder, "--num-blocks", "128", "--max-num-seqs", "8", "--shutdown-timeout", str(timeout))
+    proc, url = start_serve(long_folder, "--num-blocks", "4200", "--max-num-seqs", "8", "--shutdown-timeout", str(timeout))
     outcomes: list[str] = []
 
     async def client(k: int, stop_at: float) -> None:
@@ -153,7 +170,7 @@ def test_sigterm_under_load_exits_cleanly_and_nobody_hangs(folder) -> None:  # n
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
             while time.monotonic() < stop_at:
                 body = {"prompt": [rng.randrange(5, 380) for _ in range(rng.randrange(1, 40))],
-                        "max_tokens": rng.choice([4, 16, 600]), "ignore_eos": True}
+                        "max_tokens": rng.choice([4, 16, 4, 16, LONG_CONTEXT - 64]), "ignore_eos": True}
                 lines: list[str] = []
                 try:
                     if rng.random() < 0.5:
