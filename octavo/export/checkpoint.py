@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # dense only; Qwen3MoeForCausalLM is refused
+    "Phi3ForCausalLM": "phi3",  # fused qkv_proj / gate_up_proj, presented split by the Checkpoint
 }
 # architectures whose attention RMS-normalizes each q and k head (weights self_attn.q_norm / k_norm, [head_dim])
 QK_NORM_ARCHITECTURES = ("qwen3",)
