@@ -38,10 +38,14 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # layer 0 full attention, layer 1 a sliding window of 8 (use_sliding_window, max_window_layers)
     "qwen3window": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=24, use_sliding_window=True,
                                          sliding_window=8, max_window_layers=1)),
+    # fused qkv_proj / gate_up_proj in the checkpoint; transformers applies sliding_window on every layer
+    # (pad_token_id: Phi3Config's default 32000 is outside the tiny vocabulary)
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, sliding_window=16, pad_token_id=0)),
+    "phi3tied": ("Phi3Config", dict(num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=0)),
 }
 # archs whose RMSNorm weights are randomized (transformers initializes them to ones, which would hide a
 # norm weight that is dropped or swapped, e.g. qwen3's q_norm / k_norm)
-RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window")
+RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window", "phi3", "phi3tied")
 
 
 def make_tokenizer(vocab_size: int = 384):
