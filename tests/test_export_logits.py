@@ -13,7 +13,7 @@ import pytest
 
 from octavo.runtime.backends.base import StepInputs
 
-ARCHS = ["llama", "llama3rope", "qwen2", "mistral", "tied", "qwen3window"]
+ARCHS = ["llama", "llama3rope", "qwen2", "mistral", "tied", "qwen3window", "phi3"]
 ATOL = 1e-4
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
