@@ -21,10 +21,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # dense only; Qwen3MoeForCausalLM is refused
+    "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text); the multimodal model is refused
+    "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj / gate_up_proj, presented split by the Checkpoint
 }
 # architectures whose attention RMS-normalizes each q and k head (weights self_attn.q_norm / k_norm, [head_dim])
-QK_NORM_ARCHITECTURES = ("qwen3",)
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+# Gemma: RMSNorm x * (1 + w), embeddings times sqrt(hidden_size), sandwich norms around attention and MLP,
+# gelu_pytorch_tanh MLP, attention scale query_pre_attn_scalar^-0.5, layer types from layer_types
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# transformers' default layer pattern when a Gemma config has no layer_types: every Nth layer is global
+GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 # architectures whose config gates the sliding window with use_sliding_window / max_window_layers
 GATED_WINDOW_ARCHITECTURES = ("qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -75,7 +83,20 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: list[int]
     pad_token_id: int | None
-    qk_norm: bool = False  # per-head RMSNorm of q and k after the projections, before RoPE (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k after the projections, before RoPE (Qwen3, Gemma 3)
+    # Gemma options (the defaults are Llama's)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): Gemma stores w with 1 subtracted
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size), rounded to float32 as HF)
+    sandwich_norms: bool = False  # Gemma: post_attention_layernorm on the attention output before the residual
+    # add, pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it
+    hidden_act: str = "silu"  # MLP activation of gate: "silu" | "gelu_pytorch_tanh"
+    query_scale: float | None = None  # q.k scale before rope's attention factor; None = head_dim ** -0.5
+    attn_softcap: float = 0.0  # attention scores c * tanh(s / c) (the op's softcap attribute); 0 = none
+    final_softcap: float = 0.0  # logits c * tanh(l / c); 0 = none
+    # a second rotary table for the layers in local_rope_layers (Gemma 3's sliding layers), None = one table
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    local_rope_layers: list[int] = field(default_factory=list)
 
 
 def _supported_list() -> str:
@@ -139,8 +160,27 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": rope_type, **scaling}
 
 
+def _gemma_layer_types(config: dict[str, Any], architecture: str, num_layers: int) -> list[str]:
+    """Gemma's per-layer "sliding_attention" / "full_attention", with transformers' default pattern."""
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ModelFormatError(f"config.json: layer_types must list one type per layer ({num_layers}), got {layer_types!r}")
+        unknown = sorted({str(t) for t in layer_types} - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedArchitectureError(f"layer types {unknown} are not supported (sliding_attention, full_attention)")
+        return [str(t) for t in layer_types]
+    pattern = int(config.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN[architecture])
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
 def _sliding_windows(config: dict[str, Any], architecture: str, num_layers: int) -> list[int]:
     window = config.get("sliding_window")
+    if architecture in GEMMA_ARCHITECTURES:
+        types = _gemma_layer_types(config, architecture, num_layers)
+        return [int(window or 0) if t == "sliding_attention" else 0 for t in types]
+    if not window:
+        return [0] * num_layers
     if not window:
         return [0] * num_layers
     if architecture in GATED_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
@@ -165,10 +205,68 @@ def _token_ids(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+def _positive_float(config: dict[str, Any], key: str) -> float:
+    """CONFIG[KEY] as a float, 0.0 when missing or null."""
+    value = config.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ModelFormatError(f"config.json: {key!r} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _gemma_rope(config: dict[str, Any]) -> tuple[tuple[float, dict[str, Any] | None], tuple[float, dict[str, Any] | None]]:
+    """Gemma 3's ((global theta, scaling), (local theta, scaling)) from transformers 5's per-layer-type
+    rope_parameters, or transformers 4's rope_theta + rope_scaling (global) and rope_local_base_freq (local,
+    never scaled). The defaults are transformers': 1e6 global, 1e4 local."""
+    params = config.get("rope_parameters")
+    context = {k: config[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if k in config}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full = {"rope_theta": 1_000_000.0, **params["full_attention"]}
+        local = {"rope_theta": 10_000.0, **(params.get("sliding_attention") or {})}
+        return _rope({**context, "rope_parameters": full}), _rope({**context, "rope_parameters": local})
+    full_theta = config.get("rope_theta", 1_000_000.0)
+    global_rope = _rope({**context, "rope_theta": full_theta, "rope_scaling": config.get("rope_scaling")})
+    return global_rope, (float(config.get("rope_local_base_freq", 10_000.0)), None)
+
+
+def _gemma_options(config: dict[str, Any], architecture: str, num_layers: int, hidden: int) -> dict[str, Any]:
+    """The ModelSpec fields a Gemma 2 / Gemma 3 text model sets (transformers' Gemma2/Gemma3 modeling)."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GEMMA_ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"{architecture}: hidden_activation {act!r} is not supported "
+                                           f"({', '.join(GEMMA_ACTIVATIONS)} only)")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedArchitectureError(
+            f"{architecture}: use_bidirectional_attention (an encoder-style model, e.g. EmbeddingGemma) is not "
+            "supported; octavo serves causal decoders"
+        )
+    scalar = config.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ModelFormatError(f"config.json: 'query_pre_attn_scalar' must be a positive number, got {scalar!r}")
+    options: dict[str, Any] = dict(
+        norm_offset=1.0,
+        embed_scale=float(np.float32(hidden ** 0.5)),  # HF: a float32 buffer (bf16 in bf16 models)
+        sandwich_norms=True,
+        hidden_act=act,
+        query_scale=float(scalar) ** -0.5,
+        final_softcap=_positive_float(config, "final_logit_softcapping"),
+        # transformers' Gemma3Attention never passes attn_logit_softcapping to attention: exact means ignoring it
+        attn_softcap=_positive_float(config, "attn_logit_softcapping") if architecture == "gemma2" else 0.0,
+    )
+    if architecture == "gemma3":
+        (theta, scaling), (local_theta, local_scaling) = _gemma_rope(config)
+        types = _gemma_layer_types(config, architecture, num_layers)
+        options.update(rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
+                       local_rope_scaling=local_scaling,
+                       local_rope_layers=[i for i, t in enumerate(types) if t == "sliding_attention"])
+    return options
+
+
 def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] = ()) -> ModelSpec:
     """Validate an HF-style config and derive the model shape. Raises UnsupportedArchitectureError."""
     architecture = _architecture(config)
-    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+    if architecture not in GEMMA_ARCHITECTURES and config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedArchitectureError(f"hidden_act {config.get('hidden_act')!r} is not supported (silu only)")
     num_layers = _required_int(config, "num_hidden_layers")
     hidden = _required_int(config, "hidden_size")
@@ -179,7 +277,11 @@ def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] 
         raise ModelFormatError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if head_dim % 2:
         raise ModelFormatError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
-    theta, scaling = _rope(config)
+    gemma = _gemma_options(config, architecture, num_layers, hidden) if architecture in GEMMA_ARCHITECTURES else {}
+    if "rope_theta" in gemma:  # Gemma 3: two rotary tables, read from its per-layer-type rope parameters
+        theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+    else:
+        theta, scaling = _rope(config)
     eos = _token_ids(config.get("eos_token_id"))
     for extra in extra_eos_token_ids:
         if extra not in eos:
@@ -203,4 +305,5 @@ def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] 
         eos_token_ids=eos,
         pad_token_id=config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else None,
         qk_norm=architecture in QK_NORM_ARCHITECTURES,
+        **gemma,
     )
