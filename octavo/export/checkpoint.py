@@ -40,7 +40,20 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 REFUSED_ROPE_TYPES = {
     "dynamic": "transformers recomputes its frequencies from each batch's longest sequence, which a paged "
                "engine serving many lengths in one step cannot reproduce",
-    "longrope": "its frequencies switch with the sequence length (short/long factors)",
+    "longrope": "transformers switches between its short and long frequency factors by sequence length "
+                "(the 128k Phi-3 / Phi-3.5 variants), which a paged engine serving many lengths in one "
+                "step cannot reproduce exactly; use a 4k-context variant without rope scaling",
+}
+# rope types an architecture's transformers config renames before use (Phi3Config: "su" and "yarn" are
+# old names of longrope, so a phi3 "yarn" is NOT octavo's yarn)
+ROPE_TYPE_ALIASES: dict[str, dict[str, str]] = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+# fused projections some checkpoints store (Phi-3), presented as the separate tensors the graph builder
+# reads: fused suffix -> the parts' suffixes, in row order
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.gate_up_proj.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
 }
 
 
@@ -56,10 +69,64 @@ class Checkpoint:
     source: str
     extra_eos_token_ids: list[int] = field(default_factory=list)  # e.g. from generation_config.json
 
+    def __post_init__(self) -> None:
+        fused = {n for n in self.tensor_names if any(n.endswith("." + suffix) for suffix in FUSED_PROJECTIONS)}
+        if fused:
+            self.tensor_names, self.get_tensor = _split_fused(self, fused)
+
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.tensor_names:
             raise ModelFormatError(f"{self.source}: tensor {name!r} is missing from the checkpoint")
         return self.get_tensor(name)
+
+
+def _split_fused(checkpoint: Checkpoint, fused: set[str]) -> tuple[frozenset[str], Callable[[str], np.ndarray]]:
+    """Tensor names and getter with every fused projection (Phi-3's qkv_proj / gate_up_proj) replaced by
+    its parts: row slices (views) of the fused tensor. q/k/v rows split as num_attention_heads :
+    num_key_value_heads : num_key_value_heads heads (the fused tensor's rows set the head size), gate/up
+    in halves, as transformers' Phi3Attention / Phi3MLP slice them."""
+    parts: dict[str, tuple[str, int, int]] = {}  # part name -> (fused name, index, number of parts)
+    for name in fused:
+        suffix = next(s for s in FUSED_PROJECTIONS if name.endswith("." + s))
+        prefix = name[: -len(suffix)]
+        names = FUSED_PROJECTIONS[suffix]
+        clash = [prefix + n for n in names if prefix + n in checkpoint.tensor_names]
+        if clash:
+            raise ModelFormatError(
+                f"{checkpoint.source}: both {name!r} and {clash[0]!r} are present; a checkpoint stores a "
+                f"projection either fused or split, not both"
+            )
+        for index, part in enumerate(names):
+            parts[prefix + part] = (name, index, len(names))
+    read = checkpoint.get_tensor
+    config = checkpoint.config
+    source = checkpoint.source
+
+    def row_bounds(fused_name: str, rows: int, index: int, count: int) -> tuple[int, int]:
+        if count == 2:
+            sizes = [rows // 2, rows // 2]
+        else:
+            heads = int(config.get("num_attention_heads") or 0)
+            kv_heads = int(config.get("num_key_value_heads") or heads)
+            total = heads + 2 * kv_heads
+            sizes = [rows * heads // total, rows * kv_heads // total, rows * kv_heads // total] if total else []
+        if not sizes or sum(sizes) != rows:
+            raise ModelFormatError(
+                f"{source}: fused tensor {fused_name!r} has {rows} rows, which do not split into {count} parts "
+                f"as the config's head counts imply; the checkpoint and its config.json disagree"
+            )
+        start = sum(sizes[:index])
+        return start, start + sizes[index]
+
+    def get_tensor(name: str) -> np.ndarray:
+        if name not in parts:
+            return read(name)
+        fused_name, index, count = parts[name]
+        whole = read(fused_name)
+        start, stop = row_bounds(fused_name, whole.shape[0], index, count)
+        return whole[start:stop]
+
+    return frozenset((checkpoint.tensor_names - fused) | parts.keys()), get_tensor
 
 
 @dataclass(slots=True)
@@ -158,6 +225,21 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if missing:
         raise ModelFormatError(f"config.json: rope scaling {rope_type!r} lacks {missing}")
     return theta, {"rope_type": rope_type, **scaling}
+
+
+def _renamed_rope_type(config: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """CONFIG with its rope type renamed as the architecture's transformers config does (ROPE_TYPE_ALIASES)."""
+    aliases = ROPE_TYPE_ALIASES.get(architecture, {})
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key)
+        if not isinstance(params, dict):
+            continue
+        for field_name in ("rope_type", "type"):
+            if params.get(field_name) in aliases:
+                renamed = {k: v for k, v in params.items() if k not in ("rope_type", "type")}
+                renamed["rope_type"] = aliases[params[field_name]]
+                return {**config, key: renamed}
+    return config
 
 
 def _gemma_layer_types(config: dict[str, Any], architecture: str, num_layers: int) -> list[str]:
@@ -281,7 +363,7 @@ def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] 
     if "rope_theta" in gemma:  # Gemma 3: two rotary tables, read from its per-layer-type rope parameters
         theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
     else:
-        theta, scaling = _rope(config)
+        theta, scaling = _rope(_renamed_rope_type(config, architecture))
     eos = _token_ids(config.get("eos_token_id"))
     for extra in extra_eos_token_ids:
         if extra not in eos:
