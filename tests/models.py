@@ -42,10 +42,22 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # (pad_token_id: Phi3Config's default 32000 is outside the tiny vocabulary)
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, sliding_window=16, pad_token_id=0)),
     "phi3tied": ("Phi3Config", dict(num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=0)),
+    # Gemma 3 text: sliding / full / sliding layers (window 8, shorter than test prompts), local rope theta
+    # 500 vs global 10000 with linear scaling 8, query_pre_attn_scalar 20 != head_dim 24, tied embeddings
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}})),
+    # Gemma 2: one rope table, attention and final logit softcapping (small caps, so they matter)
+    "gemma2": ("Gemma2Config", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
+        attn_logit_softcapping=5.0, final_logit_softcapping=15.0)),
 }
 # archs whose RMSNorm weights are randomized (transformers initializes them to ones, which would hide a
 # norm weight that is dropped or swapped, e.g. qwen3's q_norm / k_norm)
-RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window", "phi3", "phi3tied")
+RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window", "phi3", "phi3tied", "gemma3", "gemma2")
 
 
 def make_tokenizer(vocab_size: int = 384):
