@@ -13,7 +13,7 @@ import pytest
 
 from octavo.runtime.backends.base import StepInputs
 
-ARCHS = ["llama", "llama3rope", "qwen2", "mistral", "tied", "qwen3window", "phi3"]
+ARCHS = ["llama", "llama3rope", "qwen2", "mistral", "tied", "qwen3window", "phi3", "gemma3", "gemma2"]
 ATOL = 1e-4
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96

@@ -11,6 +11,13 @@ Linear weights stay in HF's [out, in] layout and run as Gemm(transB=1): the byte
 from the checkpoint, and q/k/v (and gate/up) are written back to back as one fused tensor. With a
 QuantConfig (int8/int4) they are blockwise-quantized instead (octavo.export.quantize) and run as ONNX
 Runtime's com.microsoft.MatMulNBits; the embedding (and, unless asked, lm_head) stays float32.
+
+Gemma 2 / Gemma 3 (ModelSpec options, Llama defaults): embeddings times sqrt(hidden_size), RMSNorm weights
+stored as (1 + w) in float32 (HF computes the same sum in float32), sandwich norms (the attention and MLP
+outputs are normalized before their residual adds, the MLP input by pre_feedforward_layernorm),
+gelu_pytorch_tanh as plain ONNX ops, the attention scale query_pre_attn_scalar^-0.5, the op's softcap
+(Gemma 2) and a final logit softcap c*tanh(logits/c). Gemma 3's sliding layers rotate with a second
+table, `rope.inv_freq.local` (rope_local_base_freq); its global layers with `rope.inv_freq`.
 The graph contract (names, dtypes, order) is DESIGN.md's "The ONNX contract".
 """
 from __future__ import annotations
@@ -25,7 +32,7 @@ from onnx import TensorProto, helper
 from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
 from octavo.export.quantize import MS_DOMAIN, QuantConfig, concat, quantize
-from octavo.export.rope import attention_scale, inv_freq
+from octavo.export.rope import attention_factor, attention_scale, inv_freq
 from octavo.export.weights_file import WeightsFile
 
 OPSET = 17
@@ -136,6 +143,30 @@ def _rope(g: _Graph, x: str, heads: int, head_dim: int, cos: str, sin: str) -> s
     return g.op1("Reshape", [out, f"const.flat_shape_{heads}"])
 
 
+def _gelu_tanh(g: _Graph, x: str) -> str:
+    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float32 as torch computes it."""
+    cube = g.op1("Mul", [g.op1("Mul", [x, x]), x])
+    inner = g.op1("Mul", [g.op1("Add", [x, g.op1("Mul", [cube, "const.gelu_kappa"])]), "const.gelu_beta"])
+    return g.op1("Mul", [g.op1("Mul", [x, "const.half"]), g.op1("Add", [g.op1("Tanh", [inner]), "const.one"])])
+
+
+def _rope_tables(g: _Graph, positions: str, name: str, theta: float, head_dim: int,
+                 scaling: dict | None) -> tuple[str, str]:
+    """(cos, sin) [T, 1, head_dim] of this step's positions: angle = position * inv_freq (float32, as HF);
+    the inverse frequencies go in the initializer NAME (the backend's RoPE fusion reads it)."""
+    freq = g.const(name, inv_freq(theta, head_dim, scaling))
+    half = g.op1("Mul", [positions, freq])  # [T, D/2]
+    angles = g.op1("Unsqueeze", [g.op1("Concat", [half, half], axis=1), "const.axis1"])  # [T, 1, D]
+    return g.op1("Cos", [angles]), g.op1("Sin", [angles])
+
+
+def _attention_scale(spec: ModelSpec, scaling: dict | None) -> float:
+    """The op's q.k scale: head_dim^-0.5 (Gemma: query_pre_attn_scalar^-0.5), times rope's attention factor^2."""
+    if spec.query_scale is None:
+        return attention_scale(spec.head_dim, scaling)
+    return spec.query_scale * attention_factor(scaling) ** 2
+
+
 def _head_rms_norm(g: _Graph, x: str, heads: int, weight: str, eps: str) -> str:
     """RMSNorm of each head of X [T, heads*head_dim] over head_dim (Qwen3's q_norm / k_norm); the result is
     flat again, the layout `_rope` (and the backend's RoPE fusion, which matches on it) expects."""
@@ -158,6 +189,19 @@ def build_model(
     nq, nkv = spec.num_heads, spec.num_kv_heads
 
     g.const("const.two", np.array(2.0, np.float32))
+    if spec.hidden_act == "gelu_pytorch_tanh":
+        g.const("const.one", np.array(1.0, np.float32))
+        g.const("const.half", np.array(0.5, np.float32))
+        g.const("const.gelu_kappa", np.array(0.044715, np.float32))
+        g.const("const.gelu_beta", np.array(np.sqrt(2.0 / np.pi), np.float32))
+    elif spec.hidden_act != "silu":
+        raise ModelFormatError(f"hidden activation {spec.hidden_act!r} has no graph (silu, gelu_pytorch_tanh)")
+
+    def norm_weight(name: str, size: int) -> str:  # Gemma stores RMSNorm weights as w, applied as (1 + w)
+        array = w.get(name, (size,))
+        if spec.norm_offset:
+            array = np.float32(spec.norm_offset) + array.astype(np.float32)
+        return g.weight(name, [array])
     eps = g.const("const.eps", np.array(spec.rms_norm_eps, np.float32))
     g.const("const.half_split", np.array([D // 2, D // 2], np.int64))
     for heads in sorted({nq, nkv}):
@@ -167,13 +211,17 @@ def build_model(
     embed_w = w.get("model.embed_tokens.weight", (V, H))
     embed = g.weight("model.embed_tokens.weight", [embed_w])
     x = g.op1("Gather", [embed, "input_ids"], axis=0)
+    if spec.embed_scale != 1.0:
+        x = g.op1("Mul", [x, g.const("const.embed_scale", np.array(spec.embed_scale, np.float32))])
 
     # rotary tables for this step's positions: angle = position * inv_freq (float32, as HF)
-    freq = g.const("rope.inv_freq", inv_freq(spec.rope_theta, D, spec.rope_scaling))
     positions = g.op1("Unsqueeze", [g.op1("Cast", ["position_ids"], to=TensorProto.FLOAT), g.const("const.axis1", np.array([1], np.int64))])
-    half = g.op1("Mul", [positions, freq])  # [T, D/2]
-    angles = g.op1("Unsqueeze", [g.op1("Concat", [half, half], axis=1), "const.axis1"])  # [T, 1, D]
-    cos, sin = g.op1("Cos", [angles]), g.op1("Sin", [angles])
+    global_rope = _rope_tables(g, positions, "rope.inv_freq", spec.rope_theta, D, spec.rope_scaling)
+    global_scale = _attention_scale(spec, spec.rope_scaling)
+    local_rope, local_scale = global_rope, global_scale
+    if spec.local_rope_theta is not None and spec.local_rope_layers:
+        local_rope = _rope_tables(g, positions, "rope.inv_freq.local", spec.local_rope_theta, D, spec.local_rope_scaling)
+        local_scale = _attention_scale(spec, spec.local_rope_scaling)
     on_layer(-1)
 
     split_qkv = g.const("const.split_qkv", np.array([nq * D, nkv * D, nkv * D], np.int64))
@@ -181,7 +229,7 @@ def build_model(
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
         a = p + "self_attn."
-        h = _rms_norm(g, x, g.weight(p + "input_layernorm.weight", [w.get(p + "input_layernorm.weight", (H,))]), eps)
+        h = _rms_norm(g, x, norm_weight(p + "input_layernorm.weight", H), eps)
 
         qkv_w = [
             w.get(a + "q_proj.weight", (nq * D, H)),
@@ -195,9 +243,11 @@ def build_model(
             qkv_b = (a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
         qkv = _project(g, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant)
         q, k, v = g.op("Split", [qkv, split_qkv], num_outputs=3, axis=1)
-        if spec.qk_norm:  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
-            q = _head_rms_norm(g, q, nq, g.weight(a + "q_norm.weight", [w.get(a + "q_norm.weight", (D,))]), eps)
-            k = _head_rms_norm(g, k, nkv, g.weight(a + "k_norm.weight", [w.get(a + "k_norm.weight", (D,))]), eps)
+        if spec.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim of every q and k head, before RoPE
+            q = _head_rms_norm(g, q, nq, norm_weight(a + "q_norm.weight", D), eps)
+            k = _head_rms_norm(g, k, nkv, norm_weight(a + "k_norm.weight", D), eps)
+        is_local = layer in spec.local_rope_layers
+        (cos, sin), scale = (local_rope, local_scale) if is_local else (global_rope, global_scale)
         q, k = _rope(g, q, nq, D, cos, sin), _rope(g, k, nkv, D, cos, sin)
 
         attn = g.op(
@@ -205,16 +255,19 @@ def build_model(
             [q, k, v, f"key_cache.{layer}", f"value_cache.{layer}",
              "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping"],
             num_outputs=3, domain=OP_DOMAIN,
-            num_heads=nq, kv_num_heads=nkv, scale=attention_scale(D, spec.rope_scaling),
-            sliding_window=spec.sliding_windows[layer], softcap=0.0,
+            num_heads=nq, kv_num_heads=nkv, scale=scale,
+            sliding_window=spec.sliding_windows[layer], softcap=spec.attn_softcap,
         )[0]
         o_b = w.bias(a + "o_proj.bias", H)
         o = _project(g, attn, a + "o_proj.weight", [w.get(a + "o_proj.weight", (H, nq * D))],
                      (a + "o_proj.bias", [o_b]) if o_b is not None else None, quant)
+        if spec.sandwich_norms:  # Gemma: the attention output is normalized before the residual add
+            o = _rms_norm(g, o, norm_weight(p + "post_attention_layernorm.weight", H), eps)
         x = g.op1("Add", [x, o])
 
         m = p + "mlp."
-        h = _rms_norm(g, x, g.weight(p + "post_attention_layernorm.weight", [w.get(p + "post_attention_layernorm.weight", (H,))]), eps)
+        pre_mlp = "pre_feedforward_layernorm.weight" if spec.sandwich_norms else "post_attention_layernorm.weight"
+        h = _rms_norm(g, x, norm_weight(p + pre_mlp, H), eps)
         gu_w = [w.get(m + "gate_proj.weight", (I, H)), w.get(m + "up_proj.weight", (I, H))]
         gb, ub = w.bias(m + "gate_proj.bias", I), w.bias(m + "up_proj.bias", I)
         gu_b: Bias | None = None
@@ -222,22 +275,30 @@ def build_model(
             gu_b = (m + "gate_up_proj.bias", [b if b is not None else np.zeros(I, np.float32) for b in (gb, ub)])
         gate_up = _project(g, h, m + "gate_up_proj.weight", gu_w, gu_b, quant)
         gate, up = g.op("Split", [gate_up, split_mlp], num_outputs=2, axis=1)
-        act = g.op1("Mul", [g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]), up])
+        activated = _gelu_tanh(g, gate) if spec.hidden_act == "gelu_pytorch_tanh" else g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
+        act = g.op1("Mul", [activated, up])
         d_b = w.bias(m + "down_proj.bias", H)
         down = _project(g, act, m + "down_proj.weight", [w.get(m + "down_proj.weight", (H, I))],
                         (m + "down_proj.bias", [d_b]) if d_b is not None else None, quant)
+        if spec.sandwich_norms:
+            down = _rms_norm(g, down, norm_weight(p + "post_feedforward_layernorm.weight", H), eps)
         x = g.op1("Add", [x, down])
         on_layer(layer)
 
     rows = g.op1("Gather", [x, "logits_indices"], axis=0)
-    normed = _rms_norm(g, rows, g.weight("model.norm.weight", [w.get("model.norm.weight", (H,))]), eps)
+    normed = _rms_norm(g, rows, norm_weight("model.norm.weight", H), eps)
+    head_out = "logits.uncapped" if spec.final_softcap else "logits"
     tied = spec.tie_word_embeddings or "lm_head.weight" not in checkpoint.tensor_names
     if quant is not None and quant.enabled and quant.lm_head:  # a quantized copy; the Gather keeps the float one
         head_w = embed_w if tied else w.get("lm_head.weight", (V, H))
-        _project(g, normed, "lm_head.weight", [head_w], None, quant, output="logits")
+        _project(g, normed, "lm_head.weight", [head_w], None, quant, output=head_out)
     else:
         head = embed if tied else g.weight("lm_head.weight", [w.get("lm_head.weight", (V, H))])
-        g.nodes.append(helper.make_node("Gemm", [normed, head], ["logits"], name="lm_head", transB=1))
+        g.nodes.append(helper.make_node("Gemm", [normed, head], [head_out], name="lm_head", transB=1))
+    if spec.final_softcap:  # Gemma 2: logits = c * tanh(logits / c)
+        cap = g.const("const.final_softcap", np.array(spec.final_softcap, np.float32))
+        capped = g.op1("Tanh", [g.op1("Div", [head_out, cap])])
+        g.nodes.append(helper.make_node("Mul", [capped, cap], ["logits"], name="final_softcap"))
     on_layer(spec.num_layers)
 
     cache_shape: list[str | int] = ["num_blocks", "block_size", nkv, D]
