@@ -37,7 +37,7 @@ def _feeds(manifest: Manifest, tokens: list[int], start: int, block_size: int = 
     return feeds
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
 def test_fused_rope_gives_the_exported_graphs_logits_with_fewer_nodes(hf_model_dir, arch: str) -> None:
     folder = exported(hf_model_dir(arch))
     manifest = Manifest.load(folder)
@@ -53,6 +53,48 @@ def test_fused_rope_gives_the_exported_graphs_logits_with_fewer_nodes(hf_model_d
         want = _session(plain, folder).run(["logits"], {k: v.copy() for k, v in feeds.items()})[0]
         got = _session(fused, folder).run(["logits"], {k: v.copy() for k, v in feeds.items()})[0]
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _logits(model: onnx.ModelProto, folder: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return _session(model, folder).run(["logits"], {k: v.copy() for k, v in feeds.items()})[0]
+
+
+def test_each_rope_is_fused_with_the_table_its_angles_come_from(hf_model_dir) -> None:
+    """Gemma 3: sliding layers rotate with rope.inv_freq.local (theta 500), global ones with rope.inv_freq
+    (theta 10000, linear 8): each fused node reads its own table's caches, and the logits stay the same."""
+    folder = exported(hf_model_dir("gemma3"))
+    manifest = Manifest.load(folder)
+    spec_local = [0, 2]  # tests/models.py: sliding, full, sliding
+    plain = onnx.load(str(folder / manifest.onnx_file), load_external_data=False)
+    fused = onnx.load(str(folder / manifest.onnx_file), load_external_data=False)
+    assert fuse_rotary(fused, manifest.max_context) == 2 * manifest.num_layers
+    ropes = [n for n in fused.graph.node if n.op_type == "RotaryEmbedding"]
+    tables = [tuple(n.input[2:]) for n in ropes]
+    local = ("rope.cos_cache.local", "rope.sin_cache.local")
+    assert tables.count(local) == 2 * len(spec_local)
+    assert tables.count(("rope.cos_cache", "rope.sin_cache")) == 2 * (manifest.num_layers - len(spec_local))
+    assert [t == local for t in tables] == [True, True, False, False, True, True]  # q, k of layers 0, 1, 2
+    feeds = _feeds(manifest, list(range(3, 40)), 5)
+    np.testing.assert_allclose(_logits(fused, folder, feeds), _logits(plain, folder, feeds), rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_with_another_name_is_left_alone(hf_model_dir) -> None:
+    """Only rope.inv_freq and rope.inv_freq.<suffix> are tables: ropes reading anything else stay unfused."""
+    folder = exported(hf_model_dir("gemma3"))
+    manifest = Manifest.load(folder)
+    model = onnx.load(str(folder / manifest.onnx_file), load_external_data=False)
+    for tensor in model.graph.initializer:
+        if tensor.name == "rope.inv_freq.local":
+            tensor.name = "rope.inv_freqlocal"
+    for node in model.graph.node:
+        node.input[:] = ["rope.inv_freqlocal" if i == "rope.inv_freq.local" else i for i in node.input]
+    plain = onnx.ModelProto()
+    plain.CopyFrom(model)
+    assert fuse_rotary(model, manifest.max_context) == 2  # layer 1 (global) only
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("RotaryEmbedding") == 2 and ops.count("Neg") == 4
+    feeds = _feeds(manifest, [7, 1, 9, 4], 11)
+    np.testing.assert_allclose(_logits(model, folder, feeds), _logits(plain, folder, feeds), rtol=1e-4, atol=1e-4)
 
 
 def test_a_graph_that_does_not_match_is_left_unchanged(hf_model_dir) -> None:

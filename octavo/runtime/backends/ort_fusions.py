@@ -12,6 +12,11 @@ sequence length by the table's rows, and a packed step can hold more tokens than
 reading cos/sin tables of every position up to the model's context length, computed in float32 exactly
 as the graph computes its angles (float32(position) x inv_freq, then cos / sin).
 
+A model may have several rotary tables (Gemma 3: `rope.inv_freq` for its global layers and
+`rope.inv_freq.local` for its sliding layers): every initializer named `rope.inv_freq` or
+`rope.inv_freq.<suffix>` is a table, and each occurrence is fused with cos/sin caches built from the table
+its angles are computed from (`rope.cos_cache<.suffix>`, `rope.sin_cache<.suffix>`).
+
 A pattern that does not match exactly (another exporter version, a different rope) is left as it is:
 the rewrite is an optimisation, never a requirement.
 """
@@ -29,7 +34,7 @@ log = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
 INV_FREQ = "rope.inv_freq"
-MAX_TABLE_BYTES = 256 << 20  # cos + sin tables larger than this: keep the unfused graph
+MAX_TABLE_BYTES = 256 << 20  # cos + sin tables (all of them together) larger than this: keep the unfused graph
 
 
 @dataclass(slots=True)
@@ -70,32 +75,42 @@ def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
     return default
 
 
-def _angles_from_positions(index: _Index, angles: str) -> bool:
-    """ANGLES = Unsqueeze(Concat(h, h)), h = Mul(Unsqueeze(Cast(position_ids)), rope.inv_freq)?"""
+def _is_table(name: str) -> bool:
+    """rope.inv_freq or rope.inv_freq.<suffix>: an inverse-frequency table the exporter wrote."""
+    return name == INV_FREQ or (name.startswith(INV_FREQ + ".") and len(name) > len(INV_FREQ) + 1)
+
+
+def _angles_from_positions(index: _Index, angles: str, tables: dict[str, np.ndarray]) -> str | None:
+    """The table T if ANGLES = Unsqueeze(Concat(h, h)), h = Mul(Unsqueeze(Cast(position_ids)), T), else None."""
     unsq = index.made_by(angles, "Unsqueeze")
     concat = index.made_by(unsq.input[0], "Concat") if unsq is not None else None
     if concat is None or len(concat.input) != 2 or concat.input[0] != concat.input[1]:
-        return False
+        return None
     mul = index.made_by(concat.input[0], "Mul")
-    if mul is None or INV_FREQ not in mul.input:
-        return False
-    pos = mul.input[0] if mul.input[1] == INV_FREQ else mul.input[1]
+    if mul is None or len(mul.input) != 2:
+        return None
+    table = next((name for name in mul.input if name in tables), None)
+    if table is None:
+        return None
+    pos = mul.input[0] if mul.input[1] == table else mul.input[1]
     unsq_pos = index.made_by(pos, "Unsqueeze")
     cast = index.made_by(unsq_pos.input[0], "Cast") if unsq_pos is not None else None
-    return cast is not None and cast.input[0] == "position_ids"
+    return table if cast is not None and cast.input[0] == "position_ids" else None
 
 
 @dataclass(slots=True)
 class _Rope:
-    """One matched occurrence: the nodes to drop, its input, its output and its head count."""
+    """One matched occurrence: the nodes to drop, its input, its output, its head count and its table."""
 
     nodes: list[onnx.NodeProto]
     source: str
     result: str
     heads: int
+    table: str  # the rope.inv_freq[.suffix] initializer its angles come from
 
 
-def _match(index: _Index, reshape: onnx.NodeProto, inits: dict[str, np.ndarray]) -> _Rope | None:
+def _match(index: _Index, reshape: onnx.NodeProto, inits: dict[str, np.ndarray],
+           tables: dict[str, np.ndarray]) -> _Rope | None:
     shape = inits.get(reshape.input[1])
     if shape is None or shape.ndim != 1 or len(shape) != 3:
         return None
@@ -120,8 +135,10 @@ def _match(index: _Index, reshape: onnx.NodeProto, inits: dict[str, np.ndarray])
     cos = mul_cos.input[1] if mul_cos.input[0] == shaped else mul_cos.input[0]
     sin = mul_sin.input[1] if mul_sin.input[0] == concat.output[0] else mul_sin.input[0]
     cos_node, sin_node = index.made_by(cos, "Cos"), index.made_by(sin, "Sin")
-    if cos_node is None or sin_node is None or cos_node.input[0] != sin_node.input[0] \
-            or not _angles_from_positions(index, cos_node.input[0]):
+    if cos_node is None or sin_node is None or cos_node.input[0] != sin_node.input[0]:
+        return None
+    table = _angles_from_positions(index, cos_node.input[0], tables)
+    if table is None or 2 * tables[table].size != int(shape[2]):
         return None
     add = index.only_use(mul_cos.output[0], "Add")
     if add is None or set(add.input) != {mul_cos.output[0], mul_sin.output[0]} \
@@ -131,7 +148,8 @@ def _match(index: _Index, reshape: onnx.NodeProto, inits: dict[str, np.ndarray])
     if flat is None:
         return None
     heads = int(shape[1])
-    return _Rope([reshape, split, neg, concat, mul_cos, mul_sin, add, flat], reshape.input[0], flat.output[0], heads)
+    return _Rope([reshape, split, neg, concat, mul_cos, mul_sin, add, flat], reshape.input[0], flat.output[0], heads,
+                 table)
 
 
 def _replace_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
@@ -176,24 +194,29 @@ def fuse_rotary(model: onnx.ModelProto, max_positions: int) -> int:
     graph = model.graph
     inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer
              if t.data_location != onnx.TensorProto.EXTERNAL and t.name.startswith(("const.", INV_FREQ))}
-    inv_freq = inits.get(INV_FREQ)
-    if inv_freq is None or inv_freq.ndim != 1 or max_positions < 1:
-        return 0
-    if 2 * max_positions * inv_freq.size * 4 > MAX_TABLE_BYTES:
-        log.info("rope not fused: cos/sin tables for %d positions would take over %d MiB", max_positions,
-                 MAX_TABLE_BYTES >> 20)
+    tables = {name: array for name, array in inits.items() if _is_table(name) and array.ndim == 1}
+    if not tables or max_positions < 1:
         return 0
     nodes = list(graph.node)  # one wrapper per node, alive while this list is: id() below is stable
     index = _Index.of(nodes, graph)
-    found = [r for r in (_match(index, n, inits) for n in nodes if n.op_type == "Reshape") if r is not None]
+    found = [r for r in (_match(index, n, inits, tables) for n in nodes if n.op_type == "Reshape") if r is not None]
     if not found:
         return 0
-    angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
-    graph.initializer.extend([
-        numpy_helper.from_array(np.cos(angles).astype(np.float32), "rope.cos_cache"),
-        numpy_helper.from_array(np.sin(angles).astype(np.float32), "rope.sin_cache"),
-        numpy_helper.from_array(np.array([1], np.int64), "rope.axis1"),
-    ])
+    used = sorted({r.table for r in found})
+    if sum(2 * max_positions * tables[t].size * 4 for t in used) > MAX_TABLE_BYTES:
+        log.info("rope not fused: cos/sin tables for %d positions would take over %d MiB", max_positions,
+                 MAX_TABLE_BYTES >> 20)
+        return 0
+    caches: dict[str, tuple[str, str]] = {}  # table -> (cos cache, sin cache)
+    for table in used:
+        suffix = table[len(INV_FREQ):]  # "" for rope.inv_freq, ".local" for rope.inv_freq.local
+        caches[table] = (f"rope.cos_cache{suffix}", f"rope.sin_cache{suffix}")
+        angles = np.arange(max_positions, dtype=np.float32)[:, None] * tables[table].astype(np.float32)[None, :]
+        graph.initializer.extend([
+            numpy_helper.from_array(np.cos(angles).astype(np.float32), caches[table][0]),
+            numpy_helper.from_array(np.sin(angles).astype(np.float32), caches[table][1]),
+        ])
+    graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "rope.axis1"))
     drop = {id(n) for r in found for n in r.nodes}
     starts = {id(r.nodes[0]): r for r in found}
     first = min(i for i, n in enumerate(nodes) if id(n) in drop)
@@ -209,9 +232,9 @@ def fuse_rotary(model: onnx.ModelProto, max_positions: int) -> int:
                 base = rope.result.replace(":", "_")
                 kept += [
                     helper.make_node("Unsqueeze", [rope.source, "rope.axis1"], [f"{base}.rope_in"], name=f"{base}.rope_in"),
-                    helper.make_node("RotaryEmbedding", [f"{base}.rope_in", "rope.position_ids_2d", "rope.cos_cache",
-                                                         "rope.sin_cache"], [f"{base}.rope_out"], name=f"{base}.rope",
-                                     domain=MS_DOMAIN, num_heads=rope.heads, interleaved=0),
+                    helper.make_node("RotaryEmbedding", [f"{base}.rope_in", "rope.position_ids_2d", *caches[rope.table]],
+                                     [f"{base}.rope_out"], name=f"{base}.rope", domain=MS_DOMAIN,
+                                     num_heads=rope.heads, interleaved=0),
                     helper.make_node("Squeeze", [f"{base}.rope_out", "rope.axis1"], [rope.result], name=f"{base}.rope_flat"),
                 ]
             continue
@@ -220,5 +243,6 @@ def fuse_rotary(model: onnx.ModelProto, max_positions: int) -> int:
     removed = _remove_dead(graph)
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    log.info("fused %d rotary embeddings (%d unused angle nodes dropped)", len(found), removed)
+    log.info("fused %d rotary embeddings over %d table(s) (%d unused angle nodes dropped)", len(found), len(used),
+             removed)
     return len(found)
