@@ -9,7 +9,9 @@ Metadata keys used (llama.cpp's names): general.architecture, general.name, <arc
 .attention.key_length, .attention.layer_norm_rms_epsilon, .attention.sliding_window, .rope.freq_base,
 .rope.scaling.type/.factor/.original_context_length, .vocab_size, and tokenizer.* (see gguf_tokenizer).
 Architectures: llama (and Mistral, told apart by a sliding window), qwen2 (q/k/v biases), qwen3 (per-head
-q/k RMSNorm tensors blk.N.attn_q_norm / attn_k_norm, explicit key_length = head_dim).
+q/k RMSNorm tensors blk.N.attn_q_norm / attn_k_norm, explicit key_length = head_dim), phi3 (fused
+blk.N.attn_qkv and gate/up in blk.N.ffn_up, named qkv_proj / gate_up_proj; its sliding window applies to
+every layer, as in transformers; the 128k files' rope_factors_long/short tensors (longrope) are refused).
 """
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "mistral": ("mistral", "MistralForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "phi3": ("phi3", "Phi3ForCausalLM", False),
 }
+FUSED_ARCHITECTURES = ("phi3",)  # blk.N.attn_qkv (q, k, v fused) and blk.N.ffn_up = gate and up fused
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 QK_NORM_ARCHITECTURES = ("qwen3",)  # blk.N.attn_q_norm / attn_k_norm ([head_dim]) in every layer
 GGUF_MAGIC = b"GGUF"
 
@@ -65,12 +70,13 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             f"{path.name}: GGUF architecture {arch!r} is not supported; octavo reads "
             f"{', '.join(sorted(ARCHITECTURES))} (Llama-family) GGUF files"
         )
+    _refuse_longrope(reader, path)
     config = _config(meta, reader, arch, path)
     tensors: GGUFTensors = index_tensors(
         reader, num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
-        permuted_qk=ARCHITECTURES[arch][2],
+        permuted_qk=ARCHITECTURES[arch][2], fused_gate_up=arch in FUSED_ARCHITECTURES,
     )
-    config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
+    config["attention_bias"] = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
     if arch == "qwen2" and not config["attention_bias"]:
         raise ModelFormatError(f"{path.name}: a qwen2 GGUF must have q/k/v biases (blk.0.attn_q.bias is missing)")
     _check_tensors(tensors, config, path)
@@ -88,6 +94,18 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         source=str(meta.get("general.name") or path.name),
         metadata={k: v for k, v in meta.items() if not isinstance(v, list)},
     )
+
+
+def _refuse_longrope(reader: Any, path: Path) -> None:
+    """llama.cpp writes longrope (the 128k Phi-3 / Phi-3.5 models) as rope_factors_long/short tensors."""
+    found = [str(t.name) for t in reader.tensors if str(t.name) in LONGROPE_TENSORS]
+    if found:
+        raise UnsupportedArchitectureError(
+            f"{path.name}: the file has {found[0]!r}, i.e. longrope scaling (the 128k-context Phi-3 / Phi-3.5 "
+            "variants); it is not supported: its frequencies switch between short and long factors by sequence "
+            "length, which a paged engine serving many lengths in one step cannot reproduce exactly. Use a "
+            "4k-context variant"
+        )
 
 
 def _open(path: Path) -> Any:
@@ -204,16 +222,25 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         "model.embed_tokens.weight": (config["vocab_size"], h),
         "model.norm.weight": (h,),
     }
+    fused = config["model_type"] in FUSED_ARCHITECTURES
     for i in range(layers):
         p = f"model.layers.{i}."
         expected |= {
-            p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn),
+            p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.down_proj.weight": (h, ffn),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         }
-        if config["attention_bias"]:
+        if fused and p + "self_attn.q_proj.weight" not in tensors:  # phi3: attn_qkv (llama.cpp's converter)
+            expected[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
+            if config["attention_bias"]:
+                expected[p + "self_attn.qkv_proj.bias"] = (q_out + 2 * kv_out,)
+        else:
+            expected |= {p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+                         p + "self_attn.v_proj.weight": (kv_out, h)}
+        if fused:
+            expected[p + "mlp.gate_up_proj.weight"] = (2 * ffn, h)
+        else:
+            expected |= {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h)}
+        if config["attention_bias"] and p + "self_attn.qkv_proj.weight" not in expected:
             expected |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
                          p + "self_attn.v_proj.bias": (kv_out,)}
             if qk_norm and p + "self_attn.o_proj.bias" in tensors:  # qwen3 attention_bias: o_proj too

@@ -4,12 +4,17 @@ GGUF facts this module relies on (llama.cpp's converter and the `gguf` package):
 - names: `token_embd.weight`, `output_norm.weight`, `output.weight`, `blk.{i}.attn_q|attn_k|attn_v|
   attn_output|ffn_gate|ffn_up|ffn_down|attn_norm|ffn_norm.weight` (+ `.bias` on attn_q/k/v for qwen2;
   + `blk.{i}.attn_q_norm|attn_k_norm.weight`, qwen3's per-head q/k RMSNorm);
+- phi3 files store attention as ONE fused `blk.{i}.attn_qkv.weight` (q, k, v rows back to back, HF's
+  `self_attn.qkv_proj`) and `blk.{i}.ffn_up.weight` holds gate and up fused (HF's `mlp.gate_up_proj`,
+  gate rows first; llama.cpp's SwiGLU takes the first half as the gate); there is no ffn_gate. The
+  Checkpoint presents both as the separate q/k/v and gate/up tensors. 128k phi3 files add
+  `rope_factors_long/short.weight` (longrope, refused by the reader);
 - GGUF lists dimensions innermost first, so a HF Linear weight [out, in] is stored with shape (in, out);
   `gguf.GGUFReader` already gives `tensor.data` in numpy order (rows = out), quantised rows as bytes;
 - for llama-arch models llama.cpp permutes the rows of q_proj / k_proj (weight and bias) per head from
   HF's rotate-half RoPE layout to the interleaved (GPT-J) layout: HF row (head, half, i) is stored at
-  (head, i, half). `unpermute_qk` undoes that. qwen2 and qwen3 files are stored unpermuted (NeoX RoPE in
-  llama.cpp).
+  (head, i, half). `unpermute_qk` undoes that. qwen2, qwen3 and phi3 files are stored unpermuted (NeoX
+  RoPE in llama.cpp; its converter permutes only llama-arch q/k).
 """
 from __future__ import annotations
 
@@ -43,21 +48,26 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # qwen3: per-head RMSNorm weights, [head_dim]
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k and v fused
 }
+# phi3: ffn_up is gate and up fused (there is no ffn_gate)
+_FUSED_GATE_UP_NAMES = _BLOCK_NAMES | {"ffn_up": "mlp.gate_up_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 # Tensors a GGUF may carry that have no HF tensor (their content goes into the config instead).
 NON_HF_TENSORS = ("rope_freqs.weight",)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF state-dict name of a GGUF tensor name, or None when it has none."""
+def hf_name(gguf_name: str, *, fused_gate_up: bool = False) -> str | None:
+    """The HF state-dict name of a GGUF tensor name, or None when it has none. FUSED_GATE_UP: the file's
+    ffn_up holds gate and up (phi3), named mlp.gate_up_proj."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _FUSED_GATE_UP_NAMES if fused_gate_up else _BLOCK_NAMES
     match = _BLOCK_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
+    if match is None or match.group(2) not in block_names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{block_names[part]}.{kind}"
 
 
 def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -123,19 +133,21 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         return tuple(int(d) for d in reversed(self.by_hf_name[key].shape.tolist()))  # type: ignore[attr-defined]
 
 
-def index_tensors(reader: object, *, num_heads: int, num_kv_heads: int, permuted_qk: bool) -> GGUFTensors:
-    """Map every GGUF tensor of the file to its HF name; refuse unknown names and unreadable types."""
+def index_tensors(reader: object, *, num_heads: int, num_kv_heads: int, permuted_qk: bool,
+                  fused_gate_up: bool = False) -> GGUFTensors:
+    """Map every GGUF tensor of the file to its HF name; refuse unknown names and unreadable types.
+    FUSED_GATE_UP: ffn_up is phi3's fused gate/up tensor."""
     by_hf: dict[str, object] = {}
     names: dict[str, str] = {}
     for tensor in reader.tensors:  # type: ignore[attr-defined]
         name = str(tensor.name)
         if name in NON_HF_TENSORS:
             continue
-        target = hf_name(name)
+        target = hf_name(name, fused_gate_up=fused_gate_up)
         if target is None:
             raise ModelFormatError(
                 f"GGUF tensor {name!r} has no counterpart in a Llama-family HF checkpoint; "
-                "this file is not a plain llama/mistral/qwen2/qwen3 model"
+                "this file is not a plain llama/mistral/qwen2/qwen3/phi3 model"
             )
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             raise ModelFormatError(

@@ -20,12 +20,13 @@ from octavo.export.gguf_rope import llama3_divisors
 from octavo.export.gguf_tensors import permute_qk
 from octavo.export.gguf_tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
 
-_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 _BLOCK_PARTS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused tensors, written as they are
 }
 
 
@@ -48,7 +49,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
 
     tensor_type: F32, F16, Q8_0, Q4_0 or Q4_1 for 2-D weights (norms and biases stay F32, as llama.cpp
     keeps them); arch: the GGUF general.architecture to write (default: llama for llama/mistral configs,
-    qwen2 for qwen2, qwen3 for qwen3: q_norm / k_norm become blk.N.attn_q_norm / attn_k_norm);
+    qwen2 for qwen2, qwen3 for qwen3: q_norm / k_norm become blk.N.attn_q_norm / attn_k_norm; phi3 for
+    phi3: qkv_proj / gate_up_proj become blk.N.attn_qkv / ffn_up, unpermuted, the window on every layer);
     tokenizer_pre: tokenizer.ggml.pre to write; add_bos_token: overrides
     tokenizer_config.json's add_bos_token."""
     import gguf
@@ -66,6 +68,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
     qwen3_window = _qwen3_window(config) if arch == "qwen3" else 0  # refuse before writing anything
+    if arch == "phi3":
+        spec_from_config(config)  # refuses longrope / partial rotary before anything is written
 
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name or hf_dir.name)
@@ -85,6 +89,10 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
         writer.add_sliding_window(int(config["sliding_window"]))
     if qwen3_window:
         writer.add_sliding_window(qwen3_window)
+    if arch == "phi3":  # as llama.cpp's converter: the window (0 = none) and the original context
+        writer.add_sliding_window(int(config.get("sliding_window") or 0))
+        if config.get("original_max_position_embeddings"):
+            writer.add_rope_scaling_orig_ctx_len(int(config["original_max_position_embeddings"]))
     _write_rope_scaling(writer, config, head_dim, theta)
     _write_tokenizer(writer, hf_dir, config, tokenizer_pre, add_bos_token)
 

@@ -1,0 +1,253 @@
+"""Phi-3 / Phi-3.5 mini (`Phi3ForCausalLM`): what is specific to it, against transformers as the reference.
+
+The checkpoint stores q/k/v fused (`self_attn.qkv_proj`) and gate/up fused (`mlp.gate_up_proj`); the
+Checkpoint presents them as the separate tensors the graph builder reads (row-slice views). transformers
+applies `sliding_window` on every layer (the test model's window, 16, is shorter than the prompts).
+Tied and untied embeddings; GGUF files (llama.cpp arch "phi3": blk.N.attn_qkv, gate+up in blk.N.ffn_up,
+q/k not permuted) through octavo's writer and reader; longrope ("su"/"yarn" are its old names in Phi3Config)
+and partial rotary (Phi-4-mini) refused. The test models randomize their norm weights (tests/models.py).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from engine_helpers import exported, hf_reference
+from models import load_hf
+
+from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export import export_model
+from octavo.export.checkpoint import spec_from_config
+from octavo.export.gguf_reader import read_gguf
+from octavo.export.gguf_writer import write_gguf
+from octavo.export.hf_reader import read_hf_folder
+from octavo.export.manifest import Manifest
+from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+from octavo.runtime.step_inputs import one_sequence
+
+ATOL = 1e-4
+PROMPT_LEN = 40  # longer than the phi3 test model's window of 16
+WINDOW = 16
+
+
+def _logits(folder: Path, ids: list[int]) -> np.ndarray:
+    """The exported graph's logits for every position of IDS, prefilled in one step (16-token blocks)."""
+    manifest = Manifest.load(folder)
+    blocks = -(-len(ids) // 16)
+    backend = OnnxRuntimeBackend(folder, manifest, num_blocks=blocks, block_size=16, num_threads=1)
+    try:
+        return backend.run(one_sequence(ids, 0, np.arange(blocks, dtype=np.int32)[::-1], 16, all_logits=True))
+    finally:
+        backend.close()
+
+
+def _hf_logits(src: Path, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return load_hf(src)[0](torch.tensor([ids])).logits[0].numpy()
+
+
+def _prompt(vocab_size: int, seed: int = 3, length: int = PROMPT_LEN) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab_size, length).tolist()
+
+
+def _windows(folder: Path) -> list[int]:
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    return [next(a.i for a in n.attribute if a.name == "sliding_window") for n in nodes]
+
+
+def _v4_layout(config: dict) -> dict:
+    """CONFIG as Phi-3's released (transformers 4) config.json lays rope out: rope_theta at the top level,
+    rope_scaling / partial_rotary_factor beside it, no rope_parameters (which would take precedence)."""
+    params = config.pop("rope_parameters", None) or {}
+    return {"rope_theta": params.get("rope_theta", 10000.0)} | config
+
+
+def _copy_with_config(src: Path, dst: Path, **changes: object) -> Path:
+    """SRC copied to DST with CHANGES in its config.json (rope changes in the transformers 4 layout)."""
+    shutil.copytree(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    if {"rope_scaling", "partial_rotary_factor"} & changes.keys():
+        config = _v4_layout(config)
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+# ----------------------------------------------------------------------------- fused tensors
+def test_fused_tensors_are_presented_as_transformers_slices_them(hf_model_dir) -> None:  # noqa: ANN001
+    """q/k/v and gate/up read from the checkpoint == the slices transformers' Phi3Attention / Phi3MLP take
+    of the fused weights (query_pos = heads*head_dim, then kv; gate = first half), as views."""
+    src = hf_model_dir("phi3")
+    model = load_hf(src)[0]
+    ckpt = read_hf_folder(src)
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in ckpt.tensor_names)
+    for layer, block in enumerate(model.model.layers):
+        attn, p = block.self_attn, f"model.layers.{layer}."
+        qkv = attn.qkv_proj.weight.detach().numpy()
+        query_pos = model.config.num_attention_heads * attn.head_dim
+        kv = attn.num_key_value_heads * attn.head_dim
+        want = {"q_proj": qkv[:query_pos], "k_proj": qkv[query_pos:query_pos + kv], "v_proj": qkv[query_pos + kv:]}
+        for name, rows in want.items():
+            got = ckpt.tensor(p + f"self_attn.{name}.weight")
+            np.testing.assert_array_equal(got, rows)
+            assert isinstance(got.base, np.ndarray)  # a view of the mapped fused tensor, not a copy
+        gate, up = block.mlp.gate_up_proj.weight.detach().numpy().reshape(2, -1, model.config.hidden_size)
+        np.testing.assert_array_equal(ckpt.tensor(p + "mlp.gate_proj.weight"), gate)
+        np.testing.assert_array_equal(ckpt.tensor(p + "mlp.up_proj.weight"), up)
+
+
+def test_fused_rows_that_disagree_with_the_config_are_refused(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    src = _copy_with_config(hf_model_dir("phi3"), tmp_path / "bad", num_key_value_heads=3)
+    ckpt = read_hf_folder(src)
+    with pytest.raises(ModelFormatError, match="do not split into 3 parts"):
+        ckpt.tensor("model.layers.0.self_attn.k_proj.weight")
+
+
+# ----------------------------------------------------------------------------- logits and generation
+@pytest.mark.parametrize("arch", ["phi3", "phi3tied"])
+def test_logits_match_transformers(hf_model_dir, arch: str) -> None:  # noqa: ANN001
+    src = hf_model_dir(arch)
+    folder = exported(src)
+    manifest = Manifest.load(folder)
+    assert manifest.architecture == "phi3"
+    assert manifest.tie_word_embeddings is (arch == "phi3tied")
+    ids = _prompt(manifest.vocab_size)
+    np.testing.assert_allclose(_logits(folder, ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+
+
+def test_window_on_every_layer_as_transformers(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """transformers' Phi3 masks every layer with sliding_window; so does the graph. Without the window the
+    logits past it differ from transformers' (so the logits tests do test the window)."""
+    src = hf_model_dir("phi3")
+    assert _windows(exported(src)) == [WINDOW, WINDOW]
+    assert Manifest.load(exported(src)).sliding_window == WINDOW
+    no_window = _copy_with_config(src, tmp_path / "hf", sliding_window=None)
+    export_model(no_window, tmp_path / "out", progress=False)
+    assert _windows(tmp_path / "out") == [0, 0]
+    ids = _prompt(Manifest.load(tmp_path / "out").vocab_size)
+    got, want = _logits(tmp_path / "out", ids), _hf_logits(src, ids)
+    np.testing.assert_allclose(got[:WINDOW], want[:WINDOW], atol=ATOL, rtol=0)
+    assert np.abs(got[WINDOW:] - want[WINDOW:]).max() > 1e-2
+
+
+def test_engine_greedy_matches_transformers(hf_model_dir) -> None:  # noqa: ANN001
+    """octavo.LLM (chunked prefill: 16-token steps, batched decode, prompts past the window) == HF greedy."""
+    from octavo import LLM, SamplingParams
+
+    src = hf_model_dir("phi3")
+    prompts = [_prompt(300, seed, 5 + 9 * seed) for seed in range(4)]  # 5..32 tokens; 32 + 12 > 2 windows
+    llm = LLM(str(exported(src)), num_blocks=64, block_size=8, max_num_batched_tokens=16)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    for p, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_reference(src, p, 12)
+
+
+# ----------------------------------------------------------------------------- refused
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256}
+
+
+def _config(hf_model_dir, **changes: object) -> dict:  # noqa: ANN001
+    return json.loads((hf_model_dir("phi3") / "config.json").read_text()) | changes
+
+
+@pytest.mark.parametrize("rope_type", ["longrope", "su", "yarn"])
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_longrope_is_refused(hf_model_dir, rope_type: str, key: str) -> None:  # noqa: ANN001
+    """The 128k variants: transformers switches short/long factors by length. Phi3Config renames "su" and
+    "yarn" to longrope, so a phi3 "yarn" is refused too (octavo's yarn would be another model)."""
+    import transformers
+
+    scaling = LONGROPE | {"rope_type": rope_type, "rope_theta": 10000.0}
+    config = _config(hf_model_dir, **{key: scaling})
+    if key == "rope_scaling":  # Phi-3's released configs
+        config = _v4_layout(config) | {key: scaling}
+    if key == "rope_parameters":  # transformers itself reads it as longrope
+        assert transformers.Phi3Config(**config).rope_parameters["rope_type"] == "longrope"
+    with pytest.raises(UnsupportedArchitectureError, match="'longrope' is not supported.*short and long"):
+        spec_from_config(config)
+
+
+def test_partial_rotary_is_refused_naming_the_value(hf_model_dir) -> None:  # noqa: ANN001
+    """Phi-4-mini (also Phi3ForCausalLM) rotates 0.75 of each head: refused, the message names 0.75."""
+    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
+        spec_from_config(_v4_layout(_config(hf_model_dir, partial_rotary_factor=0.75)))
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
+        spec_from_config(_config(hf_model_dir, rope_parameters=params))
+
+
+# ----------------------------------------------------------------------------- GGUF
+@pytest.mark.parametrize("arch", ["phi3", "phi3tied"])
+def test_gguf_round_trip_logits_match_transformers(hf_model_dir, tmp_path: Path, arch: str) -> None:  # noqa: ANN001
+    """HF -> octavo's GGUF writer (llama.cpp's phi3 layout) -> read_gguf -> export == transformers' logits.
+    The file holds the fused tensors exactly as the HF ones (llama.cpp does not permute phi3's q/k), gate+up
+    in ffn_up, no ffn_gate, the window in phi3.attention.sliding_window."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    src = hf_model_dir(arch)
+    path = write_gguf(src, tmp_path / "model.gguf")
+    raw = gguf.GGUFReader(path)
+    names = {t.name: t for t in raw.tensors}
+    weights = load_file(str(src / "model.safetensors"))
+    assert not any(".ffn_gate." in n or ".attn_q." in n for n in names)
+    for layer in range(2):
+        np.testing.assert_array_equal(names[f"blk.{layer}.attn_qkv.weight"].data,
+                                      weights[f"model.layers.{layer}.self_attn.qkv_proj.weight"])
+        np.testing.assert_array_equal(names[f"blk.{layer}.ffn_up.weight"].data,
+                                      weights[f"model.layers.{layer}.mlp.gate_up_proj.weight"])
+    assert ("output.weight" in names) is (arch == "phi3")
+    window = raw.fields["phi3.attention.sliding_window"].contents()
+    assert window == (WINDOW if arch == "phi3" else 0)
+
+    ckpt = read_gguf(path)
+    assert ckpt.config["architectures"] == ["Phi3ForCausalLM"]
+    assert "model.layers.1.mlp.gate_up_proj.weight" in ckpt.tensors
+    manifest = export_model(path, tmp_path / "out", progress=False)
+    assert manifest.architecture == "phi3" and manifest.tie_word_embeddings is (arch == "phi3tied")
+    assert _windows(tmp_path / "out") == ([WINDOW, WINDOW] if arch == "phi3" else [0, 0])
+    ids = _prompt(manifest.vocab_size)
+    np.testing.assert_allclose(_logits(tmp_path / "out", ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+
+
+def test_gguf_writer_refuses_longrope(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    src = _copy_with_config(hf_model_dir("phi3"), tmp_path / "hf", rope_scaling=LONGROPE)
+    with pytest.raises(UnsupportedArchitectureError, match="longrope"):
+        write_gguf(src, tmp_path / "long.gguf")
+    assert not (tmp_path / "long.gguf").exists()
+
+
+def test_gguf_longrope_factors_are_refused(tmp_path: Path) -> None:
+    """llama.cpp stores a 128k phi3's longrope as rope_factors_long/short tensors: refused by name."""
+    import gguf
+
+    path = tmp_path / "long.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.add_tensor("rope_factors_long.weight", np.ones(2, np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.ones(2, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedArchitectureError, match="rope_factors_long.*longrope.*4k"):
+        read_gguf(path)
+
+
+def test_gguf_partial_rotary_is_refused(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    src = _copy_with_config(hf_model_dir("phi3"), tmp_path / "hf", partial_rotary_factor=0.75)
+    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
+        write_gguf(src, tmp_path / "partial.gguf")
