@@ -68,7 +68,7 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path.name}: GGUF architecture {arch!r} is not supported; octavo reads "
-            f"{', '.join(sorted(ARCHITECTURES))} (Llama-family) GGUF files"
+            f"{', '.join(ARCHITECTURES)} (Llama-family) GGUF files"
         )
     _refuse_longrope(reader, path)
     config = _config(meta, reader, arch, path)
