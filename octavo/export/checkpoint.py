@@ -118,11 +118,18 @@ def _split_fused(checkpoint: Checkpoint, fused: set[str]) -> tuple[frozenset[str
         start = sum(sizes[:index])
         return start, start + sizes[index]
 
+    # the last fused tensor read: the graph builder asks for q, k, v (gate, up) in a row, and a GGUF
+    # lookup dequantizes the whole fused tensor each time
+    last: dict[str, np.ndarray] = {}
+
     def get_tensor(name: str) -> np.ndarray:
         if name not in parts:
             return read(name)
         fused_name, index, count = parts[name]
-        whole = read(fused_name)
+        if fused_name not in last:
+            last.clear()
+            last[fused_name] = read(fused_name)
+        whole = last[fused_name]
         start, stop = row_bounds(fused_name, whole.shape[0], index, count)
         return whole[start:stop]
 
