@@ -270,8 +270,6 @@ def _sliding_windows(config: dict[str, Any], architecture: str, num_layers: int)
         return [int(window or 0) if t == "sliding_attention" else 0 for t in types]
     if not window:
         return [0] * num_layers
-    if not window:
-        return [0] * num_layers
     if architecture in GATED_WINDOW_ARCHITECTURES and not config.get("use_sliding_window", False):
         return [0] * num_layers  # transformers' Qwen2/Qwen3 configs drop the window unless use_sliding_window
     layer_types = config.get("layer_types")
