@@ -251,3 +251,58 @@ def test_gguf_partial_rotary_is_refused(hf_model_dir, tmp_path: Path) -> None:  
     src = _copy_with_config(hf_model_dir("phi3"), tmp_path / "hf", partial_rotary_factor=0.75)
     with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
         write_gguf(src, tmp_path / "partial.gguf")
+
+
+def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """A Q8_0 phi3 GGUF (the fused attn_qkv / ffn_up quantized as one tensor each) exported == transformers'
+    Phi3 with every weight replaced by gguf's own dequantization of the file's tensors (transformers then
+    slices the fused ones itself)."""
+    import gguf
+    import torch
+
+    src = hf_model_dir("phi3")
+    path = write_gguf(src, tmp_path / "q8.gguf", tensor_type="Q8_0")
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert raw["blk.0.attn_qkv.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    model = load_hf(src)[0]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = raw[_gguf_name(name)]
+            values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            param.copy_(torch.from_numpy(np.array(values, np.float32).reshape(param.shape)))
+    manifest = export_model(path, tmp_path / "out", progress=False)
+    ids = _prompt(manifest.vocab_size)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_logits(tmp_path / "out", ids), want, atol=ATOL, rtol=0)
+    assert np.abs(want - _hf_logits(src, ids)).max() > 1e-3  # Q8_0 did change the model
+
+
+def _gguf_name(hf: str) -> str:
+    from octavo.export.gguf_writer import gguf_tensor_name
+
+    return gguf_tensor_name(hf)
+
+
+def test_int8_export_equals_transformers_with_dequantized_weights(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """--weights int8 (accuracy_level 0: float compute) quantizes the presented q/k/v and gate/up slices;
+    blockwise quantization runs along each row, so this equals transformers' Phi3 with its fused
+    qkv_proj / gate_up_proj (and o/down) replaced by dequantize(quantize(W))."""
+    import torch
+
+    from octavo.export.quantize import dequantize, quantize
+
+    src = hf_model_dir("phi3")
+    export_model(src, tmp_path / "int8", progress=False, weights="int8", accuracy_level=0)
+    model = load_hf(src)[0]
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.split(".")[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                w = dequantize(quantize(module.weight.detach().numpy(), 8, 32))
+                module.weight = torch.nn.Parameter(torch.from_numpy(w))
+    ids = _prompt(Manifest.load(tmp_path / "int8").vocab_size)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    got = _logits(tmp_path / "int8", ids)
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, float(np.abs(want).max()))
+    assert np.abs(want - _hf_logits(src, ids)).max() > 1e-3  # int8 did change the model
