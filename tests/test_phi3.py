@@ -153,6 +153,30 @@ def test_engine_greedy_matches_transformers(hf_model_dir) -> None:  # noqa: ANN0
         assert out.outputs[0].token_ids == hf_reference(src, p, 12)
 
 
+# ----------------------------------------------------------------------------- released configs
+# the published Phi-3-mini-4k-instruct config.json (transformers 4 layout), the fields octavo reads
+PHI3_MINI_4K = dict(
+    architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072, intermediate_size=8192,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+    max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5,
+    rope_theta=10000.0, rope_scaling=None, sliding_window=2047, hidden_act="silu", bos_token_id=1,
+    eos_token_id=32000, pad_token_id=32000, tie_word_embeddings=False,
+)
+
+
+def test_phi3_mini_4k_config_as_transformers_reads_it() -> None:
+    """Window 2047 on all 32 layers (transformers' Phi3 masks every layer when sliding_window is set),
+    head_dim 96, no rope scaling; transformers' Phi3Config agrees on the rope it would use."""
+    import transformers
+
+    spec = spec_from_config(PHI3_MINI_4K)
+    assert spec.architecture == "phi3" and spec.head_dim == 96 and spec.num_kv_heads == 32
+    assert spec.sliding_windows == [2047] * 32 and spec.rope_scaling is None and not spec.tie_word_embeddings
+    hf = transformers.Phi3Config(**PHI3_MINI_4K)
+    assert hf.sliding_window == 2047 and hf.rope_parameters["rope_type"] == "default"
+    assert hf.rope_parameters["rope_theta"] == spec.rope_theta
+
+
 # ----------------------------------------------------------------------------- refused
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
             "original_max_position_embeddings": 256}
