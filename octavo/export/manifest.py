@@ -17,7 +17,7 @@ WEIGHT_FORMATS = ("fp32", "int8", "int4")  # Manifest.weights (octavo.export.qua
 
 @dataclass(slots=True)
 class Manifest:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "gemma2" | "phi3"
     num_layers: int
     num_heads: int
     num_kv_heads: int
