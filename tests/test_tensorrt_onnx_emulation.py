@@ -95,29 +95,41 @@ def _worker(export_dir: str) -> None:
         print(json.dumps(emulate(export_dir, kv_dtype)), flush=True)
 
 
+ARCHS = ["llama", "qwen3", "gemma3", "phi3"]  # q/k norms, sandwich norms + GELU + two rope tables, fused weights
+
+
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory, hf_model_dir) -> dict[str, dict]:  # noqa: ANN001
+def emulated(tmp_path_factory, hf_model_dir):  # noqa: ANN001, ANN201
+    """arch -> {kv dtype -> emulation result}, each arch exported and emulated once (in a subprocess)."""
     export = pytest.importorskip("octavo.export.exporter")
-    folder = tmp_path_factory.mktemp("trt_emulation") / "model"
-    export.export_model(hf_model_dir("llama"), folder, progress=False)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), env.get("PYTHONPATH", "")])
-    code = f"import test_tensorrt_onnx_emulation as t; t._worker({str(folder)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {row["kv_dtype"]: row for row in rows}
+    done: dict[str, dict[str, dict]] = {}
+
+    def get(arch: str) -> dict[str, dict]:
+        if arch not in done:
+            folder = tmp_path_factory.mktemp(f"trt_emulation_{arch}") / "model"
+            export.export_model(hf_model_dir(arch), folder, progress=False)
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), env.get("PYTHONPATH", "")])
+            code = f"import test_tensorrt_onnx_emulation as t; t._worker({str(folder)!r})"
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+            done[arch] = {row["kv_dtype"]: row for row in rows}
+        return done[arch]
+
+    return get
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv_dtype", list(KV_DTYPES))
-def test_prepared_graph_with_triton_kernel_matches_transformers(emulated: dict[str, dict], hf_model_dir,  # noqa: ANN001
-                                                                 kv_dtype: str) -> None:
+def test_prepared_graph_with_triton_kernel_matches_transformers(emulated, hf_model_dir,  # noqa: ANN001
+                                                                 kv_dtype: str, arch: str) -> None:
     import torch
 
     from models import load_hf
 
-    result, atol = emulated[kv_dtype], KV_DTYPES[kv_dtype]
-    model, _ = load_hf(hf_model_dir("llama"))
+    result, atol = emulated(arch)[kv_dtype], KV_DTYPES[kv_dtype]
+    model, _ = load_hf(hf_model_dir(arch))
     with torch.no_grad():
         ref = model(torch.tensor([PROMPT + [result["next"]]])).logits[0].numpy()
     n = len(PROMPT)
