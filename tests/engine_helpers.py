@@ -84,3 +84,29 @@ def hf_reference(hf_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
             _HF[hf_dir] = load_hf(hf_dir)[0]
         _REFS[key] = hf_greedy(_HF[hf_dir], prompt, max_tokens)
     return _REFS[key]
+
+
+def prefill_logits(folder: Path, ids: list[int], block_size: int = 16) -> "np.ndarray":
+    """An export's logits for every position of IDS, prefilled in one step over a reversed block table."""
+    import numpy as np
+
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from octavo.runtime.step_inputs import one_sequence
+
+    blocks = -(-len(ids) // block_size)
+    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=blocks, block_size=block_size, num_threads=1)
+    try:
+        table = np.arange(blocks, dtype=np.int32)[::-1]
+        return backend.run(one_sequence(ids, 0, table, block_size, all_logits=True))
+    finally:
+        backend.close()
+
+
+def hf_prompt_logits(src: Path, ids: list[int]) -> "np.ndarray":
+    """transformers' logits for every position of IDS (the checkpoint in SRC, float32)."""
+    import torch
+    from models import load_hf
+
+    with torch.no_grad():
+        return load_hf(src)[0](torch.tensor([ids])).logits[0].numpy()

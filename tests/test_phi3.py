@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from engine_helpers import exported, hf_reference
+from engine_helpers import exported, hf_prompt_logits, hf_reference, prefill_logits
 from models import load_hf
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
@@ -26,30 +26,10 @@ from octavo.export.gguf_reader import read_gguf
 from octavo.export.gguf_writer import write_gguf
 from octavo.export.hf_reader import read_hf_folder
 from octavo.export.manifest import Manifest
-from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
-from octavo.runtime.step_inputs import one_sequence
 
 ATOL = 1e-4
 PROMPT_LEN = 40  # longer than the phi3 test model's window of 16
 WINDOW = 16
-
-
-def _logits(folder: Path, ids: list[int]) -> np.ndarray:
-    """The exported graph's logits for every position of IDS, prefilled in one step (16-token blocks)."""
-    manifest = Manifest.load(folder)
-    blocks = -(-len(ids) // 16)
-    backend = OnnxRuntimeBackend(folder, manifest, num_blocks=blocks, block_size=16, num_threads=1)
-    try:
-        return backend.run(one_sequence(ids, 0, np.arange(blocks, dtype=np.int32)[::-1], 16, all_logits=True))
-    finally:
-        backend.close()
-
-
-def _hf_logits(src: Path, ids: list[int]) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return load_hf(src)[0](torch.tensor([ids])).logits[0].numpy()
 
 
 def _prompt(vocab_size: int, seed: int = 3, length: int = PROMPT_LEN) -> list[int]:
@@ -119,7 +99,7 @@ def test_logits_match_transformers(hf_model_dir, arch: str) -> None:  # noqa: AN
     assert manifest.architecture == "phi3"
     assert manifest.tie_word_embeddings is (arch == "phi3tied")
     ids = _prompt(manifest.vocab_size)
-    np.testing.assert_allclose(_logits(folder, ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(prefill_logits(folder, ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
 
 
 def test_window_on_every_layer_as_transformers(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
@@ -132,7 +112,7 @@ def test_window_on_every_layer_as_transformers(hf_model_dir, tmp_path: Path) -> 
     export_model(no_window, tmp_path / "out", progress=False)
     assert _windows(tmp_path / "out") == [0, 0]
     ids = _prompt(Manifest.load(tmp_path / "out").vocab_size)
-    got, want = _logits(tmp_path / "out", ids), _hf_logits(src, ids)
+    got, want = prefill_logits(tmp_path / "out", ids), hf_prompt_logits(src, ids)
     np.testing.assert_allclose(got[:WINDOW], want[:WINDOW], atol=ATOL, rtol=0)
     assert np.abs(got[WINDOW:] - want[WINDOW:]).max() > 1e-2
 
@@ -243,7 +223,7 @@ def test_gguf_round_trip_logits_match_transformers(hf_model_dir, tmp_path: Path,
     assert manifest.architecture == "phi3" and manifest.tie_word_embeddings is (arch == "phi3tied")
     assert _windows(tmp_path / "out") == ([WINDOW, WINDOW] if arch == "phi3" else [0, 0])
     ids = _prompt(manifest.vocab_size)
-    np.testing.assert_allclose(_logits(tmp_path / "out", ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
 
 
 def test_gguf_writer_refuses_longrope(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
@@ -298,8 +278,8 @@ def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir,
     ids = _prompt(manifest.vocab_size)
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(_logits(tmp_path / "out", ids), want, atol=ATOL, rtol=0)
-    assert np.abs(want - _hf_logits(src, ids)).max() > 1e-3  # Q8_0 did change the model
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=ATOL, rtol=0)
+    assert np.abs(want - hf_prompt_logits(src, ids)).max() > 1e-3  # Q8_0 did change the model
 
 
 def _gguf_name(hf: str) -> str:
@@ -327,6 +307,6 @@ def test_int8_export_equals_transformers_with_dequantized_weights(hf_model_dir, 
     ids = _prompt(Manifest.load(tmp_path / "int8").vocab_size)
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    got = _logits(tmp_path / "int8", ids)
+    got = prefill_logits(tmp_path / "int8", ids)
     assert np.abs(got - want).max() < 1e-4 * max(1.0, float(np.abs(want).max()))
-    assert np.abs(want - _hf_logits(src, ids)).max() > 1e-3  # int8 did change the model
+    assert np.abs(want - hf_prompt_logits(src, ids)).max() > 1e-3  # int8 did change the model

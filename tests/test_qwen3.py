@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from engine_helpers import exported, hf_reference
-from models import load_hf, make_random_model
+from engine_helpers import exported, hf_prompt_logits, hf_reference, prefill_logits
+from models import make_random_model
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
 from octavo.export import export_model
@@ -24,29 +24,9 @@ from octavo.export.checkpoint import spec_from_config
 from octavo.export.gguf_reader import read_gguf
 from octavo.export.gguf_writer import write_gguf
 from octavo.export.manifest import Manifest
-from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
-from octavo.runtime.step_inputs import one_sequence
 
 ATOL = 1e-4
 PROMPT_LEN = 40  # longer than the test models' window of 8
-
-
-def _logits(folder: Path, ids: list[int]) -> np.ndarray:
-    """The exported graph's logits for every position of IDS, prefilled in one step (16-token blocks)."""
-    manifest = Manifest.load(folder)
-    blocks = -(-len(ids) // 16)
-    backend = OnnxRuntimeBackend(folder, manifest, num_blocks=blocks, block_size=16, num_threads=1)
-    try:
-        return backend.run(one_sequence(ids, 0, np.arange(blocks, dtype=np.int32)[::-1], 16, all_logits=True))
-    finally:
-        backend.close()
-
-
-def _hf_logits(src: Path, ids: list[int]) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return load_hf(src)[0](torch.tensor([ids])).logits[0].numpy()
 
 
 def _prompt(vocab_size: int, seed: int = 3) -> list[int]:
@@ -89,11 +69,11 @@ def test_without_the_qk_norm_the_logits_are_wrong(hf_model_dir, tmp_path: Path, 
 
     src = hf_model_dir("qwen3")
     ids = _prompt(Manifest.load(exported(src)).vocab_size)
-    want = _hf_logits(src, ids)
-    np.testing.assert_allclose(_logits(exported(src), ids), want, atol=ATOL, rtol=0)
+    want = hf_prompt_logits(src, ids)
+    np.testing.assert_allclose(prefill_logits(exported(src), ids), want, atol=ATOL, rtol=0)
     monkeypatch.setattr(checkpoint, "QK_NORM_ARCHITECTURES", ())
     export_model(src, tmp_path / "no_norm", progress=False)
-    assert np.abs(_logits(tmp_path / "no_norm", ids) - want).max() > 1e-2
+    assert np.abs(prefill_logits(tmp_path / "no_norm", ids) - want).max() > 1e-2
 
 
 @pytest.mark.parametrize("arch", ["qwen3tied", "qwen3window"])
@@ -103,7 +83,7 @@ def test_logits_match_transformers(hf_model_dir, arch: str) -> None:  # noqa: AN
     manifest = Manifest.load(folder)
     assert manifest.tie_word_embeddings is (arch == "qwen3tied")
     ids = _prompt(manifest.vocab_size)
-    np.testing.assert_allclose(_logits(folder, ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(prefill_logits(folder, ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
 
 
 def test_attention_bias_on_q_k_v_and_o(tmp_path: Path) -> None:
@@ -120,7 +100,7 @@ def test_attention_bias_on_q_k_v_and_o(tmp_path: Path) -> None:
     save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
     export_model(src, tmp_path / "out", progress=False)
     ids = _prompt(Manifest.load(tmp_path / "out").vocab_size)
-    np.testing.assert_allclose(_logits(tmp_path / "out", ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
 
 
 def test_yarn_rope_scaling_as_qwen3_documents_it(tmp_path: Path) -> None:
@@ -130,7 +110,7 @@ def test_yarn_rope_scaling_as_qwen3_documents_it(tmp_path: Path) -> None:
     manifest = export_model(src, tmp_path / "out", progress=False)
     assert manifest.rope_scaling is not None and manifest.rope_scaling["rope_type"] == "yarn"
     ids = _prompt(manifest.vocab_size)
-    np.testing.assert_allclose(_logits(tmp_path / "out", ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
 
 
 def test_engine_greedy_matches_transformers(hf_model_dir) -> None:  # noqa: ANN001
@@ -212,7 +192,7 @@ def test_gguf_round_trip_logits_match_transformers(hf_model_dir, tmp_path: Path,
     windows = [_attr(n, "sliding_window") for n in _attention_nodes(tmp_path / "out")]
     assert windows == ([0, 0] if variant == "tied" else [8, 8])
     ids = _prompt(manifest.vocab_size)
-    np.testing.assert_allclose(_logits(tmp_path / "out", ids), _hf_logits(src, ids), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
 
 
 def test_gguf_writer_refuses_a_window_on_some_layers_only(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001

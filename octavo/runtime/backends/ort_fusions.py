@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -152,15 +153,16 @@ def _match(index: _Index, reshape: onnx.NodeProto, inits: dict[str, np.ndarray],
                  table)
 
 
-def _replace_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
-    """Make NODES (copied first: clearing a repeated field detaches the messages in it) the graph's nodes."""
+def _replace(field: Any, items: list[Any]) -> None:
+    """Make ITEMS the contents of the repeated message FIELD (graph.node, graph.initializer); they are copied
+    first, because clearing a repeated field detaches the messages in it."""
     copies = []
-    for node in nodes:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
+    for item in items:
+        copy = type(item)()
+        copy.CopyFrom(item)
         copies.append(copy)
-    del graph.node[:]
-    graph.node.extend(copies)
+    del field[:]
+    field.extend(copies)
 
 
 def _remove_dead(graph: onnx.GraphProto) -> int:
@@ -174,18 +176,12 @@ def _remove_dead(graph: onnx.GraphProto) -> int:
         if len(live) == len(nodes):
             break
         removed += len(nodes) - len(live)
-        _replace_nodes(graph, live)
+        _replace(graph.node, live)
     inputs = {i.name for i in graph.input}
     initializers = list(graph.initializer)
     keep = [t for t in initializers if t.name in used or t.name in inputs]
     if len(keep) != len(initializers):
-        copies = []
-        for t in keep:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(t)
-            copies.append(copy)
-        del graph.initializer[:]
-        graph.initializer.extend(copies)
+        _replace(graph.initializer, keep)
     return removed
 
 
@@ -239,7 +235,7 @@ def fuse_rotary(model: onnx.ModelProto, max_positions: int) -> int:
                 ]
             continue
         kept.append(node)
-    _replace_nodes(graph, kept)
+    _replace(graph.node, kept)
     removed = _remove_dead(graph)
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
