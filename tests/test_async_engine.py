@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from engine_helpers import exported, greedy, hf_reference, random_requests
+from toy_backend import ToyBackend
 
 from octavo.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, UnknownRequestError
 from octavo.runtime.async_engine import AsyncEngine
@@ -99,8 +101,6 @@ def test_thread_callback_api(model) -> None:  # noqa: ANN001
 
 
 def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa: ANN001
-    import time
-
     from octavo.export.manifest import Manifest
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -146,7 +146,6 @@ def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa
 def test_many_threads_submitting_and_aborting_at_random(tmp_path) -> None:  # noqa: ANN001
     """Every request gets exactly one final output, finished ones equal the oracle, no block leaks."""
     import random
-    import time
 
     from toy_backend import ToyBackend, make_toy_model_dir, toy_greedy
 
@@ -196,25 +195,27 @@ def test_many_threads_submitting_and_aborting_at_random(tmp_path) -> None:  # no
     eng.shutdown_nowait()
 
 
+class SlowToyBackend(ToyBackend):
+    """The toy backend with a 0.3 s step that says when a step has started (`running`)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.running = threading.Event()
+
+    def run(self, inputs):  # noqa: ANN001, ANN201
+        self.running.set()
+        time.sleep(0.3)
+        return super().run(inputs)
+
+
 def test_abort_and_shutdown_in_the_same_drain_still_end_the_request(tmp_path) -> None:  # noqa: ANN001
     """An abort queued while a step runs, then shutdown: the callback still gets exactly one final output
     (it was dropped: the aborted group left engine.groups before the shutdown ended the rest), and the
     blocks are freed."""
-    from toy_backend import ToyBackend, make_toy_model_dir
+    from toy_backend import make_toy_model_dir
 
     folder = make_toy_model_dir(tmp_path / "toy")
-
-    class SlowToy(ToyBackend):
-        running = threading.Event()
-
-        def run(self, inputs):  # noqa: ANN001, ANN201
-            self.running.set()
-            import time
-
-            time.sleep(0.3)
-            return super().run(inputs)
-
-    backend = SlowToy(24, 4)
+    backend = SlowToyBackend(24, 4)
     eng = AsyncEngine(EngineArgs(model=str(folder), block_size=4), backend)
     finals: list = []
     eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(50), "a", lambda o: finals.append(o) if o.finished else None)
@@ -230,21 +231,10 @@ def test_abort_drained_just_before_the_loop_dies_still_gets_its_final_output(tmp
     """An abort drained together with the step that kills the loop (the scheduler raises): the aborted request
     still gets exactly one final output ("abort"; it used to get none: it had left engine.groups, so the
     failure handler never saw it), the request added in the same drain ends with "error"."""
-    import time
-
-    from toy_backend import ToyBackend, make_toy_model_dir
+    from toy_backend import make_toy_model_dir
 
     folder = make_toy_model_dir(tmp_path / "toy")
-
-    class SlowToy(ToyBackend):
-        running = threading.Event()
-
-        def run(self, inputs):  # noqa: ANN001, ANN201
-            self.running.set()
-            time.sleep(0.3)
-            return super().run(inputs)
-
-    backend = SlowToy(24, 4)
+    backend = SlowToyBackend(24, 4)
     eng = AsyncEngine(EngineArgs(model=str(folder), block_size=4), backend)
     real_schedule = eng.engine.scheduler.schedule
     broken = threading.Event()
@@ -286,7 +276,6 @@ def test_abort_drained_just_before_the_loop_dies_still_gets_its_final_output(tmp
 def test_shutdown_that_times_out_never_closes_the_backend_under_a_running_step(tmp_path) -> None:  # noqa: ANN001
     """shutdown's join gives up while a step runs: the backend must not be freed under that step (it used to
     be); the engine thread releases it once the step is over, and the request still ends with "abort"."""
-    import time
 
     from toy_backend import ToyBackend, make_toy_model_dir
 
