@@ -33,6 +33,18 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def llm_greedy(folder: Path, prompts: list[list[int]], max_tokens: int, **engine_args: object) -> list[list[int]]:
+    """octavo.LLM's greedy continuation (exactly max_tokens, EOS ignored) of each token-id prompt, in order."""
+    from octavo.runtime.llm import LLM
+
+    llm = LLM(str(folder), **engine_args)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), use_tqdm=False)
+    finally:
+        llm.close()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def exported(hf_dir: Path) -> Path:
     """Export a test checkpoint once per session (next to it)."""
     if hf_dir not in _EXPORTED:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from engine_helpers import exported, hf_reference
+from engine_helpers import exported, hf_reference, llm_greedy
 from models import load_hf
 
 from octavo.errors import UnsupportedArchitectureError
@@ -127,18 +127,11 @@ def test_gemma2_softcaps_matter(hf_model_dir) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_llm_greedy_matches_transformers(hf_model_dir, arch: str) -> None:  # noqa: ANN001
-    from octavo import LLM, SamplingParams
-
     src = hf_model_dir(arch)
     prompts = [_prompt(300, n, seed) for seed, n in enumerate((3, 12, 23))]
-    llm = LLM(str(exported(src)), num_blocks=64, block_size=8, max_num_batched_tokens=16)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.close()
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_reference(src, p, 14)
+    got = llm_greedy(exported(src), prompts, 14, num_blocks=64, block_size=8, max_num_batched_tokens=16)
+    for p, tokens in zip(prompts, got):
+        assert tokens == hf_reference(src, p, 14)
 
 
 # ----------------------------------------------------------------------------- graph

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from engine_helpers import exported, hf_prompt_logits, hf_reference, prefill_logits
+from engine_helpers import exported, hf_prompt_logits, hf_reference, llm_greedy, prefill_logits
 from models import load_hf
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
@@ -119,18 +119,11 @@ def test_window_on_every_layer_as_transformers(hf_model_dir, tmp_path: Path) -> 
 
 def test_engine_greedy_matches_transformers(hf_model_dir) -> None:  # noqa: ANN001
     """octavo.LLM (chunked prefill: 16-token steps, batched decode, prompts past the window) == HF greedy."""
-    from octavo import LLM, SamplingParams
-
     src = hf_model_dir("phi3")
     prompts = [_prompt(300, seed, 5 + 9 * seed) for seed in range(4)]  # 5..32 tokens; 32 + 12 > 2 windows
-    llm = LLM(str(exported(src)), num_blocks=64, block_size=8, max_num_batched_tokens=16)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.close()
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_reference(src, p, 12)
+    got = llm_greedy(exported(src), prompts, 12, num_blocks=64, block_size=8, max_num_batched_tokens=16)
+    for p, tokens in zip(prompts, got):
+        assert tokens == hf_reference(src, p, 12)
 
 
 # ----------------------------------------------------------------------------- released configs

@@ -198,22 +198,16 @@ def test_rotary_fusion_still_applies(yarn_model, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["llama_yarn", "qwen2_yarn_mscale"])
 def test_greedy_generation_through_llm_equals_transformers(yarn_model, name: str) -> None:
+    from engine_helpers import llm_greedy
     from models import hf_greedy
-
-    from octavo import LLM, SamplingParams
 
     _, folder, manifest, model = yarn_model(name)
     # no token 0: hf_greedy's generate() takes it for padding (pad_token_id=0) and would mask it out
     prompts = [np.random.default_rng(seed).integers(5, manifest.vocab_size, n).tolist()
                for seed, n in ((21, 200), (22, 90))]
-    llm = LLM(str(folder), num_blocks=48, block_size=16, max_num_batched_tokens=128)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.close()
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24)
+    got = llm_greedy(folder, prompts, 24, num_blocks=48, block_size=16, max_num_batched_tokens=128)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(model, prompt, 24)
 
 
 # ----------------------------------------------------------------------------- GGUF
