@@ -87,3 +87,22 @@ def random_step(
         block_table=block_table,
         slot_mapping=np.array(slots, dtype=np.int64).reshape(num_tokens),
     )
+
+
+def random_case(rng: np.random.Generator, head_dims: list[int], block_sizes: list[int],
+                max_past: int) -> tuple[list[tuple[int, int]], dict, int, int, Step]:
+    """A random configuration (GQA group, head_dim, block size, 1-5 sequences with up to MAX_PAST cached and
+    up to 40 new tokens, window, softcap, scale) and its step: (seqs, op attributes, head_dim, block_size, step)."""
+    kv_heads = int(rng.choice([1, 2, 3, 4]))
+    group = int(rng.choice([1, 2, 4, 8]))
+    head_dim = int(rng.choice(head_dims))
+    block_size = int(rng.choice(block_sizes))
+    seqs = [(int(rng.integers(0, max_past)), int(rng.integers(0, 40))) for _ in range(int(rng.integers(1, 6)))]
+    seqs[0] = (seqs[0][0], max(seqs[0][1], 1))
+    window = int(rng.choice([0, 0, 1, 9, 500]))
+    cap = float(rng.choice([0.0, 0.0, 2.5]))
+    attrs = dict(num_heads=kv_heads * group, kv_num_heads=kv_heads, scale=float(rng.uniform(0.05, 0.3)),
+                 sliding_window=window, softcap=cap)
+    step = random_step(rng, seqs, num_heads=kv_heads * group, kv_num_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size)
+    return seqs, attrs, head_dim, block_size, step

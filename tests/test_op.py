@@ -6,7 +6,7 @@ import math
 import numpy as np
 import onnxruntime as ort
 import pytest
-from op_cases import paged_attention_model, random_step
+from op_cases import paged_attention_model, random_case, random_step
 
 from octavo.kernels.reference import paged_attention_ref
 from octavo.runtime.backends import build_op, oplib
@@ -81,19 +81,9 @@ def test_op_matches_reference(library: str, name: str) -> None:
 def test_op_matches_reference_on_random_shapes(library: str, seed: int) -> None:
     """Random configurations reach the kernel's other paths: tile tails, head_dim 8..128 (vector
     tails), odd block sizes, windows longer than the context, several kv heads per work item."""
-    rng = np.random.default_rng(1000 + seed)
-    kv_heads = int(rng.choice([1, 2, 3, 4]))
-    group = int(rng.choice([1, 2, 4, 8]))
-    head_dim = int(rng.choice([8, 16, 24, 40, 64, 80, 96, 128]))
-    block_size = int(rng.choice([1, 3, 16, 32]))
-    seqs = [(int(rng.integers(0, 90)), int(rng.integers(0, 40))) for _ in range(int(rng.integers(1, 6)))]
-    seqs[0] = (seqs[0][0], max(seqs[0][1], 1))
-    window = int(rng.choice([0, 0, 1, 9, 500]))
-    cap = float(rng.choice([0.0, 0.0, 2.5]))
-    attrs = dict(num_heads=kv_heads * group, kv_num_heads=kv_heads, scale=float(rng.uniform(0.05, 0.3)),
-                 sliding_window=window, softcap=cap)
-    step = random_step(rng, seqs, num_heads=kv_heads * group, kv_num_heads=kv_heads, head_dim=head_dim,
-                       block_size=block_size)
+    seqs, attrs, head_dim, block_size, step = random_case(
+        np.random.default_rng(1000 + seed), head_dims=[8, 16, 24, 40, 64, 80, 96, 128], block_sizes=[1, 3, 16, 32],
+        max_past=90)
     ref_inputs = step.feeds()
     expected = paged_attention_ref(*ref_inputs.values(), **attrs)
     output, key_cache_out, value_cache_out = make_session(library, **attrs).run(None, step.feeds())
@@ -131,19 +121,9 @@ def test_op_matches_reference_float16_pools(library: str, name: str) -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_op_matches_reference_float16_pools_random_shapes(library: str, seed: int) -> None:
-    rng = np.random.default_rng(2000 + seed)
-    kv_heads = int(rng.choice([1, 2, 3, 4]))
-    group = int(rng.choice([1, 2, 4, 8]))
-    head_dim = int(rng.choice([4, 8, 20, 40, 64, 72, 128]))
-    block_size = int(rng.choice([1, 3, 16, 256]))
-    seqs = [(int(rng.integers(0, 300)), int(rng.integers(0, 40))) for _ in range(int(rng.integers(1, 6)))]
-    seqs[0] = (seqs[0][0], max(seqs[0][1], 1))
-    window = int(rng.choice([0, 0, 1, 9, 500]))
-    cap = float(rng.choice([0.0, 0.0, 2.5]))
-    attrs = dict(num_heads=kv_heads * group, kv_num_heads=kv_heads, scale=float(rng.uniform(0.05, 0.3)),
-                 sliding_window=window, softcap=cap)
-    step = random_step(rng, seqs, num_heads=kv_heads * group, kv_num_heads=kv_heads, head_dim=head_dim,
-                       block_size=block_size)
+    seqs, attrs, head_dim, block_size, step = random_case(
+        np.random.default_rng(2000 + seed), head_dims=[4, 8, 20, 40, 64, 72, 128], block_sizes=[1, 3, 16, 256],
+        max_past=300)
     ref_inputs = half_pools(step.feeds())
     expected = paged_attention_ref(*ref_inputs.values(), **attrs)
     output, key_cache_out, value_cache_out = make_session(library, "float16", **attrs).run(None, half_pools(step.feeds()))
