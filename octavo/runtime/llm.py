@@ -49,9 +49,9 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         # only finished outputs are returned: the engine need not build one per request per step
-        final: dict[int, SamplingParams] = {}
-        params = [final.setdefault(id(p), dataclasses.replace(p, output_kind="final_only"))
-                  if isinstance(p, SamplingParams) else p for p in params]
+        finals = {id(p): dataclasses.replace(p, output_kind="final_only")  # one copy per distinct params object
+                  for p in params if isinstance(p, SamplingParams)}
+        params = [finals.get(id(p), p) for p in params]
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
         prios = priority or [0] * len(prompts)
