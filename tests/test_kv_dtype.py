@@ -26,7 +26,6 @@ from octavo.export.manifest import Manifest
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.engine import default_num_blocks, make_backend
 from octavo.runtime.engine_args import EngineArgs
-from octavo.runtime.kv_cache import kv_bytes_per_block
 
 ARCHS = ["llama", "qwen2"]
 LOGIT_ATOL = 0.25  # fp16 pool vs HF fp32 logits (measured max ~0.10)
@@ -116,7 +115,7 @@ def test_kv_cache_memory_gives_twice_the_blocks(model) -> None:  # noqa: ANN001
     _, folder = model
     manifest = Manifest.load(folder)
     per_block = manifest.kv_bytes_per_block(16)
-    assert kv_bytes_per_block(manifest, 16) == per_block == 2 * kv_bytes_per_block(manifest, 16, "float16")
+    assert manifest.kv_bytes_per_block(16, "float32") == per_block == 2 * manifest.kv_bytes_per_block(16, "float16")
     memory = 100 * per_block + 7
     engines = {dtype: LLM(str(folder), kv_cache_memory=memory, kv_cache_dtype=dtype).engine
                for dtype in ("auto", "float16")}

@@ -470,12 +470,11 @@ def test_a_field_added_to_engine_args_later_reaches_the_engine(exported: Path, t
     reaches the engine: the same kv_cache_memory holds twice the blocks with float16 pools (octavo_total_blocks,
     against the byte count the manifest gives)."""
     from octavo.export.manifest import Manifest
-    from octavo.runtime.kv_cache import kv_bytes_per_block
 
     manifest = Manifest.load(exported)
     fp32_blocks = 40
-    memory = fp32_blocks * kv_bytes_per_block(manifest, 16, "float32")
-    assert memory // kv_bytes_per_block(manifest, 16, "float16") == 2 * fp32_blocks
+    memory = fp32_blocks * manifest.kv_bytes_per_block(16, "float32")
+    assert memory // manifest.kv_bytes_per_block(16, "float16") == 2 * fp32_blocks
     repo = write_model_repository(tmp_path / "repo", exported, parameters={
         "num_threads": "1", "kv_cache_memory": str(memory), "kv_cache_dtype": "float16"})
     srv = TritonServer(repo, tmp_path / "work", http_port=free_port(), grpc_port=free_port(),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from octavo.demo.profiles import SEED_PROFILES, Profile, prompt_ids
 from octavo.errors import InvalidRequestError
-from octavo.runtime.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
+from octavo.runtime.kv_cache import resolve_kv_cache_dtype
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.tracing.reader import check_rows
@@ -176,6 +176,6 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
     report = build_report(
         check_rows(rows), labels={r.id: r.kind for r in requests}, answers=answers, notes=notes,
         max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-        bytes_per_slot=kv_bytes_per_block(manifest, 1, resolve_kv_cache_dtype(config.kv_cache_dtype, manifest)),
+        bytes_per_slot=manifest.kv_bytes_per_block(1, resolve_kv_cache_dtype(config.kv_cache_dtype, manifest)),
     )
     return DemoRun(requests, rows, outputs, report, num_blocks, max_model_len, eos, answers)

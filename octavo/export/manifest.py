@@ -6,13 +6,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from octavo.errors import ModelFormatError
+from octavo.errors import InvalidRequestError, ModelFormatError
 from octavo.export.paths import inside
 
 MAGIC = "octavo-model"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "octavo.json"
 WEIGHT_FORMATS = ("fp32", "int8", "int4")  # Manifest.weights (octavo.export.quantize)
+KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per K/V element, by pool dtype
 
 
 @dataclass(slots=True)
@@ -44,10 +45,13 @@ class Manifest:
     magic: str = MAGIC
     format_version: int = FORMAT_VERSION
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one KV block takes over all layers (key + value)."""
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+    def kv_bytes_per_block(self, block_size: int, dtype: str | None = None) -> int:
+        """Bytes one KV block takes over all layers (key + value pools) when the pool holds DTYPE
+        (None: the manifest's dtype)."""
+        dtype = dtype or self.dtype
+        if dtype not in KV_ITEMSIZE:
+            raise InvalidRequestError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_ITEMSIZE)}")
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * KV_ITEMSIZE[dtype]
 
     def save(self, folder: str | Path) -> Path:
         path = Path(folder) / MANIFEST_NAME

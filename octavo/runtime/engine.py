@@ -27,7 +27,7 @@ from octavo.runtime.backends.base import Backend
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.engine_args import EngineArgs
-from octavo.runtime.kv_cache import kv_bytes_per_block, resolve_kv_cache_dtype
+from octavo.runtime.kv_cache import resolve_kv_cache_dtype
 from octavo.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from octavo.runtime.request import Request
 from octavo.runtime.runner import ModelRunner
@@ -78,7 +78,7 @@ def default_num_blocks(args: EngineArgs, manifest: Manifest, max_model_len: int,
     """KV pool size: num_blocks wins; else kv_cache_memory bytes; else the documented default.
     kv_dtype: the pool's element type (None: what args.kv_cache_dtype resolves to for this manifest)."""
     kv_dtype = kv_dtype or resolve_kv_cache_dtype(args.kv_cache_dtype, manifest)
-    per_block = kv_bytes_per_block(manifest, args.block_size, kv_dtype)
+    per_block = manifest.kv_bytes_per_block(args.block_size, kv_dtype)
     if args.num_blocks is not None:
         return args.num_blocks
     if args.kv_cache_memory is not None:

@@ -1,5 +1,5 @@
 """KV cache element types: which dtype a pool holds, how many bytes a block takes, and how an exported
-graph is switched to a float16 pool in memory (no re-export).
+graph is switched to a float16 pool in memory (no re-export). Bytes per block: Manifest.kv_bytes_per_block.
 
 `EngineArgs.kv_cache_dtype` is "auto" (the pool holds what the manifest says: float32 for every
 onnxruntime export) or "float16" (half the bytes per block; the activations stay float32 and the op
@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from octavo.errors import InvalidRequestError
+from octavo.export.manifest import KV_ITEMSIZE
 
 if TYPE_CHECKING:
     from onnx import ModelProto
 
     from octavo.export.manifest import Manifest
 
-KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 KV_CACHE_DTYPES = ("auto", "float16")  # what EngineArgs.kv_cache_dtype accepts
 NUMPY_KV_DTYPE: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16}
 PAGED_ATTENTION = ("octavo", "PagedAttention")  # (domain, op_type) of the node whose pools are switched
@@ -32,15 +32,6 @@ def resolve_kv_cache_dtype(requested: str, manifest: Manifest) -> str:
     if requested not in KV_ITEMSIZE:
         raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
     return requested
-
-
-def kv_bytes_per_block(manifest: Manifest, block_size: int, dtype: str | None = None) -> int:
-    """Bytes one KV block takes over all layers (key + value pools) when the pool holds DTYPE
-    (None: the manifest's dtype)."""
-    dtype = dtype or manifest.dtype
-    if dtype not in KV_ITEMSIZE:
-        raise InvalidRequestError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_ITEMSIZE)}")
-    return 2 * manifest.num_layers * block_size * manifest.num_kv_heads * manifest.head_dim * KV_ITEMSIZE[dtype]
 
 
 def set_cache_dtype(model: ModelProto, dtype: str) -> int:

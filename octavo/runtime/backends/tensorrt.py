@@ -24,7 +24,6 @@ from octavo.build.tensorrt_builder import BuildInfo, import_tensorrt
 from octavo.errors import BackendUnavailableError, InvalidRequestError, ModelFormatError, StepFailedError
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
-from octavo.runtime.kv_cache import kv_bytes_per_block
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class TensorRTBackend:
         self.context = self.engine.create_execution_context()
         self._stream = check(cudart.cudaStreamCreate(), "cudaStreamCreate")
 
-        bytes_per_block = kv_bytes_per_block(manifest, self.block_size, self.info.dtype)  # the engine's pool dtype
+        bytes_per_block = manifest.kv_bytes_per_block(self.block_size, self.info.dtype)  # the engine's pool dtype
         if num_blocks is None:
             free, _total = check(cudart.cudaMemGetInfo(), "cudaMemGetInfo")
             num_blocks = pool_blocks_for_memory(free, memory_fraction, bytes_per_block, self.info.max_num_blocks)
