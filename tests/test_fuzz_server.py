@@ -32,7 +32,8 @@ NAME = "tiny"
 CAP = 8  # --max-tokens-cap: keeps every valid request short
 BODY_LIMIT = 64 << 10
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-          ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", OPENAPI_PATH)]
+          ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", OPENAPI_PATH),
+          ("POST", "/invocations")]
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 

@@ -207,7 +207,7 @@ def test_sse_wire_format_and_exact_shapes(server) -> None:  # noqa: ANN001
     assert o["id"].startswith("chatcmpl-") and isinstance(o["created"], int)
     assert set(o["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
     assert o["choices"][0]["message"]["role"] == "assistant"
-    assert set(o["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert set(o["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
     models = httpx.get(server.base_url + "/v1/models", headers=auth()).json()
     assert models["object"] == "list" and models["data"][0]["id"] == NAME and models["data"][0]["object"] == "model"
     assert httpx.get(server.base_url + "/version", headers=auth()).json()["version"]
@@ -290,7 +290,7 @@ def test_bad_completion_requests_are_400(server, body, param) -> None:  # noqa: 
 
 def test_chat_errors_prompt_too_long_404_413_401(server) -> None:  # noqa: ANN001
     url = server.base_url
-    for body in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+    for body in ({"messages": []}, {"messages": [{"role": "wiz<|im_start|>", "content": "x"}]},
                  {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
                  {"messages": "hi"}, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1.5}):
         r = httpx.post(url + "/v1/chat/completions", headers=auth(), json=body)

@@ -243,6 +243,22 @@ def test_http_generate_matches_llm(server: TritonServer, reference: dict[str, st
     assert status == 200 and json.loads(body)["text_output"] == reference[PROMPT]
 
 
+def test_num_cached_tokens_reports_prefix_cache_hits(server: TritonServer) -> None:
+    """The second request with the same 40-word prompt finds its full 16-token blocks in the prefix cache;
+    num_cached_tokens says how many prompt tokens that was (the engine's count for this request)."""
+    prompt = " ".join(f"cached{i}" for i in range(40))
+    outs = []
+    for _ in range(2):
+        status, body = http_post(server, "generate", greedy(prompt, exclude_input_in_output=True))
+        assert status == 200, body
+        outs.append(json.loads(body))
+    first, second = outs
+    assert first["num_cached_tokens"] == 0
+    n = second["num_input_tokens"]
+    assert second["num_cached_tokens"] == (n - 1) // 16 * 16 > 0  # every full block but the last prompt token's
+    assert second["text_output"] == first["text_output"]
+
+
 def test_http_generate_stream(server: TritonServer, reference: dict[str, str]) -> None:
     status, body = http_post(server, "generate_stream", greedy(PROMPT, stream=True))
     assert status == 200, body

@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=_bytes, default=4 << 20, help="largest request body (413 above)")
     p.add_argument("--max-tokens-cap", type=int, default=None,
                    help="refuse max_tokens above this; also the default when a request sets none")
+    p.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="every response carries vLLM's per-request timing 'metrics' (a request may ask for them "
+                        "with include_metrics: true without this)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     add_engine_arguments(p)
@@ -94,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or [args.model]),
         api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
+        per_request_metrics=args.enable_per_request_metrics,
     )
     server = OpenAIServer(config, lambda: AsyncEngine(ea), shutdown_timeout=args.shutdown_timeout)
     return asyncio.run(_serve(server, args.host, args.port))

@@ -12,6 +12,30 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"chat template: {message}")
 
 
+def _sandbox() -> Any:
+    """The jinja2 environment chat templates render in: immutable sandbox, transformers' whitespace options."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """TEXT up to the end of the last message's content (its closing tokens dropped), so the model continues
+    it. The content is looked up from the end; trailing whitespace is kept only if the template kept it."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise InvalidRequestError("continue_final_message needs a last message with text content to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the last message's content does not appear in the "
+                                  "rendered chat template, so there is nothing to continue")
+    body = final.lstrip()
+    end = at + len(body) if text.startswith(body, at) else at + len(final.strip())
+    return text[:end]
+
+
 class Tokenizer:
     def __init__(self, folder: str | Path, manifest: Manifest) -> None:
         from tokenizers import Tokenizer as HFTokenizer
@@ -42,10 +66,13 @@ class Tokenizer:
         except TypeError as exc:  # e.g. a lone surrogate ("\ud800"): not encodable text
             raise InvalidRequestError(f"the text cannot be tokenized (is it valid Unicode?): {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    add_special_tokens: bool = False, **template_options: Any) -> list[int]:
         """Token ids of a conversation rendered with the chat template. The rendered text already holds the
-        template's special tokens (BOS included), so it is encoded without adding more."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        template's special tokens (BOS included), so it is encoded without adding more unless asked.
+        template_options: apply_chat_template's keywords (chat_template, continue_final_message, variables)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_options)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -53,25 +80,26 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, continue_final_message: bool = False,
                             **kwargs: Any) -> str:
-        """Render messages with the model's chat template in a sandbox (no file or attribute access)."""
-        if self.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        """Render messages with the model's chat template (or CHAT_TEMPLATE, a request's own) in a sandbox (no
+        file or attribute access). continue_final_message: the text ends right after the last message's
+        content, so that generation continues that message (transformers' rule)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt, or a 'chat_template'")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} dicts")
         try:
             if self._template is None:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
-                env.globals["raise_exception"] = _raise_exception
-                self._template = env.from_string(self.chat_template)
-            return self._template.render(
+                self._template = _sandbox().from_string(self.chat_template)
+            template = self._template if chat_template is None else _sandbox().from_string(chat_template)
+            text = template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **kwargs,
             )
+            return _cut_after_final_message(text, messages) if continue_final_message else text
         except InvalidRequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - TemplateError, and what the sandbox raises (OverflowError for

@@ -40,6 +40,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     max_tokens_cap: int | None = None
     max_n: int = 16
+    per_request_metrics: bool = False  # vLLM's --enable-per-request-metrics: "metrics" in every response
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/invocations", invocations)
     add_openapi_route(app, lambda: server_schema(state))
     return app
 
@@ -228,11 +230,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = st.ready_engine()
     assert st.limits is not None
     req = parse_completion(await _read_json(request), st.limits)
+    return await _completions(request, st, engine, req)
+
+
+async def _completions(request: web.Request, st: ServerState, engine: AsyncEngine,
+                       req: CompletionRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
     if req.echo and req.logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported", "echo")
+    if req.beam is not None:
+        raise bad_request("'use_beam_search' is not supported by this server yet", "use_beam_search")
     rid = R.new_id("cmpl")
-    gen = Generation(engine, st.metrics, req.prompts, req.params, rid)
+    gen = Generation(engine, st.metrics, req.prompts, req.params, rid, req.options.priority)
     return await _run(request, st, gen, _CompletionShape(st, req, gen, rid))
 
 
@@ -241,14 +250,39 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = st.ready_engine()
     assert st.limits is not None
     req = parse_chat(await _read_json(request), st.limits)
+    return await _chat(request, st, engine, req)
+
+
+async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req: ChatRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
+    if req.beam is not None:
+        raise bad_request("'use_beam_search' is not supported by this server yet", "use_beam_search")
+    c = req.chat
     try:  # off the event loop: a long conversation takes a while to render and tokenize
-        prompt = {"prompt_token_ids": await asyncio.to_thread(st.tokenizer.encode_chat, req.messages)}
+        ids = await asyncio.to_thread(
+            st.tokenizer.encode_chat, req.messages, c.add_generation_prompt, add_special_tokens=c.add_special_tokens,
+            chat_template=c.chat_template, continue_final_message=c.continue_final_message, **c.chat_template_kwargs)
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects these messages
-        raise bad_request(f"cannot apply the model's chat template to these messages: {exc}", "messages") from None
+        param = "chat_template" if c.chat_template is not None else "messages"
+        raise bad_request(f"cannot apply the chat template to these messages: {exc}", param) from None
     rid = R.new_id("chatcmpl")
-    gen = Generation(engine, st.metrics, [prompt], req.params, rid)
+    gen = Generation(engine, st.metrics, [{"prompt_token_ids": ids}], req.params, rid, req.options.priority)
     return await _run(request, st, gen, _ChatShape(st, req, gen, rid))
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's POST /invocations (as vLLM routes it): a body with 'messages' is a chat completion, one
+    with 'prompt' a completion."""
+    st = request.app[STATE]
+    engine = st.ready_engine()
+    assert st.limits is not None
+    body = await _read_json(request)
+    if isinstance(body, dict) and "messages" in body:
+        return await _chat(request, st, engine, parse_chat(body, st.limits))
+    if isinstance(body, dict) and "prompt" in body:
+        return await _completions(request, st, engine, parse_completion(body, st.limits))
+    raise bad_request("/invocations takes a chat completion body (with 'messages') or a completion body (with "
+                      "'prompt')")
 
 
 class _Shape:
@@ -259,22 +293,47 @@ class _Shape:
     def __init__(self, st: ServerState, req: Any, gen: Generation, rid: str) -> None:
         self.st, self.req, self.gen, self.rid = st, req, gen, rid
         self.created = int(time.time())
+        self.opts = req.options
+        self.streamed_tokens = 0  # completion tokens the stream has carried so far (continuous usage)
+        self.prompt_ids_sent: set[int] = set()  # choices whose chunk carried prompt_token_ids
+
+    @property
+    def _with_metrics(self) -> bool:
+        return self.opts.include_metrics or self.st.config.per_request_metrics
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return self.envelope(self.rid, self.created, self.st.model_name, choices, None, chunk=True,
+        use = None
+        if self.opts.continuous_usage:  # usage so far on every chunk (vLLM's continuous_usage_stats)
+            use = R.usage(self.gen.prompt_tokens, self.streamed_tokens, self.gen.cached_tokens)
+        return self.envelope(self.rid, self.created, self.st.model_name, choices, use, chunk=True,
                              with_usage_field=self.req.include_usage)
 
     def usage_chunk(self) -> dict[str, Any] | None:
         if not self.req.include_usage:
             return None
-        return self.envelope(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
-                             with_usage_field=True)
+        out = self.envelope(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
+                            with_usage_field=True)
+        if self._with_metrics:  # as vLLM: the metrics of a stream ride on its final usage chunk
+            out["metrics"] = self.gen.timing()
+        return out
 
-    def _usage(self) -> dict[str, int]:
-        return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+    def _usage(self) -> dict[str, Any]:
+        return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens, self.gen.cached_tokens)
 
     def _response(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return self.envelope(self.rid, self.created, self.st.model_name, choices, self._usage())
+        out = self.envelope(self.rid, self.created, self.st.model_name, choices, self._usage())
+        if self._with_metrics:
+            out["metrics"] = self.gen.timing()
+        return out
+
+    def _counted(self, u: ChoiceUpdate) -> None:
+        self.streamed_tokens += len(u.token_ids)
+
+    def _wants_chunk(self, u: ChoiceUpdate, logprobs_on: bool) -> bool:
+        """An update without text still gets a chunk when it ends the choice or carries tokens the client asked
+        to see (their logprobs, or their ids)."""
+        return bool(u.text or u.finish_reason is not None
+                    or (u.token_ids and (logprobs_on or self.opts.return_token_ids)))
 
     def first_chunks(self) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -306,8 +365,9 @@ class _CompletionShape(_Shape):
         if self.req.logprobs is None or u.logprobs is None:
             return None
         off = self.offsets.get(u.index, 0)
-        lp = R.completion_logprobs(u.logprobs, u.token_ids, self.req.logprobs, _decoder(self.st), off)
-        self.offsets[u.index] = off + sum(len(t) for t in lp["tokens"])
+        lp = R.completion_logprobs(u.logprobs, u.token_ids, self.req.logprobs, _decoder(self.st), off,
+                                   as_ids=self.opts.tokens_as_ids)
+        self.offsets[u.index] = off + R.text_length(u.logprobs, u.token_ids, _decoder(self.st))
         return lp
 
     def _echo(self, index: int) -> str:
@@ -316,25 +376,45 @@ class _CompletionShape(_Shape):
         p = self.req.prompts[index // self.req.params.n]
         return p if isinstance(p, str) else self.st.tokenizer.decode(p)
 
+    def _stream_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None,
+                       token_ids: list[int]) -> dict[str, Any]:
+        """A chunk's choice; with return_token_ids its new token ids, and its prompt's ids the first time
+        they are known."""
+        choice = R.completion_choice(index, text, finish_reason, logprobs)
+        if self.opts.return_token_ids:
+            ids = self.gen.prompt_token_ids(index)
+            if ids is not None and index not in self.prompt_ids_sent:
+                choice["prompt_token_ids"] = ids
+                self.prompt_ids_sent.add(index)
+            choice["token_ids"] = token_ids
+        return choice
+
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.req.echo:
             return []
-        return [self._chunk([R.completion_choice(i, self._echo(i), None)]) for i in range(self.gen.num_choices)]
+        return [self._chunk([self._stream_choice(i, self._echo(i), None, None, [])])
+                for i in range(self.gen.num_choices)]
 
     def chunk(self, u: ChoiceUpdate) -> dict[str, Any] | None:
-        if not u.text and u.finish_reason is None and not (self.req.logprobs is not None and u.token_ids):
+        self._counted(u)
+        if not self._wants_chunk(u, self.req.logprobs is not None):
             return None
-        return self._chunk([R.completion_choice(u.index, u.text, u.finish_reason, self._logprobs(u))])
+        return self._chunk([self._stream_choice(u.index, u.text, u.finish_reason, self._logprobs(u), u.token_ids)])
 
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
         choices = []
         for i in range(self.gen.num_choices):
+            ids, entries = self._joined(updates.get(i, []))
             lp = None
             if self.req.logprobs is not None:
-                ids, entries = self._joined(updates.get(i, []))
-                lp = R.completion_logprobs(entries, ids, self.req.logprobs, _decoder(self.st))
-            choices.append(R.completion_choice(i, self._echo(i) + "".join(texts.get(i, [])), reasons.get(i), lp))
+                lp = R.completion_logprobs(entries, ids, self.req.logprobs, _decoder(self.st),
+                                           as_ids=self.opts.tokens_as_ids)
+            choice = R.completion_choice(i, self._echo(i) + "".join(texts.get(i, [])), reasons.get(i), lp)
+            if self.opts.return_token_ids:
+                choice["prompt_token_ids"] = self.gen.prompt_token_ids(i)
+                choice["token_ids"] = ids
+            choices.append(choice)
         return self._response(choices)
 
 
@@ -347,28 +427,55 @@ class _ChatShape(_Shape):
     def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
         if not self.req.logprobs or u.logprobs is None:
             return None
-        return R.chat_logprobs(u.logprobs, u.token_ids, self.req.top_logprobs, _decoder(self.st))
+        return R.chat_logprobs(u.logprobs, u.token_ids, self.req.top_logprobs, _decoder(self.st),
+                               as_ids=self.opts.tokens_as_ids)
+
+    @property
+    def _echo(self) -> str:
+        """With echo, the reply starts with the last message's content when that message is the assistant's
+        (vLLM's rule: the echoed message must have the role of the reply)."""
+        last = self.req.messages[-1]
+        return last["content"] if self.req.chat.echo and last["role"] == "assistant" else ""
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk([R.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
-                for i in range(self.gen.num_choices)]
+        out = []
+        for i in range(self.gen.num_choices):
+            chunk = self._chunk([R.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
+            if self.opts.return_token_ids:
+                chunk["prompt_token_ids"] = self.gen.prompt_token_ids(i)
+            out.append(chunk)
+        if self._echo:
+            out += [self._chunk([R.chat_chunk_choice(i, {"content": self._echo}, None)])
+                    for i in range(self.gen.num_choices)]
+        return out
 
     def chunk(self, u: ChoiceUpdate) -> dict[str, Any] | None:
-        if not u.text and u.finish_reason is None and not (self.req.logprobs and u.token_ids):
+        self._counted(u)
+        if not self._wants_chunk(u, self.req.logprobs):
             return None
         delta = {"content": u.text} if u.text else {}
-        return self._chunk([R.chat_chunk_choice(u.index, delta, u.finish_reason, self._logprobs(u))])
+        choice = R.chat_chunk_choice(u.index, delta, u.finish_reason, self._logprobs(u))
+        if self.opts.return_token_ids:
+            choice["token_ids"] = u.token_ids
+        return self._chunk([choice])
 
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
         choices = []
         for i in range(self.gen.num_choices):
+            ids, entries = self._joined(updates.get(i, []))
             lp = None
             if self.req.logprobs:
-                ids, entries = self._joined(updates.get(i, []))
-                lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st))
-            choices.append(R.chat_choice(i, "".join(texts.get(i, [])), reasons.get(i), lp))
-        return self._response(choices)
+                lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st),
+                                     as_ids=self.opts.tokens_as_ids)
+            choice = R.chat_choice(i, self._echo + "".join(texts.get(i, [])), reasons.get(i), lp)
+            if self.opts.return_token_ids:
+                choice["token_ids"] = ids
+            choices.append(choice)
+        out = self._response(choices)
+        if self.opts.return_token_ids:
+            out["prompt_token_ids"] = self.gen.prompt_token_ids(0)
+        return out
 
 
 def _decoder(st: ServerState) -> Any:

@@ -20,6 +20,7 @@ from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.outputs import Logprob, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serving.metrics import RequestTimer, ServerMetrics
+from octavo.serving.responses import request_metrics
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class _Sub:
     prompt_tokens: int = 0
     finished: bool = False
     choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None  # known once the engine has tokenized the prompt
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: Any = None  # the engine's RequestMetrics of the latest output
 
 
 _END = object()
@@ -58,9 +62,10 @@ _END = object()
 
 class Generation:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompts: list[Any], params: SamplingParams,
-                 request_id: str) -> None:
+                 request_id: str, priority: int = 0) -> None:
         self._engine = engine
         self._params = params
+        self._priority = priority
         now = time.monotonic()
         self._subs = [_Sub(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, RequestTimer(metrics, now))
                       for i, p in enumerate(prompts)]
@@ -77,12 +82,29 @@ class Generation:
     def num_choices(self) -> int:
         return len(self._subs) * self._params.n
 
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self._subs)
+
+    def prompt_token_ids(self, choice: int) -> list[int] | None:
+        """The token ids of CHOICE's prompt (None until the engine has tokenized it)."""
+        return self._subs[choice // self._params.n].prompt_token_ids
+
+    def timing(self) -> dict[str, float | None] | None:
+        """vLLM's per-request "metrics" — only for one prompt with n == 1 (one generation stream), else None."""
+        if len(self._subs) != 1 or self._params.n != 1 or self._subs[0].metrics is None:
+            return None
+        m = self._subs[0].metrics
+        return request_metrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
+                               self.completion_tokens)
+
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
         """Yields the updates of each engine output as it arrives; aborts what is left when closed early."""
         try:
             if len(self._subs) == 1:
                 sub = self._subs[0]
-                async for out in self._engine.generate(sub.prompt, self._params, sub.request_id):
+                async for out in self._engine.generate(sub.prompt, self._params, sub.request_id,
+                                                      priority=self._priority):
                     yield self._apply(0, sub, out)
             else:
                 async for i, out in self._merged():
@@ -108,7 +130,8 @@ class Generation:
 
         async def pump(i: int, sub: _Sub) -> None:
             try:
-                async for out in self._engine.generate(sub.prompt, self._params, sub.request_id):
+                async for out in self._engine.generate(sub.prompt, self._params, sub.request_id,
+                                                      priority=self._priority):
                     queue.put_nowait((i, out))
                 queue.put_nowait(_END)
             except asyncio.CancelledError:
@@ -134,6 +157,9 @@ class Generation:
     def _apply(self, i: int, sub: _Sub, out: RequestOutput) -> list[ChoiceUpdate]:
         now = time.monotonic()
         sub.prompt_tokens = len(out.prompt_token_ids)
+        sub.prompt_token_ids = out.prompt_token_ids
+        sub.cached_tokens = out.num_cached_tokens
+        sub.metrics = out.metrics
         updates = []
         for o in out.outputs:
             st = sub.choices.setdefault(o.index, _Choice())

@@ -45,7 +45,7 @@ def _sampling(max_tokens_cap: int | None, max_n: int, vocab_size: int | None) ->
     return {
         "model": {"type": "string", "nullable": True, "description": "absent = the served model"},
         "n": _int(1, max_n, nullable=True),
-        "best_of": _int(1, max_n, nullable=True, description="must equal n"),
+        "best_of": _int(1, max_n, nullable=True, description="must equal n, except as the beam width"),
         "temperature": _num(0.0),
         "top_p": _num(0.0, 1.0, lo_open=True),
         "top_k": _int(-1, nullable=True, description="-1 or 0: off"),
@@ -68,7 +68,22 @@ def _sampling(max_tokens_cap: int | None, max_n: int, vocab_size: int | None) ->
         "user": {"type": "string", "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {"type": "object", "nullable": True, "description": "only with stream: true",
-                           "properties": {"include_usage": {"type": "boolean"}}},
+                           "properties": {"include_usage": {"type": "boolean", "nullable": True},
+                                          "continuous_usage_stats": {
+                                              "type": "boolean", "nullable": True,
+                                              "description": "usage (so far) on every chunk; implies "
+                                                             "include_usage unless that is false"}}},
+        # vLLM's extensions
+        "return_token_ids": {"type": "boolean", "nullable": True,
+                             "description": "prompt_token_ids and per-choice token_ids in the response and chunks"},
+        "return_tokens_as_token_ids": {"type": "boolean", "nullable": True,
+                                       "description": "logprob tokens written as 'token_id:<id>'"},
+        "include_metrics": {"type": "boolean", "nullable": True,
+                            "description": "per-request timing in 'metrics' (n = 1, one prompt)"},
+        "priority": _int(-(2**63), 2**63 - 1, nullable=True, description="lower is scheduled first"),
+        "use_beam_search": {"type": "boolean", "nullable": True,
+                            "description": "beam search of width max(n, best_of); the n best beams"},
+        "length_penalty": {**_num(), "description": "beam score = cumulative logprob / length ** length_penalty"},
     }
 
 
@@ -93,7 +108,8 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, A
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "role": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_.-]{0,63}$",
+                 "description": "system, developer, user, assistant, tool, or another role the template takes"},
         "content": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
         "name": {"type": "string"},
     }}
@@ -104,13 +120,33 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, A
         "top_logprobs": _int(0, MAX_LOGPROBS, nullable=True, description="needs logprobs: true"),
         "response_format": {"type": "object", "nullable": True, "required": ["type"],
                             "properties": {"type": {"type": "string", "enum": ["text"]}}},
+        "add_generation_prompt": {"type": "boolean", "nullable": True, "description": "default true"},
+        "continue_final_message": {"type": "boolean", "nullable": True,
+                                   "description": "continue the last (assistant) message; needs "
+                                                  "add_generation_prompt: false"},
+        "echo": {"type": "boolean", "nullable": True,
+                 "description": "the reply starts with the last message's content if it is the assistant's"},
+        "chat_template": {"type": "string", "nullable": True, "minLength": 1,
+                          "description": "this request's Jinja chat template (sandboxed)"},
+        "chat_template_kwargs": {"type": "object", "nullable": True,
+                                 "description": "extra template variables"},
+        "add_special_tokens": {"type": "boolean", "nullable": True,
+                               "description": "special tokens (BOS) on top of the template's; default false"},
     })
     return {"type": "object", "required": ["messages"], "properties": props}
 
 
 _NULLABLE_STR = {"type": "string", "nullable": True}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
-    k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    **{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
+        "cached_tokens": {"type": "integer", "minimum": 0, "description": "prompt tokens from the prefix cache"}}}}}
+_MS = {"type": "number", "nullable": True, "minimum": 0}
+_METRICS = {"type": "object", "nullable": True, "description": "with include_metrics (or "
+            "--enable-per-request-metrics); null for n > 1 or several prompts", "properties": {
+                k: _MS for k in ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                                 "tokens_per_second")}}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "with return_token_ids"}
 _FINISH = {"type": "string", "nullable": True, "enum": ["stop", "length", "abort", "error", None]}
 
 
@@ -129,8 +165,9 @@ def _responses_schemas() -> dict[str, Any]:
                                "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
                                "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
                                               "logprobs": {"type": "object", "nullable": True},
-                                              "finish_reason": _FINISH}}},
-                           "usage": _ref("Usage")}},
+                                              "finish_reason": _FINISH, "token_ids": _TOKEN_IDS,
+                                              "prompt_token_ids": _TOKEN_IDS}}},
+                           "usage": _ref("Usage"), "metrics": _METRICS}},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                            "properties": {
                                "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},
@@ -143,8 +180,8 @@ def _responses_schemas() -> dict[str, Any]:
                                            "role": {"type": "string", "enum": ["assistant"]},
                                            "content": {"type": "string"}}},
                                        "logprobs": {"type": "object", "nullable": True},
-                                       "finish_reason": _FINISH}}},
-                               "usage": _ref("Usage")}},
+                                       "finish_reason": _FINISH, "token_ids": _TOKEN_IDS}}},
+                               "usage": _ref("Usage"), "metrics": _METRICS, "prompt_token_ids": _TOKEN_IDS}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"type": "string", "enum": ["list"]},
             "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "created", "owned_by"],
@@ -200,6 +237,8 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
     schemas = _responses_schemas()
     schemas["CompletionRequest"] = _completion_request(max_tokens_cap, max_n, vocab_size)
     schemas["ChatCompletionRequest"] = _chat_request(max_tokens_cap, max_n, vocab_size)
+    schemas["InvocationRequest"] = {"oneOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]}
+    schemas["Invocation"] = {"oneOf": [_ref("ChatCompletion"), _ref("Completion")]}
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
         "openapi": "3.0.3",
@@ -212,6 +251,9 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
             "/v1/completions": {"post": _generate_op("text completion", "CompletionRequest", "Completion")},
             "/v1/chat/completions": {"post": _generate_op("chat completion", "ChatCompletionRequest",
                                                           "ChatCompletion")},
+            "/invocations": {"post": {**_generate_op(
+                "SageMaker-style: a chat completion when the body has 'messages', else a completion ('prompt')",
+                "InvocationRequest", "Invocation")}},
             "/v1/models": {"get": _get_op("the served model names", {_JSON: {"schema": _ref("ModelList")}})},
             "/health": {"get": _get_op("200 once the model is loaded (no API key needed)", {}, auth=False)},
             "/version": {"get": _get_op("octavo's version", {_JSON: {"schema": {

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.errors import InvalidRequestError
@@ -19,6 +20,16 @@ log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # top-k logprobs per token (OpenAI allows 5 / 20, vLLM 20)
 _INT64 = 2**63
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# a role outside _CHAT_ROLES is handed to the chat template (which may refuse it) if it is a plain word: no
+# whitespace or markup that could forge the template's own role delimiters
+_CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+# vLLM request fields this server does not implement: given with a value other than their default, they are a 400
+# (silently ignoring them would change what the client gets); name -> the value that means "off"
+REFUSED_EXTENSIONS: dict[str, Any] = {
+    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [], "logits_processors": None,
+    "prompt_embeds": None, "spaces_between_special_tokens": True, "documents": None, "mm_processor_kwargs": None,
+    "kv_transfer_params": None, "cache_salt": None, "vllm_xargs": None,
+}
 
 
 @dataclass(slots=True)
@@ -33,6 +44,25 @@ class Limits:
 
 
 @dataclass(slots=True)
+class OutputOptions:
+    """vLLM's extensions of what a response carries (shared by completions and chat)."""
+
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    return_token_ids: bool = False  # prompt_token_ids and per-choice token_ids
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+    include_metrics: bool = False  # per-request timing ("metrics"), also on with --enable-per-request-metrics
+    priority: int = 0  # lower is scheduled first
+
+
+@dataclass(slots=True)
+class BeamOptions:
+    """use_beam_search: width = max(n, best_of); the n best beams are returned."""
+
+    width: int
+    length_penalty: float = 1.0
+
+
+@dataclass(slots=True)
 class CompletionRequest:
     model: str | None
     prompts: list[str | list[int]]
@@ -41,6 +71,20 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     logprobs: int | None  # top-k per token, None = off
+    options: OutputOptions = field(default_factory=OutputOptions)
+    beam: BeamOptions | None = None
+
+
+@dataclass(slots=True)
+class ChatOptions:
+    """How the conversation becomes a prompt (vLLM's chat extensions)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    echo: bool = False  # the reply starts with the last message's content when that message is the assistant's
+    chat_template: str | None = None  # this request's own template (rendered in the same sandbox)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
+    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
 
 
 @dataclass(slots=True)
@@ -52,6 +96,9 @@ class ChatRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    options: OutputOptions = field(default_factory=OutputOptions)
+    beam: BeamOptions | None = None
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
 
 class _Body:
@@ -82,7 +129,7 @@ class _Body:
         if not isinstance(v, int) or isinstance(v, bool):
             raise bad_request(f"'{name}' must be an integer, got {_show(v)}", name)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise bad_request(f"'{name}' must be in [{_bound(lo)}, {_bound(hi)}], got {v}", name)
+            raise bad_request(f"'{name}' must be an integer {_range(lo, hi)}, got {v}", name)
         return v
 
     def number(self, name: str, default: float, lo: float | None = None, hi: float | None = None,
@@ -123,6 +170,19 @@ def _bound(b: float | None) -> str:
     return "inf" if b is None else str(b)
 
 
+def _range(lo: int | None, hi: int | None) -> str:
+    """'between 0 and 20' / '>= 1' / '<= 5', with 2^63-style powers for the int64 limits."""
+    def show(x: int) -> str:
+        for k in (63, 64):
+            if x in (2**k - 1, -(2**k)):
+                return f"{'-' if x < 0 else ''}2^{k}{'-1' if x > 0 else ''}"
+        return str(x)
+
+    if lo is not None and hi is not None:
+        return f"between {show(lo)} and {show(hi)}"
+    return f">= {show(lo)}" if lo is not None else f"<= {show(hi)}" if hi is not None else ""
+
+
 # ---------------------------------------------------------------------------------------------------
 # shared sampling fields
 
@@ -141,25 +201,49 @@ def _stop(b: _Body) -> list[str]:
 
 
 def _logit_bias(b: _Body, vocab_size: int) -> dict[int, float] | None:
+    """token id -> bias in [-100, 100]. A 400 names every offending key and value, not only the first."""
     v = b.d.get("logit_bias")
     if v is None:
         return None
     if not isinstance(v, dict):
         raise bad_request("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
     out: dict[int, float] = {}
+    not_ids, outside, bad_values = [], [], []
     for key, bias in v.items():
         try:
             tok = int(key)
         except (TypeError, ValueError):
-            raise bad_request(f"'logit_bias' keys must be token ids, got {_show(key)}", "logit_bias") from None
+            not_ids.append(key)
+            continue
         if not 0 <= tok < vocab_size:
-            raise bad_request(f"'logit_bias' token id {tok} is outside the vocabulary [0, {vocab_size})",
-                              "logit_bias")
-        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
-            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {_show(bias)}",
-                              "logit_bias")
-        out[tok] = float(bias)
+            outside.append(tok)
+        elif not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
+            bad_values.append(f"{key}: {_show(bias)}")
+        else:
+            out[tok] = float(bias)
+    problems = []
+    if not_ids:
+        problems.append(f"keys must be token ids (integers written as strings), not {_listed(not_ids)}")
+    if outside:
+        problems.append(_out_of_vocabulary(outside, vocab_size))
+    if bad_values:
+        problems.append(f"biases must be numbers between -100 and 100, not {_listed(bad_values, quote=False)}")
+    if problems:
+        raise bad_request("'logit_bias': " + "; ".join(problems), "logit_bias")
     return out
+
+
+def _out_of_vocabulary(ids: list[int], vocab_size: int) -> str:
+    several = len(ids) > 1
+    return (f"token id{'s' if several else ''} {_listed(ids)} {'are' if several else 'is'} out of vocabulary "
+            f"(allowed: 0 to {vocab_size - 1})")
+
+
+def _listed(items: list[Any], quote: bool = True, limit: int = 20) -> str:
+    """Up to LIMIT items, comma-separated (the count of the rest after them)."""
+    shown = [_show(x) if quote else str(x) for x in items[:limit]]
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(shown) + more
 
 
 def _max_tokens(b: _Body, names: tuple[str, ...], default: int | None, limits: Limits) -> int | None:
@@ -176,35 +260,88 @@ def _max_tokens(b: _Body, names: tuple[str, ...], default: int | None, limits: L
     return limits.max_tokens_cap
 
 
-def _stream(b: _Body) -> tuple[bool, bool]:
+def _stream(b: _Body) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats). continuous_usage_stats alone implies include_usage, as
+    in vLLM (whose include_usage defaults to true inside stream_options); an explicit include_usage false wins."""
     stream = b.boolean("stream", False)
     opts = b.d.get("stream_options")
     if opts is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    inc = opts.get("include_usage", False)
-    if not isinstance(inc, bool):
-        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
-    return stream, inc
+    flags = {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = opts.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'stream_options.{key}' must be a boolean, got {_show(value)}", "stream_options")
+        flags[key] = value
+    continuous = bool(flags["continuous_usage_stats"])
+    include = flags["include_usage"] if flags["include_usage"] is not None else continuous
+    return stream, include, continuous and include
+
+
+def _output_options(b: _Body, continuous: bool, logprobs_on: bool) -> OutputOptions:
+    for name, off in REFUSED_EXTENSIONS.items():
+        if name in b.d and b.d[name] is not None and b.d[name] != off:
+            raise bad_request(f"'{name}' is not supported by this server (leave it unset)", name)
+    as_ids = b.boolean("return_tokens_as_token_ids", False)
+    return OutputOptions(
+        continuous_usage=continuous,
+        return_token_ids=b.boolean("return_token_ids", False),
+        tokens_as_ids=as_ids and logprobs_on,
+        include_metrics=b.boolean("include_metrics", False),
+        priority=b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1) or 0,
+    )
+
+
+def _prompt_logprobs(b: _Body) -> None:
+    """vLLM's prompt_logprobs (top-k logprobs of every prompt token): validated, not implemented yet."""
+    v = b.integer("prompt_logprobs", None)
+    if v is None:
+        return
+    if not 0 <= v <= MAX_LOGPROBS:
+        raise bad_request(f"'prompt_logprobs' must be an integer between 0 and {MAX_LOGPROBS}, got {v}",
+                          "prompt_logprobs")
+    raise bad_request("'prompt_logprobs' is not supported by this server yet", "prompt_logprobs")
+
+
+def _beam(b: _Body, n: int) -> BeamOptions | None:
+    """use_beam_search: beam width max(n, best_of), length_penalty (vLLM's: score = cumulative logprob /
+    length ** length_penalty). Sampling fields that beam search does not use are refused, not ignored."""
+    if not b.boolean("use_beam_search", False):
+        if b.present("length_penalty") and b.number("length_penalty", 1.0) != 1.0:
+            raise bad_request("'length_penalty' only applies with 'use_beam_search': true", "length_penalty")
+        return None
+    best_of = b.integer("best_of", None, lo=1)
+    if best_of is not None and best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n}): it is the beam width", "best_of")
+    for name, off in (("top_p", 1.0), ("top_k", None), ("min_p", 0.0), ("seed", None)):
+        if b.present(name) and b.d[name] != off and not (name == "top_k" and b.d[name] in (0, -1)):
+            raise bad_request(f"'{name}' does not apply to beam search (beams are chosen by cumulative "
+                              "logprob); leave it unset", name)
+    return BeamOptions(width=max(n, best_of or n), length_penalty=b.number("length_penalty", 1.0))
 
 
 def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     n = b.integer("n", 1, lo=1, hi=limits.max_n)
-    best_of = b.integer("best_of", None, lo=1)
-    if best_of is not None and best_of != n:
-        raise bad_request("'best_of' different from 'n' is not supported", "best_of")
+    best_of = b.integer("best_of", None, lo=1, hi=limits.max_n)
+    if best_of is not None and best_of != n and not b.d.get("use_beam_search"):
+        raise bad_request(f"'best_of' ({best_of}) different from 'n' ({n}) is only supported with "
+                          "'use_beam_search': true (as the beam width)", "best_of")
     b.string("user", None)  # accepted and type-checked, not used
     min_tokens = b.integer("min_tokens", 0, lo=0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     stop_token_ids = b.int_list("stop_token_ids")
-    if any(not 0 <= t < limits.vocab_size for t in stop_token_ids):
-        raise bad_request(f"'stop_token_ids' must be token ids in [0, {limits.vocab_size})", "stop_token_ids")
+    outside = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise bad_request(f"'stop_token_ids': {_out_of_vocabulary(outside, limits.vocab_size)}", "stop_token_ids")
     top_k = b.integer("top_k", 0, lo=-1)
-    seed = b.integer("seed", None, lo=-_INT64, hi=2 * _INT64 - 1)
+    seed = b.integer("seed", None)
+    if seed is not None and not -_INT64 <= seed <= 2 * _INT64 - 1:
+        raise bad_request(f"'seed' must be an integer between -2^63 and 2^64-1 (a 64-bit seed), got {seed}", "seed")
     if seed is not None and seed < 0:
         seed %= 2 * _INT64  # an int64 seed as its unsigned 64-bit twin: RNGs want non-negative seeds
     try:
@@ -259,8 +396,9 @@ def _prompts(b: _Body, limits: Limits) -> list[str | list[int]]:
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"at most {limits.max_prompts} prompts per request, got {len(prompts)}", "prompt")
     for q in prompts:
-        if isinstance(q, list) and any(not 0 <= t < limits.vocab_size for t in q):
-            raise bad_request(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt")
+        outside = [t for t in q if not 0 <= t < limits.vocab_size] if isinstance(q, list) else []
+        if outside:
+            raise bad_request(f"prompt {_out_of_vocabulary(outside, limits.vocab_size)}", "prompt")
     return prompts
 
 
@@ -269,16 +407,19 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     if b.present("suffix"):
         raise bad_request("'suffix' is not supported", "suffix")
     logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    stream, include_usage = _stream(b)
+    stream, include_usage, continuous = _stream(b)
     max_tokens = _max_tokens(b, ("max_tokens",), 16, limits)
     prompts = _prompts(b, limits)
     params = _sampling(b, limits, max_tokens, logprobs)
+    _prompt_logprobs(b)
+    beam = _beam(b, params.n)
     if len(prompts) * params.n > limits.max_choices:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} is more than {limits.max_choices} choices "
                           "in one request", "n")
     return CompletionRequest(
         model=_model(b), prompts=prompts, params=params,
         stream=stream, include_usage=include_usage, echo=b.boolean("echo", False), logprobs=logprobs,
+        options=_output_options(b, continuous, logprobs is not None), beam=beam,
     )
 
 
@@ -312,9 +453,10 @@ def _messages(b: _Body) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
         role = m.get("role")
-        if role not in _CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {_show(role)}",
-                              "messages")
+        if role not in _CHAT_ROLES and not (isinstance(role, str) and _CUSTOM_ROLE.fullmatch(role)):
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, or another role the "
+                              "chat template accepts written as a plain word (letters, digits, '_', '-', '.'; "
+                              f"at most 64), got {_show(role)}", "messages")
         msg = {"role": role, "content": _content(m, i)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
@@ -335,13 +477,51 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     top = top or 0
-    stream, include_usage = _stream(b)
+    stream, include_usage, continuous = _stream(b)
     max_tokens = _max_tokens(b, ("max_completion_tokens", "max_tokens"), None, limits)
+    messages = _messages(b)
+    params = _sampling(b, limits, max_tokens, top if logprobs else None)
+    _prompt_logprobs(b)
     return ChatRequest(
-        model=_model(b), messages=_messages(b),
-        params=_sampling(b, limits, max_tokens, top if logprobs else None),
+        model=_model(b), messages=messages, params=params,
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
+        options=_output_options(b, continuous, logprobs), beam=_beam(b, params.n), chat=_chat_options(b, messages),
     )
+
+
+# names the renderer sets itself: chat_template_kwargs may not replace them (their own fields do that)
+_TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+                      "raise_exception", "tools", "documents")
+MAX_CHAT_TEMPLATE_CHARS = 64 << 10
+
+
+def _chat_options(b: _Body, messages: list[dict[str, str]]) -> ChatOptions:
+    add_gen = b.boolean("add_generation_prompt", True)
+    cont = b.boolean("continue_final_message", False)
+    if add_gen and cont:
+        raise bad_request("'continue_final_message' continues the last message, so it needs "
+                          "'add_generation_prompt': false (both cannot be true)", "continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise bad_request("'continue_final_message' needs the last message to be the assistant's (the text to "
+                          f"continue), got role {messages[-1]['role']!r}", "continue_final_message")
+    template = b.string("chat_template", None)
+    if template is not None and not template.strip():
+        raise bad_request("'chat_template' must not be empty", "chat_template")
+    if template is not None and len(template) > MAX_CHAT_TEMPLATE_CHARS:
+        raise bad_request(f"'chat_template' is {len(template)} characters; at most {MAX_CHAT_TEMPLATE_CHARS}",
+                          "chat_template")
+    kwargs = b.d.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    clash = [k for k in kwargs if k in _TEMPLATE_RESERVED]
+    if clash:
+        raise bad_request(f"'chat_template_kwargs' may not set {_listed(clash)}: the renderer sets them (use the "
+                          "request fields of those names where there is one)", "chat_template_kwargs")
+    return ChatOptions(add_generation_prompt=add_gen, continue_final_message=cont, echo=b.boolean("echo", False),
+                       chat_template=template, chat_template_kwargs=dict(kwargs),
+                       add_special_tokens=b.boolean("add_special_tokens", False))
 
 
 def check_model(requested: str | None, served: tuple[str, ...]) -> None:

@@ -18,9 +18,35 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(16)}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def token_id_text(token_id: int) -> str:
+    """A logprob token written as its id (vLLM's return_tokens_as_token_ids): always valid JSON text."""
+    return f"token_id:{token_id}"
+
+
+def request_metrics(arrival: float | None, scheduled: float | None, first_token: float | None,
+                    last_token: float | None, num_tokens: int) -> dict[str, float | None]:
+    """vLLM's per-request "metrics" (milliseconds, engine clock): queue = arrival -> first scheduled; time to
+    first token = scheduled -> first token; generation (decode) = first -> last token; mean inter-token
+    latency = generation / (tokens - 1); tokens per second = tokens / (scheduled -> last token)."""
+    def ms(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round(max(b - a, 0.0) * 1000.0, 3)
+
+    gen = ms(first_token, last_token)
+    busy = ms(scheduled, last_token)
+    return {
+        "time_to_first_token_ms": ms(scheduled, first_token),
+        "generation_time_ms": gen,
+        "queue_time_ms": ms(arrival, scheduled),
+        "mean_itl_ms": round(gen / (num_tokens - 1), 3) if gen is not None and num_tokens > 1 else None,
+        "tokens_per_second": round(num_tokens / (busy / 1000.0), 3) if busy else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -43,21 +69,27 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 
 def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int,
-                        decode: Decode, text_offset: int = 0) -> dict[str, Any]:
-    """Legacy logprobs: tokens, token_logprobs, top_logprobs (top-k plus the chosen token), text_offset."""
+                        decode: Decode, text_offset: int = 0, as_ids: bool = False) -> dict[str, Any]:
+    """Legacy logprobs: tokens, token_logprobs, top_logprobs (top-k plus the chosen token), text_offset.
+    as_ids: tokens written as "token_id:<id>" (text_offset still counts the decoded text)."""
+    shown = _token_id_or_text(decode, as_ids)
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for tid, entry in zip(token_ids, entries):
-        text = _token_text(tid, entry, decode)
-        tokens.append(text)
+        tokens.append(shown(tid, entry))
         token_logprobs.append(_lp(entry[tid].logprob) if tid in entry else _MIN_LOGPROB)
-        best = {_token_text(t, entry, decode): _lp(lp.logprob) for t, lp in _top(entry, top_k, tid)}
+        best = {shown(t, entry): _lp(lp.logprob) for t, lp in _top(entry, top_k, tid)}
         top.append(best)
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(_token_text(tid, entry, decode))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def text_length(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], decode: Decode) -> int:
+    """Characters of these tokens' text (where the next text_offset starts)."""
+    return sum(len(_token_text(tid, entry, decode)) for tid, entry in zip(token_ids, entries))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -85,17 +117,18 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | No
 
 
 def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int,
-                  decode: Decode) -> dict[str, Any]:
-    """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+                  decode: Decode, as_ids: bool = False) -> dict[str, Any]:
+    """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+    as_ids: tokens written as "token_id:<id>"; bytes stay those of the token's text."""
+    shown = _token_id_or_text(decode, as_ids)
     content = []
     for tid, entry in zip(token_ids, entries):
-        text = _token_text(tid, entry, decode)
         content.append({
-            "token": text, "logprob": _lp(entry[tid].logprob) if tid in entry else _MIN_LOGPROB,
-            "bytes": list(text.encode("utf-8")),
+            "token": shown(tid, entry), "logprob": _lp(entry[tid].logprob) if tid in entry else _MIN_LOGPROB,
+            "bytes": list(_token_text(tid, entry, decode).encode("utf-8", errors="replace")),
             "top_logprobs": [
-                {"token": (t := _token_text(k, entry, decode)), "logprob": _lp(lp.logprob),
-                 "bytes": list(t.encode("utf-8"))}
+                {"token": shown(k, entry), "logprob": _lp(lp.logprob),
+                 "bytes": list(_token_text(k, entry, decode).encode("utf-8", errors="replace"))}
                 for k, lp in _top(entry, top_k, None)
             ],
         })
@@ -117,6 +150,12 @@ def model_list(names: Sequence[str], created: int, max_model_len: int | None) ->
 
 def _lp(x: float) -> float:
     return float(x) if math.isfinite(x) else _MIN_LOGPROB
+
+
+def _token_id_or_text(decode: Decode, as_ids: bool) -> Callable[[int, dict[int, Logprob]], str]:
+    if as_ids:
+        return lambda tid, entry: token_id_text(tid)
+    return lambda tid, entry: _token_text(tid, entry, decode)
 
 
 def _token_text(tid: int, entry: dict[int, Logprob], decode: Decode) -> str:

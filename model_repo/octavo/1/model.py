@@ -137,12 +137,14 @@ def _error_response(message: str, code: str = "INVALID_ARG") -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
-def _response(text: str, num_input: int, num_output: int, finish_reason: str | None) -> Any:
+def _response(text: str, num_input: int, num_output: int, finish_reason: str | None, num_cached: int = 0) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("num_input_tokens", np.array([num_input], dtype=np.int32)),
         pb_utils.Tensor("num_output_tokens", np.array([num_output], dtype=np.int32)),
         pb_utils.Tensor("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),
+        # prompt tokens served from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)
+        pb_utils.Tensor("num_cached_tokens", np.array([num_cached], dtype=np.int32)),
     ])
 
 
@@ -260,7 +262,7 @@ class TritonPythonModel:
                 return
             live.sent_chars = len(completion.text)
             response = _response(text, len(out.prompt_token_ids), len(completion.token_ids),
-                                 completion.finish_reason)
+                                 completion.finish_reason, out.num_cached_tokens)
             self._send(live, response, FINAL if out.finished else 0)
             live.responses += 1
             if out.finished:
