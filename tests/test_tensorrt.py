@@ -65,9 +65,10 @@ def test_prepare_onnx_maps_nodes_to_plugin(tmp_path) -> None:  # noqa: ANN001
     for node in attention:
         assert node.domain == ""
         attrs = _attrs(node)
-        # plugin attributes in registration order, omitted optional ones filled, then the parser's two strings
-        assert [name for name, _ in attrs] == [*ATTRIBUTE_DEFAULTS, "plugin_namespace", "plugin_version"]
+        # plugin attributes in registration order, omitted optional ones filled, then what the parser reads
+        assert [name for name, _ in attrs] == [*ATTRIBUTE_DEFAULTS, "plugin_namespace", "plugin_version", "aot"]
         values = dict(attrs)
+        assert values["aot"] == 1  # STRICT_AOT request in onnx-tensorrt's plugin importer
         assert values["num_heads"] == 4 and values["kv_num_heads"] == 2 and values["scale"] == pytest.approx(0.25)
         assert values["sliding_window"] == 0 and values["softcap"] == 0.0
         assert values["plugin_namespace"] == b"octavo" and values["plugin_version"] == b"1"
@@ -78,6 +79,15 @@ def test_prepare_onnx_maps_nodes_to_plugin(tmp_path) -> None:  # noqa: ANN001
         assert dims[0].dim_param == "num_blocks" and dims[1].dim_value == 32
         assert pool.type.tensor_type.elem_type == TensorProto.FLOAT
     assert not any(n.op_type == "Cast" for n in model.graph.node)
+    # the aliased pool outputs are graph outputs named after their inputs, typed and shaped like them
+    outputs = {o.name: o for o in model.graph.output}
+    for node in attention:
+        assert list(node.output[1:]) == [f"{node.input[3]}.out", f"{node.input[4]}.out"]
+        for pool_name in node.input[3:5]:
+            out = outputs[f"{pool_name}.out"]
+            pool = next(i for i in pools if i.name == pool_name)
+            assert out.type == pool.type
+    assert list(outputs)[0] == "attn1" and len(outputs) == 1 + 4
 
 
 def test_prepare_onnx_attribute_order_matches_plugin_registration() -> None:
@@ -92,6 +102,8 @@ def test_prepare_onnx_half_pools_cast_around_attention(tmp_path) -> None:  # noq
     model = onnx.load(str(prepare_onnx_for_tensorrt(tmp_path / "model.onnx", tmp_path / "o" / "trt.onnx", kv_dtype="float16")))
     pools = [i for i in model.graph.input if i.name.startswith(("key_cache.", "value_cache."))]
     assert all(p.type.tensor_type.elem_type == TensorProto.FLOAT16 for p in pools)
+    pool_outputs = [o for o in model.graph.output if o.name.endswith(".out")]
+    assert len(pool_outputs) == 4 and all(o.type.tensor_type.elem_type == TensorProto.FLOAT16 for o in pool_outputs)
     names = [n.name for n in model.graph.node]
     for layer in range(2):
         node = next(n for n in model.graph.node if n.name == f"attn{layer}")
@@ -100,6 +112,81 @@ def test_prepare_onnx_half_pools_cast_around_attention(tmp_path) -> None:  # noq
         assert names.index(f"attn{layer}.cast_in0") < names.index(f"attn{layer}") < names.index(f"attn{layer}.cast_out")
         cast_out = next(n for n in model.graph.node if n.name == f"attn{layer}.cast_out")
         assert list(cast_out.output) == [f"attn{layer}"] and dict(_attrs(cast_out))["to"] == TensorProto.FLOAT
+
+
+def _register_paged_attention_schema() -> None:
+    """An onnx schema for the parser-ready node (one type T for q/k/v/pools/output), so onnx's own type
+    inference can check the rewritten graph the way a strongly typed TensorRT network does."""
+    if onnx.defs.has("PagedAttention", ""):
+        return
+    from onnx.defs import OpSchema
+
+    float_types = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    p = OpSchema.FormalParameter
+    inputs = [p(n, "T") for n in ("query", "key", "value", "key_cache", "value_cache")]
+    inputs += [p("cumulative_sequence_length", "I"), p("past_seqlens", "I"), p("block_table", "I"), p("slot_mapping", "L")]
+    attrs = [OpSchema.Attribute(n, t, "") for n, t in (
+        ("num_heads", OpSchema.AttrType.INT), ("kv_num_heads", OpSchema.AttrType.INT), ("scale", OpSchema.AttrType.FLOAT),
+        ("sliding_window", OpSchema.AttrType.INT), ("softcap", OpSchema.AttrType.FLOAT),
+        ("plugin_namespace", OpSchema.AttrType.STRING), ("plugin_version", OpSchema.AttrType.STRING),
+        ("aot", OpSchema.AttrType.INT))]
+    schema = OpSchema("PagedAttention", "", 1, inputs=inputs, outputs=[p("output", "T"), p("key_cache_out", "T"),
+                                                                         p("value_cache_out", "T")],
+                      type_constraints=[("T", float_types, ""), ("I", ["tensor(int32)"], ""), ("L", ["tensor(int64)"], "")],
+                      attributes=attrs)
+    onnx.defs.register_schema(schema)
+
+
+@pytest.mark.parametrize(("dtype", "elem"), [("float16", TensorProto.FLOAT16), ("bfloat16", TensorProto.BFLOAT16)])
+def test_prepare_onnx_half_graph_is_strongly_typed(tmp_path, hf_model_dir, dtype: str, elem: int) -> None:  # noqa: ANN001
+    """TensorRT 11 has no FP16 builder flag: the types must be in the graph. Projection and embedding
+    weights become DTYPE initializers, every Gemm sees one input type, and onnx's type inference (strict,
+    check_type) accepts the whole rewritten graph, with logits still float32."""
+    export = pytest.importorskip("octavo.export.exporter")
+    folder = tmp_path / "exported"
+    manifest = export.export_model(hf_model_dir("llama"), folder, progress=False)
+    out = prepare_onnx_for_tensorrt(folder / manifest.onnx_file, folder / f"trt.{dtype}.onnx", kv_dtype=dtype)
+    model = onnx.load(str(out), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+    assert len(gemms) == 4 * manifest.num_layers + 1  # qkv, o, gate_up, down per layer + lm_head
+    assert all(inits[n.input[1]].data_type == elem for n in gemms)
+    assert inits["model.embed_tokens.weight"].data_type == elem
+    norms = [t for name, t in inits.items() if name.endswith("norm.weight")]
+    assert norms and all(t.data_type == TensorProto.FLOAT for t in norms)  # norms stay float32
+    _register_paged_attention_schema()
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+    assert types["logits"] == TensorProto.FLOAT
+    for node in gemms:
+        assert types[node.output[0]] == elem, node.name
+    # the converted weights are the fp32 ones rounded (independent check against torch's rounding)
+    import torch
+
+    full = onnx.load(str(out))
+    original = onnx.load(str(folder / manifest.onnx_file))
+    src = onnx.numpy_helper.to_array(next(t for t in original.graph.initializer if t.name == "model.embed_tokens.weight"))
+    got = next(t for t in full.graph.initializer if t.name == "model.embed_tokens.weight")
+    want = torch.from_numpy(src).to(getattr(torch, dtype)).view(torch.int16).numpy().view(np.uint16)
+    raw = np.frombuffer(got.raw_data, np.uint16).reshape(src.shape)
+    np.testing.assert_array_equal(raw, want)
+
+
+def test_half_weights_refuse_float16_overflow() -> None:
+    from octavo.build.half_weights import half_bytes
+
+    with pytest.raises(ModelFormatError, match=r"float16 cannot hold; build with --dtype bf16"):
+        half_bytes(np.array([1.0, 70000.0], np.float32), "float16", "w")
+    assert len(half_bytes(np.array([1.0, 70000.0], np.float32), "bfloat16", "w")) == 4
+
+
+def test_prepare_onnx_refuses_quantized_export(tmp_path) -> None:  # noqa: ANN001
+    _toy_model(tmp_path / "model.onnx")
+    model = onnx.load(str(tmp_path / "model.onnx"))
+    model.graph.node.append(helper.make_node("MatMulNBits", ["x", "s0"], ["q"], name="mm", domain="com.microsoft"))
+    onnx.save(model, str(tmp_path / "q.onnx"))
+    with pytest.raises(ModelFormatError, match="quantized .MatMulNBits. exports run on ONNX Runtime only"):
+        prepare_onnx_for_tensorrt(tmp_path / "q.onnx", tmp_path / "o.onnx")
 
 
 def test_prepare_onnx_rejects_non_octavo_model(tmp_path) -> None:  # noqa: ANN001

@@ -42,8 +42,8 @@ def _plugin_op():  # noqa: ANN202
 
         def _run(self, query, key, value, key_cache, value_cache, cu, past, table, slots,  # noqa: ANN001, ANN202, PLR0913
                  num_heads=None, kv_num_heads=None, scale=None, sliding_window=None, softcap=None,
-                 plugin_namespace=None, plugin_version=None):
-            assert plugin_namespace == "octavo" and plugin_version == "1", (plugin_namespace, plugin_version)
+                 plugin_namespace=None, plugin_version=None, aot=None):
+            assert (plugin_namespace, plugin_version, aot) == ("octavo", "1", 1), (plugin_namespace, plugin_version, aot)
             t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
             kc, vc = torch.from_numpy(key_cache), torch.from_numpy(value_cache)  # share memory: written in place
             out = paged_attention(t(query), t(key), t(value), kc, vc, t(cu), t(past), t(table), t(slots),
@@ -87,7 +87,9 @@ def emulate(export_dir: str, kv_dtype: str) -> dict:
             "nonzero_pool_values": written}
 
 
-KV_DTYPES = {"float32": 1e-3, "float16": 6e-2}  # kv dtype -> atol on logits vs transformers (fp32)
+# dtype -> atol on logits vs transformers (fp32); float16 also has the projection weights and GEMMs in
+# fp16 (numpy's fp16 matmul in the evaluator, coarser than TensorRT's fp32 accumulation)
+KV_DTYPES = {"float32": 1e-3, "float16": 1.5e-1}
 
 
 def _worker(export_dir: str) -> None:

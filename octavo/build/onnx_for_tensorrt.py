@@ -1,19 +1,27 @@
 """Rewrite an exported model.onnx so TensorRT's ONNX parser maps every octavo.PagedAttention node to the
 `octavo::PagedAttention` plugin (plugins/tensorrt/paged_attention_plugin.py). Pure `onnx`; no TensorRT.
 
-What the parser needs (TensorRT's quickly-deployable-plugin sample documents it; see docs/tensorrt.md):
+What the parser needs (TensorRT's quickly-deployable-plugin sample and onnx-tensorrt's fallback plugin
+importer; see docs/tensorrt.md):
 * op_type equal to the plugin name ("PagedAttention") and a STRING attribute `plugin_namespace`
   ("octavo"); `plugin_version` (string, default "1") is written explicitly. The node goes to the default
   domain "" like the sample's node (the exporter's custom domain "octavo" is dropped here, not in the
   exporter).
-* every plugin attribute present (an omitted optional attribute would leave the plugin's describe
-  function without an argument), in the plugin's registration order, because tensorrt.plugin hands
-  them to the AOT implementation positionally.
+* an INT attribute `aot` = 1: the parser then asks the plugin creator for the ahead-of-time
+  implementation (QuickPluginCreationRequest STRICT_AOT) instead of leaving the choice to it.
+* every plugin attribute present (the parser only forwards attributes the node has), re-emitted in the
+  plugin's registration order.
 * static block size and head_dim on the pool inputs: they are compiled into the kernel.
+* the node's pool outputs (aliased to its pool inputs by the plugin) as GRAPH outputs
+  `key_cache.{l}.out` / `value_cache.{l}.out`: TensorRT honours `getAliasedInput` only for a network
+  output (with PreviewFeature.ALIASED_PLUGIN_IO_10_03 on, set by the builder), and the runtime binds
+  each such output to the same device address as its input pool, so the kernel's writes land in the
+  caller's pool.
 
-Optionally the KV pools become float16/bfloat16 (`kv_dtype`): pool inputs are retyped and Casts are put
-around each attention node (q/k/v in, output back to float32), so the pool takes half the memory and
-the kernel runs in that dtype while the exported graph stays float32.
+Precision is part of the graph (TensorRT 11 networks are always strongly typed). `kv_dtype`
+float16/bfloat16: pool inputs/outputs get that type, Casts go around each attention node (q/k/v in,
+output back to float32), and the projection and embedding weights are converted to that type with
+Casts around their Gemm/Gather (`octavo.build.half_weights`); norms, residuals and logits stay float32.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+from octavo.build.half_weights import convert_weights_to_half
 from octavo.errors import ModelFormatError
 
 PLUGIN_NAMESPACE = "octavo"
@@ -34,6 +43,14 @@ ATTRIBUTE_DEFAULTS: dict[str, int | float | None] = {
 }
 KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 POOL_PREFIXES = ("key_cache.", "value_cache.")
+POOL_OUTPUT_SUFFIX = ".out"  # graph output aliased to pool input NAME is NAME + ".out"
+UNSUPPORTED_DOMAINS = {"com.microsoft": "quantized (MatMulNBits) exports run on ONNX Runtime only; "
+                                        "export without --quantize for the TensorRT path"}
+
+
+def pool_output_name(pool_input: str) -> str:
+    """The graph output TensorRT aliases to the pool input POOL_INPUT (bind both to one address)."""
+    return pool_input + POOL_OUTPUT_SUFFIX
 
 
 def _attribute_value(node: onnx.NodeProto, name: str) -> int | float | None:
@@ -61,6 +78,7 @@ def _rewrite_node(node: onnx.NodeProto) -> None:
         helper.make_attribute("softcap", float(values["softcap"])),
         helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
         helper.make_attribute("plugin_version", PLUGIN_VERSION),
+        helper.make_attribute("aot", 1),  # onnx has no bool attribute; the parser reads it as an int
     ])
     node.domain = ""
 
@@ -79,6 +97,34 @@ def _fix_pool_inputs(graph: onnx.GraphProto, block_size: int, elem_type: int) ->
         tensor_type.elem_type = elem_type
         count += 1
     return count
+
+
+def _expose_pool_outputs(graph: onnx.GraphProto, attention: list[onnx.NodeProto]) -> None:
+    """Name each node's pool outputs after its pool inputs and make them graph outputs of the same type."""
+    inputs = {value_info.name: value_info for value_info in graph.input}
+    for node in attention:
+        if len(node.output) != 3:
+            raise ModelFormatError(f"PagedAttention node {node.name!r} has {len(node.output)} outputs; expected "
+                                   "3 (output, key_cache, value_cache)")
+        for slot, pool_slot in ((1, 3), (2, 4)):
+            pool = node.input[pool_slot]
+            if pool not in inputs:
+                raise ModelFormatError(f"PagedAttention node {node.name!r} reads pool {pool!r}, which is not a graph input")
+            _rename_value(graph, node.output[slot], pool_output_name(pool))
+            out = onnx.ValueInfoProto()
+            out.CopyFrom(inputs[pool])
+            out.name = pool_output_name(pool)
+            graph.output.append(out)
+
+
+def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+        for i, name in enumerate(node.output):
+            if name == old:
+                node.output[i] = new
 
 
 def _cast_around_attention(graph: onnx.GraphProto, elem_type: int) -> None:
@@ -117,6 +163,10 @@ def prepare_onnx_for_tensorrt(
     except Exception as exc:  # onnx raises DecodeError / OSError variants
         raise ModelFormatError(f"cannot read {model_path}: {exc}") from exc
     graph = model.graph
+    for node in graph.node:
+        if node.domain in UNSUPPORTED_DOMAINS:
+            raise ModelFormatError(f"{model_path}: node {node.name!r} ({node.domain}.{node.op_type}): "
+                                   f"{UNSUPPORTED_DOMAINS[node.domain]}")
     attention = [n for n in graph.node if n.op_type == OP_TYPE]
     if not attention:
         raise ModelFormatError(f"{model_path} has no {OP_TYPE} node; is it an octavo export?")
@@ -125,9 +175,11 @@ def prepare_onnx_for_tensorrt(
     elem_type = KV_DTYPES[kv_dtype]
     if _fix_pool_inputs(graph, block_size, elem_type) != 2 * len(attention):
         raise ModelFormatError(f"{model_path}: expected one key and one value pool input per attention node")
+    _expose_pool_outputs(graph, attention)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     if elem_type != TensorProto.FLOAT:
         _cast_around_attention(graph, elem_type)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+        convert_weights_to_half(model, model_path.parent, out_path, kv_dtype)
     _link_external_data(model, model_path.parent, out_path.parent)
     onnx.save(model, str(out_path))
     return out_path

@@ -5,7 +5,14 @@ the ONNX for the parser (`prepare_onnx_for_tensorrt`), parse, give every dynamic
 min/opt/max range (packed tokens T, sequences B, block-table width, logits rows N, pool rows), build,
 and write `model.<dtype>.engine` + `tensorrt.json` (what the runtime backend needs) next to the manifest.
 
-Written from TensorRT's documented Python API; no machine of this project has run it (docs/tensorrt.md).
+Precision: TensorRT 11 builds every network strongly typed (its BuilderFlag has no FP16/BF16), so the
+dtype is written into the ONNX (`prepare_onnx_for_tensorrt(kv_dtype=...)`) and no precision flag is set;
+on TensorRT 10 the network is created with NetworkDefinitionCreationFlag.STRONGLY_TYPED so both behave
+the same. The KV pools are written in place through aliased plugin outputs, which TensorRT honours only
+with PreviewFeature.ALIASED_PLUGIN_IO_10_03 on (`configure_builder`).
+
+Written from TensorRT's documented Python API and checked on CPU against a stand-in that enforces those
+rules (tests/tensorrt_standin); not yet run with real TensorRT (docs/tensorrt.md).
 """
 from __future__ import annotations
 
@@ -18,7 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
-from octavo.build.onnx_for_tensorrt import prepare_onnx_for_tensorrt
+import numpy
+
+from octavo.build.onnx_for_tensorrt import pool_output_name, prepare_onnx_for_tensorrt
 from octavo.errors import BackendUnavailableError, ModelFormatError, OctavoError
 from octavo.export.manifest import Manifest
 
@@ -87,6 +96,50 @@ class BuildInfo:
             raise ModelFormatError(f"{path} is not a valid build description: {exc}") from exc
 
 
+# tensorrt.plugin before 11.3 converts a plugin attribute with `int(np.array([v]))` (create_plugin in
+# tensorrt/plugin/_lib.py), which numpy >= 2.4 refuses (TypeError: only 0-dimensional arrays ...).
+ATTRIBUTE_FIX_VERSION = (11, 3)
+NUMPY_STRICT_SCALARS = (2, 4)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_tensorrt_numpy(trt_version: str, numpy_version: str) -> None:
+    """Refuse the TensorRT/numpy pair whose tensorrt.plugin cannot read plugin attributes."""
+    if _version_tuple(trt_version)[:2] < ATTRIBUTE_FIX_VERSION and _version_tuple(numpy_version)[:2] >= NUMPY_STRICT_SCALARS:
+        raise BackendUnavailableError(
+            f"TensorRT {trt_version}'s tensorrt.plugin cannot read plugin attributes with numpy {numpy_version} "
+            "(it calls int() on a 1-element array, a TypeError since numpy 2.4): "
+            "pip install 'tensorrt>=11.3' or 'numpy<2.4'"
+        )
+
+
+def network_flags(trt: ModuleType) -> int:
+    """Creation flags: strongly typed (explicit in TensorRT 10; always on, flag deprecated, in 11)."""
+    if _version_tuple(trt.__version__)[0] >= 11:
+        return 0
+    typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    if typed is None:
+        raise BackendUnavailableError(f"TensorRT {trt.__version__} has no strongly typed networks; octavo needs >= 10.9")
+    return 1 << int(typed)
+
+
+def configure_builder(trt: ModuleType, config, workspace_bytes: int) -> None:  # noqa: ANN001
+    """Workspace limit and the preview feature that makes the plugin's aliased pool outputs in-place."""
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    feature = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+    if feature is None:
+        raise BackendUnavailableError(f"TensorRT {trt.__version__} lacks PreviewFeature.ALIASED_PLUGIN_IO_10_03 "
+                                      "(in-place plugin outputs); octavo needs TensorRT >= 10.9")
+    config.set_preview_feature(feature, True)
+
+
 def import_tensorrt() -> ModuleType:
     """`tensorrt`, or BackendUnavailableError with what to do (never a bare ImportError traceback)."""
     try:
@@ -149,6 +202,11 @@ def profile_shapes(manifest: Manifest, options: TensorRTBuildOptions, max_blocks
     return shapes
 
 
+def shapes_for_pools(manifest: Manifest) -> list[str]:
+    """The pool input names, key_cache.0, value_cache.0, ... (graph order)."""
+    return [f"{kind}.{layer}" for layer in range(manifest.num_layers) for kind in ("key_cache", "value_cache")]
+
+
 def _parser_errors(parser) -> str:  # noqa: ANN001
     return "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "(no parser errors reported)"
 
@@ -160,6 +218,7 @@ def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = N
     model_dir = Path(model_dir)
     manifest = Manifest.load(model_dir)
     trt = import_tensorrt()
+    check_tensorrt_numpy(trt.__version__, numpy.__version__)  # building creates plugins from attributes
     from octavo.build.cuda_api import compute_capability, driver_cuda_version, import_cudart, ptx_version_cap
 
     cudart = import_cudart()
@@ -177,17 +236,19 @@ def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = N
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    network = builder.create_network(network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}:\n{_parser_errors(parser)}")
 
+    outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    missing = [pool_output_name(name) for name in shapes_for_pools(manifest) if pool_output_name(name) not in outputs]
+    if missing:
+        raise EngineBuildError(f"the parsed network lacks the aliased pool outputs {missing[:4]}; TensorRT writes "
+                               "the pools in place only through network outputs")
+
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
-    if options.dtype == "float16":
-        config.set_flag(trt.BuilderFlag.FP16)
-    elif options.dtype == "bfloat16":
-        config.set_flag(trt.BuilderFlag.BF16)
+    configure_builder(trt, config, options.workspace_bytes)  # no precision flag: the types are in the ONNX
     profile = builder.create_optimization_profile()
     shapes = profile_shapes(manifest, options, max_blocks_per_seq, max_num_logits)
     for i in range(network.num_inputs):

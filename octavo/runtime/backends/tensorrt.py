@@ -1,9 +1,10 @@
 """GPU backend: a TensorRT engine built by `octavo build MODEL --target tensorrt`, driven with cuda-python.
 
 The KV pools live in device memory, one key and one value pool per layer, carved out of one allocation
-sized from a fraction of the free GPU memory (or an explicit block count). Their addresses are bound to
-the engine's `key_cache.{l}` / `value_cache.{l}` inputs once; the plugin writes new K/V into them in
-place (aliased outputs). Per step only the small integer inputs go host -> device and only the N
+sized from a fraction of the free GPU memory (or an explicit block count), each starting on a 256-byte
+boundary (what `setTensorAddress` requires). Each pool's address is bound once to BOTH the engine's
+`key_cache.{l}` input and its aliased output `key_cache.{l}.out` (likewise for values): the plugin
+writes the new K/V through the output, so binding the output elsewhere would leave the pool stale. Per step only the small integer inputs go host -> device and only the N
 requested logits rows come back.
 
 Import-guarded: importing this module needs neither TensorRT nor cuda-python; constructing the backend
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from octavo.build.cuda_api import check, import_cudart
+from octavo.build.onnx_for_tensorrt import pool_output_name
 from octavo.build.tensorrt_builder import BuildInfo, import_tensorrt
 from octavo.errors import BackendUnavailableError, InvalidRequestError, ModelFormatError, StepFailedError
 from octavo.export.manifest import Manifest
@@ -37,6 +39,14 @@ STEP_DTYPES: dict[str, type[np.generic]] = {
 class _DeviceBuffer:
     ptr: int
     nbytes: int
+
+
+TENSOR_ALIGNMENT = 256  # bytes; TensorRT's requirement on every address given to setTensorAddress
+
+
+def aligned(nbytes: int, alignment: int = TENSOR_ALIGNMENT) -> int:
+    """NBYTES rounded up to a multiple of ALIGNMENT."""
+    return -(-nbytes // alignment) * alignment
 
 
 def pool_blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int, max_blocks: int) -> int:
@@ -106,20 +116,39 @@ class TensorRTBackend:
         self._buffers.append(_DeviceBuffer(ptr, nbytes))
         return ptr
 
+    def _bind(self, name: str, ptr: int) -> None:
+        if not self.context.set_tensor_address(name, ptr):
+            raise StepFailedError(f"TensorRT refused the address {ptr:#x} for tensor {name!r} (see TensorRT's log)")
+
+    def _set_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        if not self.context.set_input_shape(name, shape):
+            raise InvalidRequestError(f"TensorRT refused shape {shape} for input {name!r} (outside the engine's profile)")
+
+    def _check_aliasing(self, pool: str) -> None:
+        """The engine must alias POOL's output to POOL (engines built before in-place pools do not)."""
+        out = pool_output_name(pool)
+        names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        aliased = self.engine.get_aliased_input_tensor(out) if out in names else None
+        if aliased != pool:
+            raise ModelFormatError(f"{self.info.engine_file}: output {out!r} is not aliased to input {pool!r} "
+                                   f"(got {aliased!r}); rebuild with `octavo build {self.model_dir} --target tensorrt`")
+
     def _allocate_pools(self, bytes_per_block: int) -> None:
         m = self.manifest
-        pool_bytes = bytes_per_block // (2 * m.num_layers) * self.num_blocks
-        base = self._malloc(pool_bytes * 2 * m.num_layers)
+        pool_bytes = aligned(bytes_per_block // (2 * m.num_layers) * self.num_blocks)
+        base = self._malloc(pool_bytes * 2 * m.num_layers)  # cudaMalloc: 256-byte aligned base
         check(self._cudart.cudaMemset(base, 0, pool_bytes * 2 * m.num_layers), "cudaMemset(pools)")
         self.pool_shape = (self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         self.pool_pointers: dict[str, int] = {}
         for layer in range(m.num_layers):
             for j, kind in enumerate(("key_cache", "value_cache")):
                 name = f"{kind}.{layer}"
+                self._check_aliasing(name)
                 ptr = base + (2 * layer + j) * pool_bytes
                 self.pool_pointers[name] = ptr
-                self.context.set_input_shape(name, self.pool_shape)
-                self.context.set_tensor_address(name, ptr)
+                self._set_shape(name, self.pool_shape)
+                self._bind(name, ptr)
+                self._bind(pool_output_name(name), ptr)  # the aliased output: the SAME address (in place)
 
     def _allocate_step_buffers(self) -> None:
         info = self.info
@@ -130,7 +159,7 @@ class TensorRTBackend:
         }
         self._inputs = {name: self._malloc(n * np.dtype(STEP_DTYPES[name]).itemsize) for name, n in capacity.items()}
         self._logits = self._malloc(info.max_num_logits * self.vocab_size * 4)
-        self.context.set_tensor_address("logits", self._logits)
+        self._bind("logits", self._logits)
 
     # ---- one step -----------------------------------------------------------------------------------
     def _check_limits(self, inputs: StepInputs) -> None:
@@ -160,8 +189,8 @@ class TensorRTBackend:
                 keep_alive.append(array)
                 check(cudart.cudaMemcpyAsync(self._inputs[name], array.ctypes.data, array.nbytes, h2d, self._stream),
                       f"cudaMemcpyAsync({name})")
-                self.context.set_input_shape(name, array.shape)
-                self.context.set_tensor_address(name, self._inputs[name])
+                self._set_shape(name, array.shape)
+                self._bind(name, self._inputs[name])
             if not self.context.execute_async_v3(int(self._stream)):
                 raise StepFailedError("TensorRT execute_async_v3 failed (see TensorRT's log above)")
             n = len(inputs.logits_indices)

@@ -1,0 +1,1 @@
+"""Stand-in for cuda-python (tests only; see ../README.md)."""

@@ -1,0 +1,1 @@
+"""Stand-in for cuda-python's cuda.bindings (tests only)."""
