@@ -236,13 +236,31 @@ class KernelConfig:
         return sig
 
 
-def compile_kernel(config: KernelConfig, arch: int = 90, ptx_version: int | None = None):  # noqa: ANN201
+# Pointer arguments promised 16-byte aligned in the AOT compile. Triton's JIT infers this per launch
+# from the actual addresses (and then emits 128-bit vector loads / cp.async); an ahead-of-time compile
+# knows nothing unless told, and without the hint every K/V element is a scalar 2-byte load. The
+# promise holds: TensorRT hands plugins 256-byte aligned tensors (its own allocations, and user
+# addresses, which setTensorAddress requires to be 256-byte aligned); gpu_check's AOT section launches
+# exactly this PTX on such buffers.
+POINTER_ALIGNMENT = 16
+
+
+def aot_attrs(config: "KernelConfig") -> dict[tuple[int, ...], list[list[Any]]]:
+    """ASTSource attrs: `tt.divisibility` = POINTER_ALIGNMENT on every pointer parameter."""
+    return {(index,): [["tt.divisibility", POINTER_ALIGNMENT]]
+            for index, kind in enumerate(config.signature().values()) if kind.startswith("*")}
+
+
+def compile_kernel(config: KernelConfig, arch: int = 90, ptx_version: int | None = None,
+                   aligned_pointers: bool = True):  # noqa: ANN201
     """Compile ahead of time for `sm_<arch>` (no GPU needed). Returns triton's CompiledKernel
-    (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.name/.shared/.num_warps`)."""
+    (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.name/.shared/.num_warps`). ALIGNED_POINTERS passes the
+    16-byte divisibility hints (`aot_attrs`); False only to measure what they change."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=_paged_attention_kernel, signature=config.signature(), constexprs=config.constexprs())
+    src = ASTSource(fn=_paged_attention_kernel, signature=config.signature(), constexprs=config.constexprs(),
+                    attrs=aot_attrs(config) if aligned_pointers else None)
     options: dict[str, Any] = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     if ptx_version is not None:
         options["ptx_version"] = ptx_version

@@ -1,0 +1,111 @@
+"""scripts/gpu_check.py, the one prepared GPU check: its CPU smoke path end to end, and the report
+machinery (written after every case, one failing case isolated, a time budget that skips, not hangs)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def _load_script():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location("octavo_gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_smoke_cpu_passes_and_reports_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke-cpu", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["pass"] is True
+    assert report["env"]["device"].startswith("cpu")
+    rows = report["kernel_jit"]
+    assert set(rows) == {"smoke_prefill", "smoke_decode_bf16", "smoke_window_fp32", "smoke_big_pool_top_ids"}
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row)
+        assert row["cache_max_abs_err"] == 0.0 and row["max_abs_err"] <= row["tolerance"]
+    assert rows["smoke_big_pool_top_ids"]["pool_blocks"] == 300  # sequences used the top block ids
+    aot = report["aot_launch"]["compile_only_sm90"]
+    assert aot["status"] == "ok", aot
+    assert aot["ptx_params"] == 17  # 15 TensorRT arguments + Triton's 2 scratch pointers
+    assert aot["wide_loads"] > 0 and aot["shared"] <= 48 * 1024
+
+
+def test_report_is_rewritten_after_every_case_and_isolates_failures(tmp_path: Path) -> None:
+    gpu_check = _load_script()
+    path = tmp_path / "r.json"
+    report = gpu_check.Report(path, deadline=gpu_check.time.monotonic() + 600)
+    seen = []
+
+    def good() -> dict:
+        return {"status": "ok"}
+
+    def bad() -> dict:
+        seen.append(json.loads(path.read_text()))  # the previous case is already on disk
+        raise RuntimeError("boom")
+
+    report.case("kernel_jit", "first", good)
+    report.case("kernel_jit", "second", bad)
+    report.case("kernel_jit", "third", good)
+    assert seen[0]["kernel_jit"]["first"]["status"] == "ok"
+    on_disk = json.loads(path.read_text())["kernel_jit"]
+    assert on_disk["second"]["status"] == "error" and "RuntimeError: boom" in on_disk["second"]["error"]
+    assert on_disk["third"]["status"] == "ok"
+    ok, lines = gpu_check.summarize({"env": {}, "kernel_jit": on_disk})
+    assert not ok and any("second" in line and "error" in line for line in lines)
+
+
+def test_time_budget_skips_remaining_cases(tmp_path: Path) -> None:
+    gpu_check = _load_script()
+    report = gpu_check.Report(tmp_path / "r.json", deadline=gpu_check.time.monotonic() + 1)
+    row = report.case("bandwidth", "b256_ctx32768", lambda: pytest.fail("must not run"), min_left=15)
+    assert row["status"] == "skipped" and "time budget" in row["reason"]
+    ok, _ = gpu_check.summarize({"env": {}, "bandwidth": {"b256_ctx32768": row}})
+    assert ok  # skipped is not a failure
+
+
+def test_case_comparison_catches_a_pool_that_was_not_written() -> None:
+    """The check can fail: the uploaded case before any kernel ran has the new K/V missing from the pool."""
+    torch = pytest.importorskip("torch")
+    gpu_check = _load_script()
+    case = gpu_check.SMOKE_CASES[-1]  # big pool, top block ids
+    host = gpu_check.make_case(case)
+    expected = gpu_check.reference(case, host, torch)
+    dev = gpu_check.DeviceCase.upload(case, host, torch, "cpu")
+    assert int(dev.tensors["block_table"].min()) >= 300 - (host["key_cache"].shape[0])  # remapped to the top ids
+    fake_output = torch.from_numpy(expected[0])
+    row = dev.compare(case, fake_output, expected)
+    assert row["status"] == "failed" and row["cache_max_abs_err"] > 0
+    assert row["max_abs_err"] == 0.0
+
+
+def test_packed_parameter_layout_matches_ptx_abi() -> None:
+    """The 15 TensorRT-visible kernel arguments as one packed buffer: 9 u64, 3 i32, pad, 3 u64 = 112 bytes."""
+    import ctypes
+
+    gpu_check = _load_script()
+    values = [ctypes.c_uint64(1)] * 9 + [ctypes.c_int32(2)] * 3 + [ctypes.c_uint64(3)] * 3
+    buffer = gpu_check.pack_parameters(values)
+    assert len(buffer) == 112
+    assert np.frombuffer(bytes(buffer[:72]), np.uint64).tolist() == [1] * 9
+    assert np.frombuffer(bytes(buffer[72:84]), np.int32).tolist() == [2] * 3
+    assert np.frombuffer(bytes(buffer[88:112]), np.uint64).tolist() == [3, 3, 3]
