@@ -51,8 +51,8 @@ import numpy as np  # noqa: E402
 
 # Peak DRAM bandwidth (GB/s, vendor datasheets) by a substring of torch's device name; first match wins.
 PEAK_GBPS = [
-    ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("H800", 3350.0),
-    ("GH200", 4000.0), ("B200", 8000.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0),
+    ("GH200", 4000.0), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("H800", 3350.0),
+    ("B200", 8000.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0),
     ("A100", 1555.0), ("A800", 2039.0), ("L40S", 864.0), ("L40", 864.0), ("L4", 300.0), ("A10G", 600.0),
     ("A10", 600.0), ("T4", 320.0), ("V100", 900.0), ("RTX 4090", 1008.0), ("RTX 3090", 936.0),
 ]
@@ -241,11 +241,48 @@ def kernel_jit_case(case: Case, torch, device: str) -> dict:  # noqa: ANN001
 
 
 # ---- section 3: the AOT PTX, launched like TensorRT -----------------------------------------------
+class LibcudaDriver:
+    """The few driver calls this script makes, through ctypes on libcuda.so (always present where a GPU
+    is), for machines without cuda-python. Same calling convention as cuda.bindings.driver: every call
+    returns (CUresult, value...)."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.name = "ctypes libcuda.so.1 (cuda-python not installed)"
+
+    def cuInit(self, flags: int):  # noqa: N802, ANN201
+        return (self.lib.cuInit(ctypes.c_uint(flags)),)
+
+    def cuDriverGetVersion(self):  # noqa: N802, ANN201
+        version = ctypes.c_int()
+        return self.lib.cuDriverGetVersion(ctypes.byref(version)), version.value
+
+    def cuModuleLoadData(self, image: int):  # noqa: N802, ANN201
+        module = ctypes.c_void_p()
+        return self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_void_p(image)), module
+
+    def cuModuleGetFunction(self, module, name: bytes):  # noqa: N802, ANN001, ANN201
+        function = ctypes.c_void_p()
+        return self.lib.cuModuleGetFunction(ctypes.byref(function), module, ctypes.c_char_p(name)), function
+
+    def CUstream(self, value: int):  # noqa: N802, ANN201
+        return ctypes.c_void_p(value)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params: int, extra: int):  # noqa: N802, ANN001, ANN201, PLR0913
+        u = ctypes.c_uint
+        return (self.lib.cuLaunchKernel(f, u(gx), u(gy), u(gz), u(bx), u(by), u(bz), u(shared), stream,
+                                        ctypes.c_void_p(params), ctypes.c_void_p(extra)),)
+
+
 def import_driver():  # noqa: ANN201
+    """cuda-python's driver module (what the issue asks to launch through); ctypes on libcuda if absent."""
     try:
         from cuda.bindings import driver  # cuda-python >= 12.6
     except ImportError:
-        from cuda import cuda as driver  # type: ignore[no-redef]
+        try:
+            from cuda import cuda as driver  # type: ignore[no-redef]  # older cuda-python
+        except ImportError:
+            return LibcudaDriver()
     return driver
 
 
@@ -309,13 +346,13 @@ class AotKernel:
             size = ctypes.c_size_t(len(buffer))
             extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(packed), 2, ctypes.addressof(size), 0)
             _ok(driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, self.num_warps * 32, 1, 1, self.shared,
-                                      0, 0, ctypes.addressof(extra)), "cuLaunchKernel(packed 15 params)")
+                                      driver.CUstream(0), 0, ctypes.addressof(extra)), "cuLaunchKernel(packed 15 params)")
             return
         fill = 0 if scratch == "null" else 0xDEAD0000
         values += [ctypes.c_uint64(fill) for _ in range(hidden)]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         _ok(driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, self.num_warps * 32, 1, 1, self.shared,
-                                  0, ctypes.addressof(params), 0), f"cuLaunchKernel({scratch})")
+                                  driver.CUstream(0), ctypes.addressof(params), 0), f"cuLaunchKernel({scratch})")
 
 
 def pack_parameters(values: list) -> bytearray:
@@ -508,31 +545,34 @@ def versions() -> dict:
 def run_gpu(report: Report, sections: set[str]) -> None:
     import torch
 
-    from octavo.build.cuda_api import driver_cuda_version, import_cudart, ptx_version_cap
+    from octavo.build.cuda_api import ptx_version_cap
 
     data = report.data
     torch.zeros(1, device="cuda")  # creates the primary context and makes it current (the driver API uses it)
     props = torch.cuda.get_device_properties(0)
     arch = props.major * 10 + props.minor
-    ptx_cap = None
-    try:
-        ptx_cap = ptx_version_cap(driver_cuda_version(import_cudart()))
+    driver = import_driver()
+    _ok(driver.cuInit(0), "cuInit")
+    ptx_cap, driver_version = None, None
+    try:  # the PTX ISA the driver can JIT, as the builder computes it
+        raw = int(_ok(driver.cuDriverGetVersion(), "cuDriverGetVersion"))
+        driver_version = f"{raw // 1000}.{(raw % 1000) // 10}"
+        ptx_cap = ptx_version_cap(driver_version)
     except Exception as exc:  # noqa: BLE001
-        data.setdefault("notes", []).append(f"PTX ISA cap unknown ({exc}); using Triton's default")
+        data.setdefault("notes", []).append(f"PTX ISA cap unknown ({type(exc).__name__}: {exc}); Triton's default used")
     data["env"] = {**versions(), "device": props.name, "capability": arch, "memory_gib": round(props.total_memory / 2**30, 1),
-                   "torch_cuda": torch.version.cuda, "ptx_version_cap": ptx_cap, "status": "ok"}
+                   "torch_cuda": torch.version.cuda, "driver_cuda": driver_version, "ptx_version_cap": ptx_cap,
+                   "driver_api": getattr(driver, "name", getattr(driver, "__name__", str(driver))), "status": "ok"}
     report.save()
     if "kernel_jit" in sections:
         for case in KERNEL_CASES:
             report.case("kernel_jit", case.name, lambda c=case: kernel_jit_case(c, torch, "cuda"))
     kernels: dict = {}
     if "aot_launch" in sections:
-        import_driver().cuInit(0)
         for case in KERNEL_CASES:
             report.case("aot_launch", case.name, lambda c=case: aot_launch_case(c, torch, kernels, arch, ptx_cap),
                         min_left=20)
     if "bandwidth" in sections:
-        import_driver().cuInit(0)
         for batch in BANDWIDTH_BATCHES:
             for context in BANDWIDTH_CONTEXTS:
                 report.case("bandwidth", f"b{batch}_ctx{context}",

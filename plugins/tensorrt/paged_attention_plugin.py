@@ -5,7 +5,9 @@ what has and has not been run):
 
 * `@trtp.register`: the shape/type description. Output 0 (`output`) is like `query`; outputs 1 and 2
   are `key_cache.aliased()` / `value_cache.aliased()`: TensorRT's plugin layer reports them through
-  IPluginV3OneBuildV2::getAliasedInput, so the pools are written in place (no copy, no second pool).
+  IPluginV3OneBuildV2::getAliasedInput. That makes the pools in place only together with
+  PreviewFeature.ALIASED_PLUGIN_IO_10_03 (the builder sets it), the outputs being network outputs
+  (the ONNX rewrite adds them) and the runtime binding each output to its input's address (the backend).
 * `@trtp.aot_impl`: the ahead-of-time implementation. It compiles the OpenAI-Triton kernel of
   `octavo.kernels.triton_paged_attention` for the build GPU's architecture and returns
   (kernel name, PTX, KernelLaunchParams, SymIntExprs). TensorRT embeds the PTX in the engine and launches
@@ -17,10 +19,11 @@ what has and has not been run):
   the kernel as a constexpr: one compiled variant per distinct attribute set and dtype.
 
 The ONNX parser finds this plugin when the node's op_type is "PagedAttention" and it carries the string
-attribute plugin_namespace="octavo" (plugin_version defaults to "1"): see
-`octavo.build.onnx_for_tensorrt.prepare_onnx_for_tensorrt`. The node's attributes must appear in the
-order of ATTRIBUTES: tensorrt.plugin hands the plugin-field values to the AOT function positionally, in
-the order the parser supplies them (read from tensorrt/plugin/_plugin_class.py, get_launch_params).
+attribute plugin_namespace="octavo" (plugin_version defaults to "1"), and requests the AOT
+implementation for `aot=1`: see `octavo.build.onnx_for_tensorrt.prepare_onnx_for_tensorrt`. The parser
+supplies the plugin fields in the creator's field order (= ATTRIBUTES, the describe function's
+attribute order) and tensorrt.plugin hands them to the AOT function positionally in that order
+(tensorrt/plugin/_plugin_class.py, get_launch_params).
 
 Importing this module needs neither tensorrt nor triton; `register()` needs both.
 """
