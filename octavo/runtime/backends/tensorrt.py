@@ -128,6 +128,9 @@ class TensorRTBackend:
         """The engine must alias POOL's output to POOL (engines built before in-place pools do not)."""
         out = pool_output_name(pool)
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        if out in names and not hasattr(self.engine, "get_aliased_input_tensor"):
+            log.warning("TensorRT %s cannot report I/O aliasing; trusting %s -> %s", self._trt.__version__, out, pool)
+            return
         aliased = self.engine.get_aliased_input_tensor(out) if out in names else None
         if aliased != pool:
             raise ModelFormatError(f"{self.info.engine_file}: output {out!r} is not aliased to input {pool!r} "
