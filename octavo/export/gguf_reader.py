@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export.gguf_header import check_header
 from octavo.export.gguf_rope import rope_scaling_from_gguf
 from octavo.export.gguf_tensors import GGUFTensors, index_tensors
 from octavo.export.gguf_tokenizer import build_tokenizer_json
@@ -117,6 +118,7 @@ def _open(path: Path) -> Any:
     if magic != GGUF_MAGIC:
         hint = " (it looks like a Git LFS pointer: fetch the real file with `git lfs pull`)" if magic == b"vers" else ""
         raise ModelFormatError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r}){hint}")
+    check_header(path)  # counts and lengths fit in the file: GGUFReader would loop over whatever they say
     from gguf import GGUFReader
 
     try:
