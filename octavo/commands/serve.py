@@ -82,6 +82,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with include_metrics: true without this)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a connection may take to send complete request headers (from connect, and idle "
+                        "between requests on a kept-alive connection); then it is closed")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request may take to send its whole body once its headers are in (408 after)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at most; more are refused at once with 503 (also kept below the "
+                        "open-file limit, which serve raises to its hard maximum)")
     add_engine_arguments(p)
 
 
@@ -90,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     from octavo.runtime.async_engine import AsyncEngine
     from octavo.serving.app import ServerConfig
+    from octavo.serving.connections import raise_open_file_limit
     from octavo.serving.server import OpenAIServer
 
     ea = engine_args(args)
@@ -98,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("OCTAVO_API_KEY") or None,
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
         per_request_metrics=args.enable_per_request_metrics,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, max_connections=args.max_connections,
     )
+    raise_open_file_limit()
     server = OpenAIServer(config, lambda: AsyncEngine(ea), shutdown_timeout=args.shutdown_timeout)
     return asyncio.run(_serve(server, args.host, args.port))
 

@@ -41,6 +41,9 @@ class ServerConfig:
     max_tokens_cap: int | None = None
     max_n: int = 16
     per_request_metrics: bool = False  # vLLM's --enable-per-request-metrics: "metrics" in every response
+    header_timeout: float = 30.0  # seconds to send complete headers, from connect or the previous response
+    body_timeout: float = 60.0  # seconds to send the whole body once the headers are in (408 after)
+    max_connections: int = 1024  # open connections; more get 503 too_many_connections at once
 
 
 @dataclass(slots=True)
@@ -57,6 +60,8 @@ class ServerState:
     load_error: str | None = None
     draining: bool = False
     in_flight: int = 0  # requests whose handler is running (the drain waits for them)
+    stop_reading: asyncio.Event = field(default_factory=asyncio.Event)  # set when the drain ends: bodies still
+    # being received get 503 (a body that never ends must not hold shutdown)
 
     @property
     def model_name(self) -> str:
@@ -75,6 +80,7 @@ class ServerState:
 
 
 STATE = web.AppKey("octavo_state", ServerState)
+CLOSE_AFTER = web.RequestKey("octavo_close_after", bool)  # request key: answer, then close the connection (a body left unread)
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -95,8 +101,11 @@ def build_app(state: ServerState) -> web.Application:
 # middlewares
 
 
-def _json_error(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+def _json_error(err: ApiError, request: web.Request | None = None) -> web.Response:
+    resp = web.json_response(err.body(), status=err.status)
+    if request is not None and request.get(CLOSE_AFTER):
+        resp.force_close()
+    return resp
 
 
 @web.middleware
@@ -114,7 +123,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
-        return _json_error(err)
+        return _json_error(err, request)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[STATE].config.max_body_bytes
         return _json_error(ApiError(413, f"the request body is larger than this server's limit of {limit} bytes "
@@ -135,7 +144,9 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     if key is not None and request.path != "/health":
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # bytes compared: a header with bytes that are not UTF-8 reaches us with surrogate escapes
+        given_key = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, key.encode()):
             raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
     return await handler(request)
@@ -169,10 +180,36 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def _read_json(request: web.Request) -> Any:
-    limit = request.app[STATE].config.max_body_bytes
+    st = request.app[STATE]
+    limit = st.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    return parse_json_body(await request.read())
+    return parse_json_body(await _read_body(request, st))
+
+
+async def _read_body(request: web.Request, st: ServerState) -> bytes:
+    """The whole body within config.body_timeout (408 after), or 503 if shutdown's drain ends first; an
+    undecodable Content-Encoding is a 400."""
+    read = asyncio.ensure_future(request.read())
+    stop = asyncio.ensure_future(st.stop_reading.wait())
+    try:
+        done, _ = await asyncio.wait((read, stop), timeout=st.config.body_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not read.done():
+            read.cancel()
+    if read in done:
+        try:
+            return read.result()
+        except web.RequestPayloadError as exc:  # gzip/deflate/br that does not decode, a broken chunked body
+            raise bad_request(f"the request body cannot be read: {exc} (check Content-Encoding and "
+                              "Transfer-Encoding)") from None
+    request[CLOSE_AFTER] = True  # the rest of the body is not wanted: the connection ends after the answer
+    if stop in done:
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    raise ApiError(408, f"the request body did not arrive within {st.config.body_timeout:g} s (--body-timeout)",
+                   code="request_timeout")
 
 
 # Surrogate escapes (\\uD800-\\uDFFF) in a JSON text. SUSPECT finds, in one scan, every escape that may stand alone

@@ -19,10 +19,13 @@ from aiohttp import web
 from octavo.errors import OctavoError
 from octavo.serving.api_error import ApiError
 from octavo.serving.app import ServerConfig, ServerState, build_app
+from octavo.serving.connections import GuardedSite, RateLimitedLoopErrors
 from octavo.serving.metrics import ServerMetrics
 from octavo.serving.protocol import Limits
 
 log = logging.getLogger(__name__)
+
+CLEANUP_GRACE_S = 3.0  # after the drain and the engine's abort, handlers get this long to write their last bytes
 
 
 class OpenAIServer:
@@ -35,18 +38,30 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
         self._load_task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
+        self._site: GuardedSite | None = None
+        self._loop_errors = RateLimitedLoopErrors()
 
     def _stats(self) -> Any | None:
         engine = self.state.engine
         return engine.stats() if engine is not None else None
 
     async def start(self, host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None) -> tuple[str, int]:
-        """Start listening (on SOCK if given), then load the model in the background. Returns the bound address."""
+        """Start listening (on SOCK if given), then load the model in the background. Returns the bound address.
+
+        Connections go through a ConnectionLimiter (config.max_connections, a 503 beyond); aiohttp's keep-alive
+        timer, which runs from a connection's start and between requests, is the header timeout
+        (config.header_timeout): a client that has not sent complete headers by then is disconnected."""
+        cfg = self.state.config
+        # AppRunner's shutdown_timeout is the grace handlers get in runner.cleanup(), after the drain (which
+        # already spent --shutdown-timeout) and the engine's abort: only writing the last chunks is left.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self._shutdown_timeout)
+                                     shutdown_timeout=CLEANUP_GRACE_S, keepalive_timeout=cfg.header_timeout)
         await self._runner.setup()
-        site = web.SockSite(self._runner, sock) if sock is not None else web.TCPSite(self._runner, host, port)
+        self._loop_errors.install(asyncio.get_running_loop())
+        site = GuardedSite(self._runner, sock if sock is not None else _listening_socket(host, port),
+                           cfg.max_connections)
         await site.start()
+        self._site = site
         addr = self._runner.addresses[0]
         self._load_task = asyncio.create_task(self._load(), name="octavo-load-model")
         return addr[0], addr[1]
@@ -94,13 +109,15 @@ class OpenAIServer:
             for site in list(runner.sites):
                 await site.stop()  # no new connections from here on
             await self._drain(self._shutdown_timeout)
+        self.state.stop_reading.set()  # requests still sending their body get 503 now (a body may never end)
         if self._load_task is not None and not self._load_task.done():
             await asyncio.wait([self._load_task])
         engine, self.state.engine = self.state.engine, None
         if engine is not None:
             await engine.shutdown()  # what is still running ends with "abort"; its handlers write the end
         if runner is not None:
-            await runner.cleanup()  # handlers finish writing, then connections close
+            await runner.cleanup()  # handlers finish writing (CLEANUP_GRACE_S at most), then connections close
+        self._loop_errors.uninstall()
 
     async def _drain(self, timeout: float) -> None:
         """Wait until no request handler is running (or TIMEOUT seconds pass). Handlers, not the engine's stats:
@@ -109,6 +126,21 @@ class OpenAIServer:
         deadline = loop.time() + timeout
         while self.state.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket for HOST:PORT, as TCPSite would make it."""
+    family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def _discard(engine: Any) -> None:
