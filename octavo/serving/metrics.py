@@ -30,19 +30,27 @@ SUCCESS_REASONS = ("stop", "length", "abort")
 class _EngineCollector(Collector):
     """Gauges and counters straight from EngineStats (zeros while the model is loading)."""
 
-    def __init__(self, stats: Callable[[], Any | None], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], Any | None], model_name: str,
+                 in_flight: Callable[[], int] | None = None) -> None:
         self._stats = stats
         self._model = model_name
+        self._in_flight = in_flight
 
     def collect(self):  # noqa: ANN201 - prometheus_client's protocol
-        return self._families(self._stats())
+        return self._families(self._stats(), self._in_flight() if self._in_flight is not None else 0)
 
     def describe(self):  # noqa: ANN201 - names only, without asking the engine
-        return self._families(None)
+        return self._families(None, 0)
 
-    def _families(self, s: Any | None):  # noqa: ANN202
+    def _families(self, s: Any | None, in_flight: int):  # noqa: ANN202
         get = (lambda name: float(getattr(s, name))) if s is not None else (lambda name: 0.0)
         labels = ["model_name"]
+        # handlers running, from the headers' arrival to the last byte (the engine's gauges see a request only
+        # once it is submitted: not while its body is still arriving or its prompt is being tokenized)
+        g = GaugeMetricFamily("octavo:http_requests_in_flight", "HTTP requests being handled (any route).",
+                              labels=labels)
+        g.add_metric([self._model], float(in_flight))
+        yield g
         for name, doc, field in (
             ("octavo:num_requests_running", "Requests in the running batch.", "num_running"),
             ("octavo:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
@@ -66,10 +74,11 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """All metrics of one server; nothing global, so several servers can live in one process."""
 
-    def __init__(self, model_name: str, stats: Callable[[], Any | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Any | None],
+                 in_flight: Callable[[], int] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, in_flight))
         r = self.registry
         self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token.", ["model_name"],
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)

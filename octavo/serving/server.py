@@ -33,7 +33,8 @@ class OpenAIServer:
         """load_engine() builds the (not yet started) AsyncEngine; it runs in a worker thread."""
         self._load_engine = load_engine
         self._shutdown_timeout = shutdown_timeout
-        self.state = ServerState(config=config, metrics=ServerMetrics(config.served_model_names[0], self._stats))
+        self.state = ServerState(config=config, metrics=ServerMetrics(config.served_model_names[0], self._stats,
+                                                                      lambda: self.state.in_flight))
         self.app = build_app(self.state)
         self._runner: web.AppRunner | None = None
         self._load_task: asyncio.Task[None] | None = None
