@@ -66,6 +66,7 @@ class Generation:
         self._engine = engine
         self._params = params
         self._priority = priority
+        self._failed = False  # ended by an exception (not counted as an abort)
         now = time.monotonic()
         self._subs = [_Sub(request_id if len(prompts) == 1 else f"{request_id}-{i}", p, RequestTimer(metrics, now))
                       for i, p in enumerate(prompts)]
@@ -109,6 +110,9 @@ class Generation:
             else:
                 async for i, out in self._merged():
                     yield self._apply(i, self._subs[i], out)
+        except Exception:  # a prompt refused (400), the engine gone: the request failed, it was not aborted
+            self._failed = True
+            raise
         finally:
             self.abort()
 
@@ -122,7 +126,7 @@ class Generation:
                 self._engine.abort_nowait(sub.request_id)  # queued, never waits for a step
             except (UnknownRequestError, EngineDeadError):
                 pass  # never submitted (an earlier prompt was rejected), already over, or the engine is gone
-            if sub.choices:  # it was admitted and ran: count it as aborted (a rejected prompt is not counted)
+            if not self._failed:  # the client left or shutdown ended it, before or after its first token
                 sub.timer.finish(time.monotonic(), "abort", None)
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
