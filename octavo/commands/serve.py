@@ -87,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "between requests on a kept-alive connection); then it is closed")
     p.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request may take to send its whole body once its headers are in (408 after)")
+    p.add_argument("--special-tokens-in-content", action="store_true",
+                   help="parse special-token strings inside chat messages (<|im_start|>, ...) as control tokens; "
+                        "by default they are plain text, so a user cannot open a system turn. Only for clients "
+                        "that put raw template markup in messages on purpose and trust whoever wrote them")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections at most; more are refused at once with 503 (also kept below the "
                         "open-file limit, which serve raises to its hard maximum)")
@@ -108,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
         per_request_metrics=args.enable_per_request_metrics,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, max_connections=args.max_connections,
+        special_tokens_in_content=args.special_tokens_in_content,
     )
     raise_open_file_limit()
     server = OpenAIServer(config, lambda: AsyncEngine(ea), shutdown_timeout=args.shutdown_timeout)

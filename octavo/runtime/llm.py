@@ -71,11 +71,14 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+             add_generation_prompt: bool = True, *, special_tokens_in_content: bool = False) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate. Special-token strings inside
+        the messages stay plain text unless SPECIAL_TOKENS_IN_CONTENT (see Tokenizer.encode_chat)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts: list[Prompt] = [{"prompt_token_ids": tok.encode_chat(c, add_generation_prompt)} for c in convs]
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, special_tokens_in_content=special_tokens_in_content)}
+            for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -1,11 +1,13 @@
 """Tokenizer: the export folder's tokenizer.json (HF `tokenizers`) and chat template (sandboxed jinja2)."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 from octavo.errors import InvalidRequestError, ModelFormatError
 from octavo.export.manifest import Manifest
+from octavo.runtime.chat_content import ContentEscaper
 
 
 def _raise_exception(message: str) -> None:
@@ -58,6 +60,10 @@ class Tokenizer:
         if manifest.chat_template_file and (folder / manifest.chat_template_file).is_file():
             self.chat_template = (folder / manifest.chat_template_file).read_text()
         self._template: Any = None
+        specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        self._escaper = ContentEscaper.for_specials(specials)
+        self._literal: Any = None  # the tokenizer with encode_special_tokens, made on first use
+        self._literal_lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of TEXT. Releases the GIL while it works (`encode` would hold it for ~2 s per MB of text)."""
@@ -67,12 +73,43 @@ class Tokenizer:
             raise InvalidRequestError(f"the text cannot be tokenized (is it valid Unicode?): {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
-                    add_special_tokens: bool = False, **template_options: Any) -> list[int]:
+                    add_special_tokens: bool = False, special_tokens_in_content: bool = False,
+                    **template_options: Any) -> list[int]:
         """Token ids of a conversation rendered with the chat template. The rendered text already holds the
         template's special tokens (BOS included), so it is encoded without adding more unless asked.
-        template_options: apply_chat_template's keywords (chat_template, continue_final_message, variables)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **template_options)
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        template_options: apply_chat_template's keywords (chat_template, continue_final_message, variables).
+
+        Special-token strings inside the messages (`<|im_end|>` typed by a user) stay plain text, not control
+        tokens (see octavo.runtime.chat_content), unless SPECIAL_TOKENS_IN_CONTENT: then they are parsed like
+        the template's own (for callers that build raw prompts in messages and trust their authors)."""
+        if special_tokens_in_content or not self._escaper.needed(messages):
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_options)
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        template = template_options.get("chat_template") or self.chat_template or ""
+        try:
+            escaped, open_, close = self._escaper.escape(messages, template)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        text = self.apply_chat_template(escaped, add_generation_prompt, **template_options)
+        first = [add_special_tokens]  # the tokenizer's own specials (BOS), if asked, once, at the start
+
+        def encode(piece: str) -> list[int]:
+            add, first[0] = first[0], False
+            return self.encode(piece, add_special_tokens=add)
+
+        return self._escaper.tokenize(text, open_, close, encode, self._encode_literal)
+
+    def _encode_literal(self, text: str) -> list[int]:
+        """TEXT's ids with special-token strings taken as ordinary text (a second tokenizer, so that the shared
+        one's state never changes under another thread)."""
+        with self._literal_lock:
+            if self._literal is None:
+                from tokenizers import Tokenizer as HFTokenizer
+
+                self._literal = HFTokenizer.from_str(self._tok.to_str())
+                self._literal.encode_special_tokens = True
+            literal = self._literal
+        return literal.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

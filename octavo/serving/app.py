@@ -44,6 +44,7 @@ class ServerConfig:
     header_timeout: float = 30.0  # seconds to send complete headers, from connect or the previous response
     body_timeout: float = 60.0  # seconds to send the whole body once the headers are in (408 after)
     max_connections: int = 1024  # open connections; more get 503 too_many_connections at once
+    special_tokens_in_content: bool = False  # parse special-token strings in chat messages as control tokens
 
 
 @dataclass(slots=True)
@@ -298,6 +299,7 @@ async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req:
     try:  # off the event loop: a long conversation takes a while to render and tokenize
         ids = await asyncio.to_thread(
             st.tokenizer.encode_chat, req.messages, c.add_generation_prompt, add_special_tokens=c.add_special_tokens,
+            special_tokens_in_content=st.config.special_tokens_in_content,
             chat_template=c.chat_template, continue_final_message=c.continue_final_message, **c.chat_template_kwargs)
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects these messages
         param = "chat_template" if c.chat_template is not None else "messages"
