@@ -125,8 +125,8 @@ class Generation:
             try:
                 self._engine.abort_nowait(sub.request_id)  # queued, never waits for a step
             except (UnknownRequestError, EngineDeadError):
-                pass  # never submitted (an earlier prompt was rejected), already over, or the engine is gone
-            if not self._failed:  # the client left or shutdown ended it, before or after its first token
+                continue  # never submitted (rejected, or the client left while it was tokenized), or gone
+            if not self._failed:  # it was in the engine: an abort, before or after its first token
                 sub.timer.finish(time.monotonic(), "abort", None)
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
