@@ -490,8 +490,10 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
 
 
 # names the renderer sets itself: chat_template_kwargs may not replace them (their own fields do that)
+# (and the renderer's own options: a variable of that name would reach encode_chat, not the template)
 _TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
-                      "raise_exception", "tools", "documents")
+                      "raise_exception", "tools", "documents", "chat_template", "add_special_tokens",
+                      "special_tokens_in_content")
 MAX_CHAT_TEMPLATE_CHARS = 64 << 10
 
 
