@@ -16,9 +16,23 @@ def _load(name: str):  # noqa: ANN202
     return importlib.import_module(f"octavo.commands.{name}")
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help shows every option's default: "(default: X)" is added to any help that does not state one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default is argparse.SUPPRESS or "default" in text.lower()
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        if action.nargs == 0 and isinstance(action.default, bool):  # a switch
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return f"{text} (default: {'none' if action.default is None else '%(default)s'})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="octavo", description="LLM serving with a paged KV cache and continuous batching")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ERROR)")
+    parser = argparse.ArgumentParser(prog="octavo", description="LLM serving with a paged KV cache and continuous "
+                                     "batching", formatter_class=DefaultsFormatter)
+    parser.add_argument("--log-level", default="WARNING", help="logging level: DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         try:
@@ -27,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name == f"octavo.commands.{name}":
                 continue  # command not part of this build
             raise
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=DefaultsFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -31,7 +31,12 @@ class InvalidRequestError(OctavoError, ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    """The prompt (plus max_tokens) does not fit the model's context or the KV pool."""
+    """The prompt (plus max_tokens) does not fit the model's context or the KV pool. `param` names the request
+    field to change ("prompt" or "max_tokens"), for the server's error body."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownRequestError(OctavoError, KeyError):

@@ -249,12 +249,88 @@ def test_octavo_demo_smollm2_end_to_end(tmp_path):
     for heading in ("Requests", "Per-step log", "Timeline", "KV memory, measured", "Answers"):
         assert f"=== {heading} " in out
     seed = {"6": 4, "4": 8, "2": 16, "9": 16, "8": 24, "3": 32, "11": 32, "5": 48, "10": 48, "7": 64}
-    for rid, g in seed.items():  # all prompts fit step 1's budget: a request of g tokens finishes at step g
-        assert re.search(rf"^seq\[{rid}\]\s+▓█+ ✓{g}$", out, re.M), rid
+    rows = read_trace(tmp_path / "t.jsonl")
+    done = {}
+    for r in rows:  # the step that completed each prompt
+        for q in r["requests"]:
+            if q["phase"] == "prefill" and q["id"] not in done or (q["phase"] == "prefill" and done[q["id"]] == r["step"] - 1):
+                done[q["id"]] = r["step"]
+    for rid, g in seed.items():  # the step completing a prompt samples its first token
+        assert re.search(rf"^seq\[{rid}\]\s+[░▓]*▓█+ ✓{done[rid] + g - 1}$", out, re.M), rid
+    # at block size 16 the chat template's system prompt fills a block: one request computes it, the others wait
+    # one step and read it from the prefix cache; the header says so instead of "every prompt in step 1"
+    first = sorted(rid for rid, step in done.items() if step == 1)
+    assert f"Prompts completed at step 1: {', '.join(f'seq[{i}]' for i in first)}" in out or len(first) == 10
+    assert "Step 1 prefilled every prompt" not in out or len(first) == 10
     assert "Paris" in out  # the short Q&A, answered by the real model
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "data:image/png;base64," in (tmp_path / "demo.html").read_text()
-    assert len(read_trace(tmp_path / "t.jsonl")) == 64
+    assert len(rows) == max(done[rid] + g - 1 for rid, g in seed.items())
+
+
+SHARED = "You are a careful assistant. Answer in one short sentence, please. "  # > one 16-token block
+SHARED_PROFILES = [Profile(i, kind, ({"role": "user", "content": SHARED + text},), g)
+                   for i, (kind, text, g) in enumerate(TEXTS[:5])]
+
+
+def _prompt_done(rows: list[dict]) -> dict[str, int]:
+    """The step that completed each prompt: its last prefill step before it decodes."""
+    done: dict[str, int] = {}
+    decoding: set[str] = set()
+    for r in rows:
+        for q in r["requests"]:
+            if q["phase"] == "decode":
+                decoding.add(q["id"])
+            elif q["id"] not in decoding:
+                done[q["id"]] = r["step"]
+    return done
+
+
+def _story(run) -> str:  # noqa: ANN001
+    from octavo.tracing.story import describe_run
+
+    return "\n".join(describe_run(run.rows, run.report.spans, 2048))
+
+
+def test_the_story_says_every_prompt_went_in_step_1_only_when_it_did(together):
+    run, _ = together
+    assert set(_prompt_done(run.rows).values()) == {1}
+    text = _story(run)
+    assert f"Step 1 prefilled every prompt, {run.rows[0]['num_tokens']} tokens" in text
+    assert "finished at step 1 + g - 1 = g" in text
+
+
+def test_the_story_tells_a_held_shared_prefix_as_it_happened(model_dir):
+    """Issue 20.1: prompts sharing a full first block (the chat template's system prompt at block size 16) are not
+    all prefilled in step 1: one computes the block, the others wait a step and read it from the prefix cache.
+    The sentences must say that, and the finishing steps they quote must be the trace's."""
+    run = run_demo(DemoConfig(model=str(model_dir), block_size=BLOCK), SHARED_PROFILES)
+    done = _prompt_done(run.rows)
+    finished = _finish_steps(run.rows)
+    first = sorted((rid for rid, step in done.items() if step == 1), key=int)
+    later = sorted((rid for rid, step in done.items() if step > 1), key=int)
+    assert first and later, done  # the premise: the shared block held the others back
+    text = _story(run)
+    assert "Step 1 prefilled every prompt" not in text
+    assert text.startswith(f"Prompts completed at step 1: {', '.join(f'seq[{i}]' for i in first)}; step 2:"), text
+    assert f"waited 1 step for the prompt prefix seq[{first[0]}] was computing" in text
+    for p in SHARED_PROFILES:  # the rule the text states holds for every request
+        assert finished[p.id] == done[p.id] + p.max_tokens - 1
+    for rid, g in ((first[0], GEN[first[0]]), (later[0], GEN[later[0]])):  # and the examples it quotes are real
+        assert f"seq[{rid}] completed at step {done[rid]} with g = {g} → step {finished[rid]}" in text
+
+
+def test_the_story_names_chunked_prefills(model_dir):
+    run = run_demo(DemoConfig(model=str(model_dir), block_size=BLOCK, max_num_batched_tokens=48), PROFILES)
+    chunked = [s.id for s in run.report.spans if s.prefill_steps > 1]
+    assert chunked
+    from octavo.tracing.story import describe_run
+
+    text = "\n".join(describe_run(run.rows, run.report.spans, 48))
+    assert "Prefilled in chunks (the step budget of 48 is shared)" in text and f"seq[{chunked[0]}] in " in text
+    done = _prompt_done(run.rows)
+    for rid, step in _finish_steps(run.rows).items():
+        assert step == done[rid] + GEN[rid] - 1
 
 
 def test_float16_kv_cache_halves_the_reported_bytes(model_dir, together):

@@ -47,3 +47,30 @@ def test_chat_repl(folder, monkeypatch, capsys) -> None:  # noqa: ANN001
                                                SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     text = ref[0].outputs[0].text
     assert out.count("assistant> " + text) == 2  # same answer after /reset
+
+
+def test_chat_banner_reset_confirmation_and_unknown_commands(folder, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """The REPL lists its commands, /reset says what it cleared, an unknown /command is an error that never reaches
+    the model (the conversation stays as it was), and '//' sends a message starting with '/'."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n/reste\n/reset\n/help\n//etc\n/quit\n"))
+    assert main(["chat", str(folder), "--temperature", "0", "--max-tokens", "4", "--ignore-eos",
+                 "--num-blocks", "32"]) == 0
+    out = capsys.readouterr().out
+    banner = out.split("\n")[:5]
+    assert banner[0].startswith(f"octavo chat: {folder}") and all(
+        any(line.lstrip().startswith(cmd) for line in banner) for cmd in ("/reset", "/help", "/exit"))
+    assert "[unknown command /reste; commands: /reset, /help, /exit, /quit." in out
+    assert "[conversation cleared: 1 turn forgotten]" in out
+    assert out.count("octavo chat:") == 2  # /help shows the banner again
+    assert out.count("assistant> ") == 2  # "hello there" and "/etc": the typo and the commands went nowhere
+    ref = LLM(str(folder), num_blocks=32).chat([{"role": "user", "content": "/etc"}],
+                                               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                               use_tqdm=False)[0].outputs[0].text
+    assert "assistant> " + ref in out  # after /reset: a fresh conversation holding only "/etc"
+
+
+def test_a_missing_model_file_is_reported_as_missing(tmp_path, capsys) -> None:  # noqa: ANN001
+    missing = tmp_path / "nonexistent.gguf"
+    assert main(["generate", str(missing), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing} does not exist" in err and "is not a model" not in err

@@ -68,3 +68,31 @@ def test_serve_a_bad_model_folder_exits_1_with_the_reason(tmp_path) -> None:  # 
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "error: ModelFormatError" in proc.stdout and str(bad) in proc.stdout and "is not a model" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_serve_with_no_model_serves_the_embedded_model_by_name(tmp_path) -> None:  # noqa: ANN001
+    """`octavo serve` alone: the embedded SmolLM2-135M-Instruct, listed and answered as 'smollm2-135m-instruct'
+    (exported once into $OCTAVO_CACHE; the cache of a session that ran the demo is reused)."""
+    from octavo.demo.model import EMBEDDED_NAME
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "octavo", "serve", "--port", "0", "--num-threads", "1", "--max-model-len", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert m, line
+        url = m.group(1)
+        deadline = time.monotonic() + 600  # a first export of the 135M model takes a while on a loaded machine
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        assert [d["id"] for d in httpx.get(url + "/v1/models").json()["data"]] == [EMBEDDED_NAME]
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": EMBEDDED_NAME, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == EMBEDDED_NAME, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -10,38 +10,43 @@ from pathlib import Path
 HELP = "benchmark offline throughput (through octavo.LLM) or a running server (like `vllm bench serve`)"
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def _workload_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="random",
-                   help="random | seed10 | shared-prefix | PATH.jsonl ({'prompt', 'max_tokens'} per line)")
+                   help="random | seed10 | shared-prefix | PATH.jsonl ({'prompt', 'max_tokens'} per line; "
+                        "default: %(default)s)")
     g.add_argument("--num-prompts", type=int, default=None, help="requests (default: 100 random, 10 seed10, 32 shared-prefix)")
     g.add_argument("--input-len", type=int, default=128, help="random: mean prompt length (tokens)")
     g.add_argument("--output-len", type=int, default=32, help="random / shared-prefix: tokens to generate")
     g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in len*(1±ratio)")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: words in the shared system prompt")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--save-result", metavar="FILE", default=None, help="write the result as JSON")
+    if seed:  # bench throughput: the engine's --seed seeds the workload too
+        g.add_argument("--seed", type=int, default=0, help="seed of the random workload and of sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    g.add_argument("--save-result", metavar="FILE", default=None, help="write the result as JSON (default: not saved)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from octavo.commands.serve import add_engine_arguments
+    from octavo.commands.engine_flags import add_engine_arguments
 
     sub = p.add_subparsers(dest="bench_mode", metavar="MODE", required=True)
-    t = sub.add_parser("throughput", help="offline: every request at once through octavo.LLM")
-    t.add_argument("model", help="export folder, HF checkpoint folder or .gguf file")
-    _workload_args(t)
+    t = sub.add_parser("throughput", help="offline: every request at once through octavo.LLM",
+                       formatter_class=p.formatter_class)
+    t.add_argument("model", help="export folder, HF checkpoint folder, .gguf file or 'smollm2-135m-instruct'")
+    _workload_args(t, seed=False)
     t.add_argument("--profile", action="store_true",
                    help="time each step's phases (schedule, pack, backend, sample, detokenize, other) and print them")
     add_engine_arguments(t)
-    s = sub.add_parser("serve", help="online: replay a workload against a running server's /v1/completions")
+    s = sub.add_parser("serve", help="online: replay a workload against a running server's /v1/completions",
+                       formatter_class=p.formatter_class)
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
     s.add_argument("--model", default=None, help="model name to request (default: the server's first)")
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None, help="bearer token (default: none)")
     s.add_argument("--tokenizer", default=None,
-                   help="export folder or tokenizer.json: exact-length token-id prompts for --workload random")
+                   help="export folder or tokenizer.json: exact-length token-id prompts for --workload random "
+                        "(default: none, text prompts)")
     s.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (inf = burst)")
-    s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     _workload_args(s)
 
 
@@ -70,10 +75,11 @@ def _throughput(args: argparse.Namespace) -> int:
     from octavo.bench.report import save_json
     from octavo.bench.throughput import run_throughput
     from octavo.bench.workloads import Vocab
-    from octavo.commands.serve import engine_args
+    from octavo.commands.engine_flags import engine_args
+    from octavo.demo.model import model_argument
     from octavo.runtime.llm import LLM
 
-    llm = LLM.from_engine_args(engine_args(args))
+    llm = LLM.from_engine_args(engine_args(args, model_argument(args.model)[0]))
     try:
         tok = llm.get_tokenizer()
         vocab = Vocab(llm.engine.vocab_size, frozenset(t for t in (tok.bos_token_id, *tok.eos_token_ids) if t is not None))

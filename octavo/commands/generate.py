@@ -5,25 +5,25 @@ import argparse
 import sys
 import time
 
-from octavo.commands.serve import add_engine_arguments, engine_args
+from octavo.demo.model import EMBEDDED_NAME
+from octavo.commands.engine_flags import add_engine_arguments, engine_args
 
 HELP = "generate text for one or more prompts (streams a single prompt)"
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g = p.add_argument_group("sampling (the engine's --seed seeds sampled requests)")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per completion")
+    g.add_argument("--min-tokens", type=int, default=0, help="generate at least this many before EOS/stop counts")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def sampling_params(args: argparse.Namespace, n: int = 1):  # noqa: ANN201
@@ -32,15 +32,16 @@ def sampling_params(args: argparse.Namespace, n: int = 1):  # noqa: ANN201
     return SamplingParams(
         n=n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, seed=args.seed,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="export folder, HF checkpoint folder or .gguf file")
+    p.add_argument("model", help=f"export folder, HF checkpoint folder, .gguf file or {EMBEDDED_NAME!r} (the "
+                                 "embedded SmolLM2-135M-Instruct)")
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several: run as one batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("-n", type=int, default=1, help="completions per prompt")
+    p.add_argument("-n", type=int, default=1, help="completions per prompt (default: 1)")
     add_sampling_arguments(p)
     add_engine_arguments(p)
 
@@ -48,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from octavo.runtime.llm import LLM
 
-    ea = engine_args(args)
+    from octavo.demo.model import model_argument
+
+    ea = engine_args(args, model_argument(args.model)[0])
     llm = LLM.from_engine_args(ea)
     tok = llm.get_tokenizer()
     params = sampling_params(args, args.n)

@@ -4,14 +4,20 @@ which then also works with the tritonserver of NVIDIA's container."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import shutil
 import signal
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from octavo.errors import InvalidRequestError, ModelFormatError
-from octavo.serving.engine_params import engine_args_from_strings, engine_parameter_names
+from octavo.serving.engine_params import engine_parameter_names
+from octavo.serving.triton_front import MAX_BODY_BYTES, MAX_JSON_DEPTH
+
+if TYPE_CHECKING:
+    from octavo.serving.triton_launcher import TritonServer
 
 HELP = "serve a model behind NVIDIA Triton Inference Server (writes a model repository, starts tritonserver)"
 
@@ -86,53 +92,96 @@ def write_model_repository(out: str | Path, model_path: str | Path, *, parameter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="octavo export folder, HF checkpoint folder or .gguf file")
+    from octavo.commands.engine_flags import add_engine_arguments
+    from octavo.demo.model import EMBEDDED_NAME
+
+    parser.add_argument("model", nargs="?", default=None, help="octavo export folder, HF checkpoint folder or .gguf "
+                        f"file (default: the embedded SmolLM2-135M-Instruct, {EMBEDDED_NAME!r})")
     parser.add_argument("--repo-out", default=None,
                         help="folder to write the model repository into (default: a temporary folder)")
     parser.add_argument("--template", default=None, help="model template folder (default: model_repo/octavo)")
     parser.add_argument("--no-serve", action="store_true", help="only write the repository, do not start tritonserver")
-    parser.add_argument("--instances", type=int, default=None, help="instance_group count (engines in this server)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--workdir", default=None, help="folder for the stub environment and backend links")
+    parser.add_argument("--instances", type=int, default=None,
+                        help="instance_group count: engines in this server (default: the template's, 1)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the HTTP front, gRPC and metrics bind (default: %(default)s, loopback; 0.0.0.0 "
+                             "exposes them)")
+    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (octavo's checking front)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (tritonserver)")
+    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (tritonserver)")
+    parser.add_argument("--max-body-bytes", type=_bytes, default=MAX_BODY_BYTES,
+                        help="largest HTTP request body the front passes on (413 above; default: 16M)")
+    parser.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH,
+                        help="deepest JSON nesting the front passes on (400 above; tritonserver crashes on very deep "
+                             "bodies, docs/triton.md)")
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver's --log-verbose level")
+    parser.add_argument("--workdir", default=None,
+                        help="folder for the stub environment, backend links and tritonserver.log (default: a "
+                             "temporary folder)")
     parser.add_argument("--install-numpy", action="store_true",
                         help="pip-install numpy<2 for the python-backend stub if it is missing (see docs/triton.md)")
-    for key in PARAMETER_KEYS[1:]:  # every EngineArgs field, as text (model.py converts it by the field's type)
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, default=None, metavar="VALUE",
-                            help=f"engine argument {key} (a config.pbtxt parameter; default: the engine's)")
+    add_engine_arguments(parser)  # the same flags as serve/generate; written as config.pbtxt parameters
+
+
+def _bytes(text: str) -> int:
+    from octavo.serving.engine_params import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
+    from octavo.commands.engine_flags import changed_fields, engine_args
+    from octavo.demo.model import model_argument
     from octavo.runtime.engine import resolve_model_dir
-    from octavo.serving.triton_launcher import TritonServer
+    from octavo.serving.engine_params import value_text
+    from octavo.serving.triton_launcher import TritonServer, check_ports_free, free_port
 
-    params = {k: getattr(args, k) for k in PARAMETER_KEYS[1:] if getattr(args, k) is not None}
-    engine_args = engine_args_from_strings(args.model, params, where="engine parameter")  # refuse bad values now
+    ea = engine_args(args, model_argument(args.model)[0])  # refuse bad values now, before any work
+    if ea.trace_path:  # the python-backend stub runs in another folder
+        ea.trace_path = str(Path(ea.trace_path).resolve())
+    params = {k: value_text(v) for k, v in changed_fields(ea).items()}
     # export once now (in the format asked for: --weights int8 exports the int8 variant), not in every instance
-    model = resolve_model_dir(engine_args.model, engine_args.weights, engine_args.quant_block_size,
-                              engine_args.quantize_lm_head)
+    model = resolve_model_dir(ea.model, ea.weights, ea.quant_block_size, ea.quantize_lm_head)
     repo = Path(args.repo_out) if args.repo_out else Path(tempfile.mkdtemp(prefix="octavo-triton-repo-"))
     write_model_repository(repo, model, parameters=params, instance_count=args.instances, template=args.template)
     print(f"model repository: {repo} (model {model})", flush=True)
     if args.no_serve:
         return 0
+    check_ports_free([("HTTP", args.host, args.http_port)])  # the front's port; tritonserver's own are checked by it
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="octavo-triton-run-"))
-    server = TritonServer(repo, workdir, http_port=args.http_port, grpc_port=args.grpc_port,
-                          metrics_port=args.metrics_port, log_verbose=args.log_verbose,
+    # tritonserver's HTTP listens on a private loopback port; the public one is octavo's checking front
+    server = TritonServer(repo, workdir, http_port=free_port(), grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, http_host="127.0.0.1", grpc_host=args.host,
+                          metrics_host=args.host, log_verbose=args.log_verbose,
                           auto_install_numpy=args.install_numpy)
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM = Ctrl-C: stop the server, also while it starts
     try:
-        server.start(stdout_to_log=False)
-        print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
-              f"metrics 127.0.0.1:{args.metrics_port}  (Ctrl-C stops it)", flush=True)
-        code = server.wait()
+        print(f"starting tritonserver (its log: {workdir / 'tritonserver.log'})", flush=True)
+        server.start()
+        return asyncio.run(_serve_front(server, args))
     except KeyboardInterrupt:
-        code = 0
+        return 0
     finally:
         server.stop()
-    return 0 if code in (0, -signal.SIGTERM) else int(code)
+
+
+async def _serve_front(server: TritonServer, args: argparse.Namespace) -> int:
+    from octavo.serving.triton_front import FrontConfig, start_front
+
+    config = FrontConfig(upstream=f"http://{server.http_url}", max_body_bytes=args.max_body_bytes,
+                         max_json_depth=args.max_json_depth)
+    runner = await start_front(config, args.host, args.http_port)
+    print(f"tritonserver ready: HTTP {args.host}:{args.http_port}  gRPC {args.host}:{args.grpc_port}  "
+          f"metrics {args.host}:{args.metrics_port}  (Ctrl-C stops it)", flush=True)
+    try:
+        code = await asyncio.get_running_loop().run_in_executor(None, server.wait)
+        print(f"tritonserver exited with code {code}; its log: {server.log_path}", flush=True)
+        return 0 if code in (0, -signal.SIGTERM) else 1
+    finally:
+        await runner.cleanup()
 
 
 def _interrupt(signum: int, frame: object) -> None:

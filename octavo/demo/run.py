@@ -50,6 +50,7 @@ class DemoConfig:
     enable_prefix_caching: bool = True
     weights: str | None = None  # "int8" | "int4": export the quantized variant (docs/quantization.md)
     kv_cache_dtype: str = "auto"  # "float16": half the KV bytes per token (docs/engine.md)
+    engine_extra: dict[str, Any] = field(default_factory=dict)  # any other EngineArgs field (the CLI's flags)
 
 
 @dataclass(slots=True)
@@ -148,7 +149,9 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
     from octavo.runtime.engine_args import EngineArgs
     from octavo.runtime.tokenizer import Tokenizer
 
-    model_dir = Path(resolve_model(config.model, weights=config.weights))
+    extra = dict(config.engine_extra)
+    quant = {k: extra.pop(k) for k in ("quant_block_size", "quantize_lm_head") if k in extra}
+    model_dir = Path(resolve_model(config.model, weights=config.weights, **quant))
     manifest = Manifest.load(model_dir)
     tokenizer = Tokenizer(model_dir, manifest)
     requests = profile_requests(tokenizer, profiles, config.use_chat_template)
@@ -165,6 +168,7 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         num_threads=config.num_threads, trace_path=config.trace_path,
         enable_prefix_caching=config.enable_prefix_caching, kv_cache_dtype=config.kv_cache_dtype,
+        **extra,
     ))
     try:
         rows, outputs = run_requests(engine, requests, on_step)

@@ -100,12 +100,18 @@ def resolve_model(path: str | Path, *, progress: bool = True, weights: str | Non
     weights: None or "fp32" (float weights), "int8" / "int4" (quantized export, docs/quantization.md);
     quant_block_size (None = 32) and quantize_lm_head only with int8/int4. For an export folder None
     accepts any format; whatever is named must match its manifest."""
-    source = Path(path).expanduser()
+    from octavo.demo.model import default_model_path, is_embedded_name
+
+    source = default_model_path() if is_embedded_name(path) else Path(path).expanduser()
     quant = _quant_config(weights, quant_block_size, quantize_lm_head)
     if _is_export_folder(source) and not (source / "config.json").is_file():
         manifest = Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
         _check_export_matches(source, manifest, weights, quant_block_size, quantize_lm_head)
         return source
+    if not source.exists():  # say so: "not a model" sends the user looking at the file's contents
+        raise ModelFormatError(
+            f"{source} does not exist; pass an octavo export folder, an HF model folder or "
+            "a .gguf file (`octavo serve` with no model serves the embedded SmolLM2-135M-Instruct)")
     is_hf = source.is_dir() and (source / "config.json").is_file()
     is_gguf = source.is_file() and source.suffix.lower() == ".gguf"
     if not (is_hf or is_gguf):

@@ -61,6 +61,14 @@ class RequestGroup:
         return all(c.finished for c in self.children)
 
 
+def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[str, str]:
+    """(message, param) for prompt + max_tokens > LIMIT: the message says which of the two to change, and to what."""
+    head = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds {what}"
+    if prompt_len >= limit:  # no max_tokens can help
+        return f"{head}; shorten the prompt to at most {limit - 1} tokens", "prompt"
+    return f"{head}; lower max_tokens to at most {limit - prompt_len}", "max_tokens"
+
+
 def resolve_model_dir(model: str | Path, weights: str | None = None, quant_block_size: int | None = None,
                       quantize_lm_head: bool = False) -> Path:
     """An export folder as is; anything else (HF folder, .gguf) is exported once into the cache
@@ -243,18 +251,17 @@ class LLMEngine:
             if prompt_len >= limit:
                 raise PromptTooLongError(
                     f"the prompt has {prompt_len} tokens; the limit is {limit - 1} "
-                    f"(max_model_len {self.max_model_len}, KV pool {pool_tokens} tokens)")
+                    f"(max_model_len {self.max_model_len}, KV pool {pool_tokens} tokens): shorten the prompt",
+                    param="prompt")
             return limit - prompt_len
         total = prompt_len + params.max_tokens
         if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
-                f"model's context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+            raise PromptTooLongError(*_too_long(prompt_len, params.max_tokens, self.max_model_len,
+                                                f"the model's context of {self.max_model_len} tokens"))
         if total > pool_tokens + 1:
-            raise PromptTooLongError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs more KV cache than "
-                f"the whole pool ({self.num_blocks} blocks of {self.block_size} = {pool_tokens} tokens); "
-                f"raise num_blocks/kv_cache_memory or lower max_tokens")
+            where = (f"the whole KV pool ({self.num_blocks} blocks of {self.block_size} = {pool_tokens} tokens; "
+                     "a bigger pool: num_blocks / kv_cache_memory)")
+            raise PromptTooLongError(*_too_long(prompt_len, params.max_tokens, pool_tokens + 1, where))
         return params.max_tokens
 
     def _generator(self, params: SamplingParams, index: int, order: int) -> np.random.Generator:

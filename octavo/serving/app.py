@@ -19,12 +19,12 @@ from typing import Any
 from aiohttp import web
 
 import octavo
-from octavo.errors import EngineDeadError, InvalidRequestError, OctavoError
+from octavo.errors import OctavoError
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.outputs import Logprob
 from octavo.serving import responses as R
 from octavo.serving import sse
-from octavo.serving.api_error import ApiError, bad_request
+from octavo.serving.api_error import ApiError, bad_request, from_exception
 from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.serving.openapi import add_openapi_route, server_schema
@@ -132,8 +132,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException as exc:  # unknown route, wrong method, ...
         if exc.status < 400:
             raise
-        return _json_error(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
-                                    code=exc.status))
+        return _json_error(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}"))
     except Exception as exc:  # noqa: BLE001 - a bug must still answer in the API's error shape
         log.exception("unhandled error in %s %s", request.method, request.path)
         return _json_error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
@@ -233,11 +232,13 @@ def parse_json_body(raw: bytes) -> Any:
         text = raw.decode("utf-8")
         body = json.loads(text)
     except (ValueError, UnicodeError, RecursionError) as exc:  # JSONDecodeError, int digits limit, nesting
-        raise bad_request(f"the request body is not valid JSON in UTF-8: {str(exc)[:200]}") from None
+        raise bad_request(f"the request body is not valid JSON in UTF-8: {str(exc)[:200]}",
+                          code="invalid_json") from None
     lone = _lone_surrogate_escape(text)
     if lone is not None:
         raise bad_request(f"the request body is not valid JSON in UTF-8: it holds the lone surrogate {lone} "
-                          "(a \\uD800-\\uDFFF escape that is not part of a high-low pair): surrogates not allowed")
+                          "(a \\uD800-\\uDFFF escape that is not part of a high-low pair): surrogates not allowed",
+                          code="invalid_json")
     return body
 
 
@@ -251,16 +252,10 @@ def _lone_surrogate_escape(text: str) -> str | None:
 
 
 def _engine_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, InvalidRequestError):  # includes PromptTooLongError
-        return ApiError(400, str(exc), code=type(exc).__name__)
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, f"the engine is not running: {exc}", code="engine_dead")
-    if isinstance(exc, OctavoError):  # StepFailedError and the like
-        return ApiError(500, f"generation failed: {exc}", code=type(exc).__name__)
-    log.exception("unexpected engine error", exc_info=exc)
-    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}")
+    api = from_exception(exc)
+    if api.status == 500 and not isinstance(exc, OctavoError):
+        log.exception("unexpected engine error", exc_info=exc)
+    return api
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -3,7 +3,11 @@
 Every EngineArgs field except `model` is a parameter, under its own name, converted by its type annotation
 (int, float, bool, str, each possibly `| None`, or a Literal of those), so a field added to EngineArgs is a
 parameter at once. An empty string means the field's default; an unknown name or a value that does not convert
-raises InvalidRequestError naming the parameter.
+raises InvalidRequestError naming the parameter. Byte sizes (kv_cache_memory) also take 512M / 2G.
+
+The command line's engine flags (octavo/commands/engine_flags.py) parse their values with the same
+`convert_value`, and `octavo triton` writes them back with `value_text`, so a flag and a config.pbtxt parameter
+of one field always accept the same text.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from octavo.runtime.engine_args import EngineArgs
 
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 NONE_WORDS = ("none", "null")  # for fields that may be None: the explicit way to say so
+BYTE_FIELDS = frozenset({"kv_cache_memory"})  # integers that also take a unit: 512M, 2G, 1.5GiB
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def engine_parameter_names() -> tuple[str, ...]:
@@ -29,7 +35,6 @@ def engine_args_from_strings(model: str, values: Mapping[str, str], *, where: st
     """EngineArgs(model, **converted VALUES), validated. WHERE names the source in messages ("config.pbtxt
     parameter")."""
     names = engine_parameter_names()
-    hints = typing.get_type_hints(EngineArgs)
     kwargs: dict[str, Any] = {}
     for key, text in values.items():
         if key not in names:
@@ -37,14 +42,43 @@ def engine_args_from_strings(model: str, values: Mapping[str, str], *, where: st
         text = str(text).strip()
         if text == "":
             continue  # the engine's default
-        kwargs[key] = _convert(text, hints[key], f"{where} {key}")
+        kwargs[key] = convert_value(key, text, f"{where} {key}")
     args = EngineArgs(model=model, **kwargs)
     args.validate()
     return args
 
 
+def convert_value(name: str, text: str, what: str | None = None) -> Any:
+    """TEXT as a value of the EngineArgs field NAME (see the module docstring); InvalidRequestError naming WHAT
+    (default: the field) if it is not one."""
+    what = what or name
+    annotation = typing.get_type_hints(EngineArgs)[name]
+    if name in BYTE_FIELDS and text.lower() not in NONE_WORDS:
+        return parse_bytes(text, what)
+    return _convert(text, annotation, what)
+
+
+def value_text(value: Any) -> str:
+    """A field's value as the text convert_value reads back (true/false, none, numbers, strings)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """'1073741824', '512M', '2G', '1.5GiB' -> bytes."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        value = float(t[:-1]) * _UNITS[t[-1]] if t and t[-1] in _UNITS else int(t)
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be a byte size such as 1073741824, 512M or 2G; got {text!r}") from None
+    return int(value)
+
+
 def _convert(text: str, annotation: Any, what: str) -> Any:
-    """TEXT as a value of ANNOTATION (see the module docstring); InvalidRequestError naming WHAT if it is not one."""
+    """TEXT as a value of ANNOTATION; InvalidRequestError naming WHAT if it is not one."""
     options = list(typing.get_args(annotation)) if _is_union(annotation) else [annotation]
     if type(None) in options:
         if text.lower() in NONE_WORDS:

@@ -155,7 +155,7 @@ def _responses_schemas() -> dict[str, Any]:
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"], "properties": {
                 "message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE_STR,
-                "code": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "integer"}]}}}}},
+                "code": {"type": "string"}}}}},
         "Usage": _USAGE,
         "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {

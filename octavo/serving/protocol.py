@@ -329,7 +329,8 @@ def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | 
     best_of = b.integer("best_of", None, lo=1, hi=limits.max_n)
     if best_of is not None and best_of != n and not b.d.get("use_beam_search"):
         raise bad_request(f"'best_of' ({best_of}) different from 'n' ({n}) is only supported with "
-                          "'use_beam_search': true (as the beam width)", "best_of")
+                          "'use_beam_search': true (as the beam width)", "best_of",
+                          "unsupported_parameter")
     b.string("user", None)  # accepted and type-checked, not used
     min_tokens = b.integer("min_tokens", 0, lo=0)
     if max_tokens is not None and min_tokens > max_tokens:
@@ -381,7 +382,7 @@ def _prompts(b: _Body, limits: Limits) -> list[str | list[int]]:
     p = b.d.get("prompt")
     msg = "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists"
     if p is None:
-        raise bad_request("'prompt' is required", "prompt")
+        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
     if isinstance(p, str):
         prompts: list[str | list[int]] = [p]
     elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
@@ -405,7 +406,7 @@ def _prompts(b: _Body, limits: Limits) -> list[str | list[int]]:
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     b = _Body(body)
     if b.present("suffix"):
-        raise bad_request("'suffix' is not supported", "suffix")
+        raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
     logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
     stream, include_usage, continuous = _stream(b)
     max_tokens = _max_tokens(b, ("max_tokens",), 16, limits)
@@ -468,7 +469,8 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     b = _Body(body)
     for unsupported in ("tools", "functions"):
         if b.d.get(unsupported):
-            raise bad_request(f"'{unsupported}' is not supported by this server", unsupported)
+            raise bad_request(f"'{unsupported}' is not supported by this server", unsupported,
+                              "unsupported_parameter")
     rf = b.d.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise bad_request("only response_format {'type': 'text'} is supported", "response_format")

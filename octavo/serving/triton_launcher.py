@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -196,6 +197,35 @@ def shm_prefix() -> str:
     return f"octavo_triton_{os.getpid()}_{os.urandom(4).hex()}_"
 
 
+# "E1201 12:00:00.000 123 file.cc:45] "message"" and the fatal "error: creating server: ..." lines
+_ERROR_LINE = re.compile(r"^(?:E\d{4} [\d:.]+\s+\d+ \S+\] |(?=error: ))(.*)$", re.MULTILINE)
+_HARMLESS = ("CudaDriverHelper has not been initialized",)  # on every machine without a GPU
+
+
+def check_ports_free(ports: list[tuple[str, str, int]]) -> None:
+    """BackendUnavailableError naming every (what, host, port) that cannot be bound now (port 0 is skipped)."""
+    taken = []
+    for what, host, port in ports:
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is not "taken"
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                taken.append(f"{what} {host}:{port} ({exc.strerror or exc})")
+    if taken:
+        raise BackendUnavailableError(
+            f"cannot start tritonserver: {'; '.join(taken)}; stop what uses "
+            f"{'it' if len(taken) == 1 else 'them'} or pick other ports (--http-port, --grpc-port, --metrics-port)")
+
+
+def _connect_host(host: str) -> str:
+    """Where a local client reaches a server bound to HOST (the wildcard addresses: loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (bind to 0 and let the OS choose)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -212,6 +242,10 @@ class TritonServer:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    # tritonserver's own default is 0.0.0.0 (every interface); octavo binds loopback unless told otherwise
+    http_host: str = "127.0.0.1"
+    grpc_host: str = "127.0.0.1"
+    metrics_host: str = "127.0.0.1"
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
     auto_install_numpy: bool = False  # run pip for the numpy<2 overlay when it is missing
@@ -231,8 +265,11 @@ class TritonServer:
             str(install.binary),
             f"--model-repository={Path(self.model_repository).resolve()}",
             f"--backend-directory={backends}",
+            f"--http-address={self.http_host}",
             f"--http-port={self.http_port}",
+            f"--grpc-address={self.grpc_host}",
             f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.metrics_host}",
             f"--metrics-port={self.metrics_port}",
             "--disable-auto-complete-config",
             "--strict-readiness=true",
@@ -245,8 +282,14 @@ class TritonServer:
             *self.extra_args,
         ]
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        return [("HTTP", self.http_host, self.http_port), ("gRPC", self.grpc_host, self.grpc_port),
+                ("metrics", self.metrics_host, self.metrics_port)]
+
     def start(self, timeout_s: float = 120.0, stdout_to_log: bool = True) -> None:
-        """Start the server and wait until /v2/health/ready answers 200 (raises if it exits or times out)."""
+        """Check the ports, start the server and wait until /v2/health/ready answers 200 (raises if a port is
+        taken, or the server exits or times out)."""
+        check_ports_free(self.ports())
         self.workdir = Path(self.workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
@@ -274,10 +317,13 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 failures = "".join(f"\n  {line}" for line in self.load_failures())
+                errors = "".join(f"\n  {line}" for line in self.error_lines())
                 raise BackendUnavailableError(
                     f"tritonserver exited with code {self.process.returncode} before it was ready"
                     + (f"; models that failed to load:{failures}" if failures else "")
-                    + f"\nits log:\n{self.log_tail()}"
+                    + (f"; its errors:{errors}" if errors else "")
+                    + (f"\nthe end of its log ({self.log_path}):\n{self.log_tail(2000)}" if self.log_path else
+                       " (its output went to this terminal, above)")
                 )
             if self.ready():
                 return
@@ -286,11 +332,11 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{_connect_host(self.http_host)}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{_connect_host(self.grpc_host)}:{self.grpc_port}"
 
     def ready(self) -> bool:
         try:
@@ -299,9 +345,16 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def error_lines(self, limit: int = 10) -> list[str]:
+        """The log's error lines ("E1201 12:00:00.000 123 file.cc:45] message" -> the message), first LIMIT."""
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        found = [m.group(1).strip().strip('"')[:1000] for m in _ERROR_LINE.finditer(self.log_path.read_text(errors="replace"))]
+        return [line for line in found if not any(h in line for h in _HARMLESS)][:limit]
+
     def log_tail(self, chars: int = 6000) -> str:
         if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
+            return "(no log file: its output went to this terminal)"
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def load_failures(self) -> list[str]:
