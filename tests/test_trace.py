@@ -174,3 +174,74 @@ def test_write_outputs_html_only(tmp_path):
     report = build_report(check_rows(ROWS))
     (html_path,) = write_outputs(report, html=tmp_path / "only.html")
     assert "data:image/png;base64," in html_path.read_text()
+
+
+# ---- a server's trace: long ids, an abort, idle time between requests, a large pool ----------------------------
+LONG_A = "cmpl-3f2a9c4b5e6d7f8a9b0c1d2e3f4a5b6c-0"
+LONG_B = "cmpl-77e1d0c9b8a7f6e5d4c3b2a1f0e9d8c7-0"
+POOL = 4096
+
+
+def serve_row(step: int, t: float, reqs: list[dict], used: int, *, arrived=(), finished=()) -> dict:
+    r = row(step, reqs, POOL - used, arrived=arrived)
+    r.update(time=t, total_blocks=POOL, finished=[{"id": f, "reason": why} for f, why in finished])
+    return r
+
+
+SERVE_ROWS = [  # A runs steps 1-3 and is aborted at 3; 50 s of nothing; B runs steps 4-5 and finishes
+    serve_row(1, 100.01, [req(LONG_A, "prefill", 5, 5, 5, 1, 2)], 2, arrived=[LONG_A]),
+    serve_row(2, 100.02, [req(LONG_A, "decode", 1, 5, 6, 2, 2)], 2),
+    serve_row(3, 100.03, [req(LONG_A, "decode", 1, 5, 7, 3, 2)], 0, finished=[(LONG_A, "abort")]),
+    serve_row(4, 150.01, [req(LONG_B, "prefill", 6, 6, 6, 1, 2)], 2, arrived=[LONG_B]),
+    serve_row(5, 150.02, [req(LONG_B, "decode", 1, 6, 7, 2, 2)], 0, finished=[(LONG_B, "length")]),
+]
+
+
+def _texts(ax) -> list[str]:  # noqa: ANN001
+    return [t.get_text() for t in ax.texts]
+
+
+@pytest.mark.parametrize("x_axis", ["step", "time"])
+def test_a_server_trace_picture_says_abort_scales_kv_and_shortens_ids(x_axis: str) -> None:
+    from octavo.tracing.plot import build_figure
+
+    rows = check_rows(SERVE_ROWS)
+    spans = build_spans(rows)
+    fig = build_figure(rows, spans, x_axis=x_axis)
+    ax_tl, ax_b, ax_m, ax_t = fig.axes
+    ends = _texts(ax_tl)
+    where = {"step": (" abort @ 3", " done @ 5"), "time": (" abort @ 0.0 s", " done @ 50.0 s")}[x_axis]
+    assert ends == list(where), ends  # the aborted request is not drawn as done
+    labels = [t.get_text() for t in ax_tl.get_yticklabels()]
+    assert len(set(labels)) == 2 and all(len(label.split()[0]) <= len("seq[]") + 13 for label in labels), labels
+    assert ax_m.get_ylim()[1] < 10  # 2 blocks used of 4096: scaled to the use, not a flat line at the bottom
+    assert f"of the pool's {POOL} blocks" in ax_m.get_title()
+    bars = sorted(p.get_x() for p in ax_b.patches)
+    if x_axis == "time":  # B's steps start 50 s after A's: the idle time is on the axis
+        assert bars[3] - bars[2] > 49 and "wall time" in ax_t.get_xlabel()
+    else:
+        assert bars == [0.5, 1.5, 2.5, 3.5, 4.5] and ax_t.get_xlabel() == "engine step"
+    assert _png_size(render_png_bytes(rows, spans, x_axis=x_axis))[0] > 1000
+
+
+def test_a_server_trace_in_the_terminal_says_abort_and_shortens_ids(tmp_path, capsys) -> None:  # noqa: ANN001
+    rows = check_rows(SERVE_ROWS)
+    text = render_timeline(rows, build_spans(rows))
+    bars = [ln for ln in text.splitlines() if ln.startswith("seq[")]
+    assert bars[0].endswith("▓██ ⊘3 abort") and bars[1].endswith("▓█ ✓5"), bars
+    assert all(len(ln.split()[0]) <= len("seq[]") + 13 for ln in bars) and LONG_A not in text
+    assert "(peak 2 of 4096)" in text
+    path = write_trace(SERVE_ROWS, tmp_path / "serve.jsonl")
+    assert main(["trace", str(path), "--x-axis", "time", "--png", str(tmp_path / "s.png"), "--no-log"]) == 0
+    assert _png_size((tmp_path / "s.png").read_bytes())[0] > 1000
+    with pytest.raises(SystemExit):  # argparse refuses an unknown axis
+        main(["trace", str(path), "--x-axis", "sideways"])
+
+
+def test_a_trace_without_times_refuses_the_time_axis() -> None:
+    from octavo.errors import InvalidRequestError
+    from octavo.tracing.plot import build_figure
+
+    rows = check_rows([{k: v for k, v in r.items() if k not in ("time", "duration_s")} for r in SERVE_ROWS])
+    with pytest.raises(InvalidRequestError, match="draw it by step"):
+        build_figure(rows, build_spans(rows), x_axis="time")

@@ -12,13 +12,15 @@ from octavo.tracing.report import TraceReport
 log = logging.getLogger(__name__)
 
 
-def write_outputs(report: TraceReport, *, png: str | Path | None = None, html: str | Path | None = None) -> list[Path]:
-    """Write the requested files; returns their paths. Without matplotlib the HTML has no figure."""
+def write_outputs(report: TraceReport, *, png: str | Path | None = None, html: str | Path | None = None,
+                  x_axis: str = "step") -> list[Path]:
+    """Write the requested files; returns their paths. Without matplotlib the HTML has no figure. X_AXIS: "step"
+    or "time" (wall seconds: idle time between requests shows)."""
     written: list[Path] = []
     image: bytes | None = None
     if png or html:
         try:
-            image = render_png_bytes(report.rows, report.spans, report.labels, report.title)
+            image = render_png_bytes(report.rows, report.spans, report.labels, report.title, x_axis)
         except OctavoError:
             if png:
                 raise

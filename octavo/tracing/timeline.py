@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from octavo.tracing.names import short_ids
 from octavo.tracing.spans import DECODE, PREEMPTED, PREFILL, WAITING, RequestSpan
 
 CELL = {PREFILL: "▓", DECODE: "█", WAITING: "░", PREEMPTED: "✗"}
 PRIORITY = {PREEMPTED: 3, PREFILL: 2, DECODE: 1, WAITING: 0}  # what a squeezed column shows
 SPARK = " ▁▂▃▄▅▆▇█"
-LEGEND = "▓ prefill (or a prefill chunk)   █ decode   ░ waiting   ✗ preempted   ✓N finished at step N"
+LEGEND = ("▓ prefill (or a prefill chunk)   █ decode   ░ waiting   ✗ preempted   ✓N finished at step N   "
+          "⊘N aborted (or failed) at step N")
 
 
 def label_of(rid: str) -> str:
@@ -31,7 +33,8 @@ def render_timeline(rows: list[dict[str, Any]], spans: list[RequestSpan], max_wi
     per_col = max(1, -(-nsteps // max_width))  # steps per column
     ncols = -(-nsteps // per_col)
     col_of = lambda step: (step - first) // per_col  # noqa: E731
-    labels = [label_of(s.id) for s in spans]
+    names = short_ids([s.id for s in spans])
+    labels = [label_of(names[s.id]) for s in spans]
     pad = max([len(x) for x in labels] + [len("free blocks")]) + 2
 
     out = [LEGEND]
@@ -46,7 +49,8 @@ def render_timeline(rows: list[dict[str, Any]], spans: list[RequestSpan], max_wi
             if PRIORITY[state] > rank[c]:
                 cells[c], rank[c] = CELL[state], PRIORITY[state]
         bar = "".join(cells).rstrip()
-        end = f" ✓{span.finished_step}" if span.finished_step is not None else " …"
+        end = " …" if span.finished_step is None else f" ✓{span.finished_step}" \
+            if span.finish_reason in ("length", "stop", None, "?") else f" ⊘{span.finished_step} {span.finish_reason}"
         out.append(label.ljust(pad) + bar + end)
     by_col_batch = [0] * ncols
     by_col_free = [0] * ncols
@@ -57,9 +61,10 @@ def render_timeline(rows: list[dict[str, Any]], spans: list[RequestSpan], max_wi
     max_batch = max(by_col_batch) or 1
     total_blocks = max(r["total_blocks"] for r in rows) or 1
     out.append("batch size".ljust(pad) + _spark(by_col_batch, max_batch) + f"  (max {max_batch})")
-    out.append("used blocks".ljust(pad) + _spark(by_col_free, total_blocks) + f"  (of {total_blocks})")
+    peak = max(by_col_free) or 1  # scaled to the peak: a light load on a large pool is not an empty line
+    out.append("used blocks".ljust(pad) + _spark(by_col_free, peak) + f"  (peak {peak} of {total_blocks})")
     out.append("")
-    out.extend(" " * pad + line for line in _events(rows))
+    out.extend(" " * pad + line for line in _events(rows, names))
     return "\n".join(out)
 
 
@@ -78,11 +83,12 @@ def _spark(values: list[int], top: int) -> str:
     return "".join(SPARK[min(8, max(1, round(8 * v / top)))] if v else " " for v in values).rstrip()
 
 
-def _names(ids: list[str]) -> str:
-    return ", ".join(map(label_of, ids)) if len(ids) <= 4 else f"{len(ids)} requests"
+def _names(ids: list[str], names: dict[str, str] | None = None) -> str:
+    names = names or {}
+    return ", ".join(label_of(names.get(i, i)) for i in ids) if len(ids) <= 4 else f"{len(ids)} requests"
 
 
-def _events(rows: list[dict[str, Any]]) -> list[str]:
+def _events(rows: list[dict[str, Any]], names: dict[str, str] | None = None) -> list[str]:
     """"step 4: seq[6] leaves (length)   batch 10 → 9" for every step where the batch changes hands."""
     lines = []
     seen: set[str] = set()
@@ -95,22 +101,22 @@ def _events(rows: list[dict[str, Any]]) -> list[str]:
         parts = []
         joins = [rid for rid in entering if rid in arrived]
         if joins:
-            parts.append(f"{_names(joins)} {'arrive' if i == 0 else 'join'}{'s' if len(joins) == 1 else ''}")
+            parts.append(f"{_names(joins, names)} {'arrive' if i == 0 else 'join'}{'s' if len(joins) == 1 else ''}")
         queued = [rid for rid in row["arrived"] if rid not in sched]
         if queued:
-            parts.append(f"{_names(queued)} arrive{'s' if len(queued) == 1 else ''} and wait{'s' if len(queued) == 1 else ''}")
+            parts.append(f"{_names(queued, names)} arrive{'s' if len(queued) == 1 else ''} and wait{'s' if len(queued) == 1 else ''}")
         admitted = [rid for rid in entering if rid not in arrived and rid not in seen]
         if admitted:
-            parts.append(f"{_names(admitted)} admitted from the queue")
+            parts.append(f"{_names(admitted, names)} admitted from the queue")
         resumed = [rid for rid in entering if rid not in arrived and rid in seen]
         if resumed:
-            parts.append(f"{_names(resumed)} resume{'s' if len(resumed) == 1 else ''}")
+            parts.append(f"{_names(resumed, names)} resume{'s' if len(resumed) == 1 else ''}")
         if row["preempted"]:
-            parts.append(f"{_names(row['preempted'])} preempted (blocks freed, recomputed later)")
+            parts.append(f"{_names(row['preempted'], names)} preempted (blocks freed, recomputed later)")
         if row["finished"]:
             ids = [f["id"] for f in row["finished"]]
             reasons = sorted({f["reason"] for f in row["finished"]})
-            parts.append(f"{_names(ids)} {'leaves' if len(ids) == 1 else 'leave'} ({', '.join(reasons)})")
+            parts.append(f"{_names(ids, names)} {'leaves' if len(ids) == 1 else 'leave'} ({', '.join(reasons)})")
         before = len(carried)
         after = this - len(row["finished"])
         seen.update(sched)
