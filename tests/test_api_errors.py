@@ -62,7 +62,7 @@ def test_a_prompt_longer_than_the_context_is_told_to_shorten_the_prompt(client) 
         client.completions.create(model=NAME, prompt=[5] * (MAX_LEN + 10), max_tokens=4)
     err = e.value.body
     assert e.value.code == "context_length_exceeded" and err["param"] == "prompt", err
-    assert f"shorten the prompt to at most {MAX_LEN - 1} tokens" in err["message"], err
+    assert f"shorten the prompt to at most {MAX_LEN - 4} tokens" in err["message"], err
 
 
 @pytest.mark.parametrize(("method", "path", "body", "headers", "status", "code", "param"), [

@@ -9,24 +9,26 @@ HELP = "export an HF model folder (safetensors) or a .gguf file to ONNX with one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="HF model folder (config.json + *.safetensors + tokenizer.json) or a .gguf file")
+    parser.add_argument("src", help="HF model folder (config.json + *.safetensors + tokenizer.json), a .gguf file, or "
+                                    "'smollm2-135m-instruct' (the embedded SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("out", help="output folder (created; must be empty or missing unless --force)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it is an earlier octavo export")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     q = parser.add_argument_group("quantized weights (docs/quantization.md)")
     q.add_argument("--weights", choices=("fp32", "int8", "int4"), default="fp32",
                    help="linear layers' weights: fp32 (default) or blockwise int8/int4 (ONNX Runtime MatMulNBits)")
-    q.add_argument("--quant-block-size", type=int, default=32, help="values per scale/zero point (power of two >= 16)")
+    q.add_argument("--quant-block-size", type=int, default=32, help="values per scale/zero point (power of two >= 16; default: %(default)s)")
     q.add_argument("--accuracy-level", type=int, default=4, choices=range(5), metavar="{0..4}",
                    help="MatMulNBits accuracy_level: 4 (default) computes in int8 on CPU, 0 in float32")
     q.add_argument("--quantize-lm-head", action="store_true", help="quantize the vocabulary projection too")
 
 
 def run(args: argparse.Namespace) -> int:
+    from octavo.demo.model import model_argument
     from octavo.export.exporter import export_model
 
     started = time.perf_counter()
-    manifest = export_model(args.src, args.out, progress=not args.no_progress, overwrite=args.force,
+    manifest = export_model(model_argument(args.src)[0], args.out, progress=not args.no_progress, overwrite=args.force,
                             weights=args.weights, quant_block_size=args.quant_block_size,
                             accuracy_level=args.accuracy_level, quantize_lm_head=args.quantize_lm_head)
     out = Path(args.out)

@@ -174,10 +174,21 @@ async def _serve_front(server: TritonServer, args: argparse.Namespace) -> int:
     config = FrontConfig(upstream=f"http://{server.http_url}", max_body_bytes=args.max_body_bytes,
                          max_json_depth=args.max_json_depth)
     runner = await start_front(config, args.host, args.http_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C / SIGTERM: leave the loop, then stop tritonserver
+        loop.add_signal_handler(sig, stop.set)
     print(f"tritonserver ready: HTTP {args.host}:{args.http_port}  gRPC {args.host}:{args.grpc_port}  "
           f"metrics {args.host}:{args.metrics_port}  (Ctrl-C stops it)", flush=True)
     try:
-        code = await asyncio.get_running_loop().run_in_executor(None, server.wait)
+        while not stop.is_set() and server.process is not None and server.process.poll() is None:
+            try:  # the process has no awaitable exit here; look again twice a second
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        if stop.is_set() or server.process is None:
+            return 0
+        code = server.process.returncode
         print(f"tritonserver exited with code {code}; its log: {server.log_path}", flush=True)
         return 0 if code in (0, -signal.SIGTERM) else 1
     finally:

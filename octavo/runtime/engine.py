@@ -65,7 +65,7 @@ def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[
     """(message, param) for prompt + max_tokens > LIMIT: the message says which of the two to change, and to what."""
     head = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds {what}"
     if prompt_len >= limit:  # no max_tokens can help
-        return f"{head}; shorten the prompt to at most {limit - 1} tokens", "prompt"
+        return f"{head}; shorten the prompt to at most {limit - max_tokens} tokens", "prompt"
     return f"{head}; lower max_tokens to at most {limit - prompt_len}", "max_tokens"
 
 
