@@ -245,3 +245,10 @@ def test_a_trace_without_times_refuses_the_time_axis() -> None:
     rows = check_rows([{k: v for k, v in r.items() if k not in ("time", "duration_s")} for r in SERVE_ROWS])
     with pytest.raises(InvalidRequestError, match="draw it by step"):
         build_figure(rows, build_spans(rows), x_axis="time")
+
+
+def test_the_step_log_shortens_long_ids_too() -> None:
+    from octavo.tracing.steplog import format_step_log
+
+    text = format_step_log(check_rows(SERVE_ROWS))
+    assert LONG_A not in text and "3f2a9…b6c-0:5/5/2*" in text and "77e1d…8c7-0:6/7/2✓" in text
