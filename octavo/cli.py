@@ -7,7 +7,9 @@ import importlib
 import logging
 import sys
 
+from octavo import __version__
 from octavo.errors import OctavoError
+from octavo.extras import missing_extra_message
 
 COMMANDS = ["export", "build", "generate", "chat", "serve", "bench", "trace", "demo", "triton"]
 
@@ -32,6 +34,7 @@ class DefaultsFormatter(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="LLM serving with a paged KV cache and continuous "
                                      "batching", formatter_class=DefaultsFormatter)
+    parser.add_argument("--version", action="version", version=f"octavo {__version__}")
     parser.add_argument("--log-level", default="WARNING", help="logging level: DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
@@ -55,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except OctavoError as exc:
         print(f"octavo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        message = missing_extra_message(exc)
+        if message is None:
+            raise
+        print(f"octavo {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

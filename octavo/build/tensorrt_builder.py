@@ -30,11 +30,12 @@ import numpy
 from octavo.build.onnx_for_tensorrt import pool_output_name, prepare_onnx_for_tensorrt
 from octavo.errors import BackendUnavailableError, ModelFormatError, OctavoError
 from octavo.export.manifest import Manifest
+from octavo.resources import data_path
 
 log = logging.getLogger(__name__)
 
 BUILD_INFO_NAME = "tensorrt.json"
-PLUGIN_FILE = Path(__file__).resolve().parents[2] / "plugins" / "tensorrt" / "paged_attention_plugin.py"
+PLUGIN_FILE = data_path("plugins/tensorrt/paged_attention_plugin.py")  # the package's copy or the checkout's
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -167,10 +168,10 @@ def import_tensorrt() -> ModuleType:
 
 
 def load_plugin_module() -> ModuleType:
-    """plugins/tensorrt/paged_attention_plugin.py (it lives beside the C++ ORT op, outside the package)."""
+    """plugins/tensorrt/paged_attention_plugin.py (beside the C++ ORT op in a checkout; octavo/_data/ in a wheel)."""
     if not PLUGIN_FILE.is_file():
-        raise BackendUnavailableError(f"the TensorRT plugin source {PLUGIN_FILE} is missing; run octavo from "
-                                      "its source checkout to build TensorRT engines")
+        raise BackendUnavailableError(f"the TensorRT plugin source {PLUGIN_FILE} is missing (an incomplete "
+                                      "install?); reinstall octavo or run it from its source checkout")
     spec = importlib.util.spec_from_file_location("octavo_tensorrt_paged_attention_plugin", PLUGIN_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -29,13 +29,13 @@ _INSTANCE_RE = re.compile(r"instance_group\s*\[\s*\{\s*count:\s*\d+")
 
 
 def template_dir() -> Path:
-    """model_repo/octavo of this checkout (the template the generator copies)."""
-    import octavo
+    """model_repo/octavo (the template the generator copies): the installed package's copy or the checkout's."""
+    from octavo.resources import data_path
 
-    path = Path(octavo.__file__).resolve().parent.parent / "model_repo" / MODEL_NAME
+    path = data_path(f"model_repo/{MODEL_NAME}")
     if not (path / "config.pbtxt").is_file():
-        raise ModelFormatError(f"the Triton model template is not at {path}; pass --template model_repo/octavo "
-                               "from an octavo checkout")
+        raise ModelFormatError(f"the Triton model template is not at {path} (an incomplete install?); reinstall "
+                               "octavo or pass --template model_repo/octavo from an octavo checkout")
     return path
 
 

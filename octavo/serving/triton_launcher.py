@@ -3,7 +3,8 @@
 Three installations are recognised, in this order:
 1. an explicit one: `$TRITONSERVER_DIR` (a folder holding bin/tritonserver and backends/, e.g. /opt/tritonserver
    in NVIDIA's container);
-2. the tritonserver bundled by the `nvidia-pytriton` wheel (`pip install --no-deps nvidia-pytriton==0.7.0`),
+2. the tritonserver bundled by the `nvidia-pytriton` wheel (`pip install --no-deps nvidia-pytriton==0.7.0`, or
+   `make setup`'s `--target <env>/pytriton`, see pytriton_target_dir),
    which ships tritonserver 2.51 with only the python backend, one python-backend stub per Python version,
    and its shared libraries in site-packages/nvidia_pytriton.libs;
 3. a `tritonserver` on PATH (its backends in ../backends).
@@ -82,13 +83,22 @@ def find_tritonserver() -> TritonInstall:
     raise BackendUnavailableError(f"no tritonserver found: {INSTALL_HINT}")
 
 
+def pytriton_target_dir() -> Path:
+    """Where `make setup` installs nvidia-pytriton (`pip install --no-deps --target`, outside site-packages, so that
+    pip never checks its numpy<2 pin against this environment): $OCTAVO_PYTRITON_DIR or <this environment>/pytriton."""
+    return Path(os.environ.get("OCTAVO_PYTRITON_DIR") or Path(sys.prefix) / "pytriton")
+
+
 def _find_pytriton() -> TritonInstall | None:
     import importlib.util
 
     spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is not None and spec.submodule_search_locations:
+        pkg = Path(list(spec.submodule_search_locations)[0])
+    elif (pytriton_target_dir() / "pytriton" / "tritonserver").is_dir():
+        pkg = pytriton_target_dir() / "pytriton"
+    else:
         return None
-    pkg = Path(list(spec.submodule_search_locations)[0])
     dist = pkg / "tritonserver"
     binary = dist / "bin" / "tritonserver"
     if not binary.is_file():

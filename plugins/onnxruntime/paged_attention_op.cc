@@ -7,6 +7,7 @@
 // Uses only the C API (no link against libonnxruntime): the OrtApi comes from RegisterCustomOps.
 #include <onnxruntime_c_api.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -391,12 +392,44 @@ DomainRegistry& registry() {
   return r;
 }
 
-}  // namespace
+// The instruction-set extensions this build was compiled for, when the CPU lacks one (nullptr otherwise).
+// A portable wheel ships one build per x86-64 level and octavo picks the right one; this check turns a
+// wrong pick (or a -march=native build copied to an older machine) into a clear error instead of an
+// illegal instruction later. Compiled for the x86-64 baseline so that the check itself runs anywhere.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("arch=x86-64"))) const char* missing_cpu_feature() {
+  __builtin_cpu_init();
+#if defined(__AVX__)
+  if (!__builtin_cpu_supports("avx")) return "avx";
+#endif
+#if defined(__AVX2__)
+  if (!__builtin_cpu_supports("avx2")) return "avx2";
+#endif
+#if defined(__FMA__)
+  if (!__builtin_cpu_supports("fma")) return "fma";
+#endif
+#if defined(__BMI2__)
+  if (!__builtin_cpu_supports("bmi2")) return "bmi2";
+#endif
+#if defined(__AVX512F__)
+  if (!__builtin_cpu_supports("avx512f")) return "avx512f";
+#endif
+#if defined(__AVX512BW__)
+  if (!__builtin_cpu_supports("avx512bw")) return "avx512bw";
+#endif
+#if defined(__AVX512DQ__)
+  if (!__builtin_cpu_supports("avx512dq")) return "avx512dq";
+#endif
+#if defined(__AVX512VL__)
+  if (!__builtin_cpu_supports("avx512vl")) return "avx512vl";
+#endif
+  return nullptr;
+}
+#else
+const char* missing_cpu_feature() { return nullptr; }
+#endif
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
-RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) return nullptr;  // cannot even build a status; ORT logs the missing op later
+OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* status = api->CreateCustomOpDomain(kDomain, &domain)) return status;
   {
@@ -408,4 +441,26 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op_schema(kv_type))) return status;
   }
   return api->AddCustomOpDomain(options, domain);
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default")))
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("arch=x86-64")))  // runs before the CPU check has passed
+#endif
+OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // cannot even build a status; ORT logs the missing op later
+  if (const char* feature = missing_cpu_feature()) {
+    // Only libc here: out-of-line code of this library was compiled for the features being checked.
+    char message[320];
+    std::snprintf(message, sizeof message,
+                  "%sthis build of the library needs the CPU feature %s, which this CPU lacks: let octavo pick its "
+                  "packaged build for this CPU (unset OCTAVO_OP_LIBRARY) or build one here with "
+                  "`python -m octavo.build.op`",
+                  kPrefix, feature);
+    return api->CreateStatus(ORT_FAIL, message);
+  }
+  return register_ops(options, api);
 }
