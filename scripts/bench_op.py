@@ -6,10 +6,11 @@ the ratio; both run in this process with the same thread count. Not a test.
 (issue 9's model shape: 8 query / 4 kv heads, head_dim 64, block 16). Each call uses the next of
 several "layers" (own pools, same shapes) so nothing stays cached between calls, as in a real
 model; blocks are scattered over each pool. Prints µs per call and the KV bytes read per second.
---library OTHER.so adds a second build of the op (e.g. the previous kernel) to the large runs,
-interleaved with the current one, and prints the ratio OTHER/current.
+--library OTHER.so adds a second build of the op (e.g. the previous kernel, or a wheel's portable build),
+interleaved with the current one, and prints the ratio OTHER/current (without --large it takes
+GroupQueryAttention's place on the three shapes).
 
-    .venv/bin/python scripts/bench_op.py [--threads N] [--rounds N] [--large] [--library OTHER.so]
+    .venv/bin/python scripts/bench_op.py [--threads N] [--rounds N] [--large] [--library OTHER.so] [--cpu-time]
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ from octavo.runtime.backends.oplib import library_path  # noqa: E402
 from octavo.runtime.kv_cache import set_cache_dtype  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
+# what a call's time is measured with: wall time, or with --cpu-time (one thread) this thread's CPU time, which
+# load from other processes hardly moves (ORT runs a 1-thread session on the calling thread)
+CLOCK = [time.perf_counter]
 
 
 def session(model_bytes: bytes, threads: int, custom: bool, library: str | None = None) -> ort.InferenceSession:
@@ -48,9 +52,9 @@ def time_calls(runner: Runner, calls: int) -> float:
     sess, binding = runner
     samples = []
     for _ in range(calls):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         sess.run_with_iobinding(binding)
-        samples.append(time.perf_counter() - start)
+        samples.append(CLOCK[0]() - start)
     return float(np.median(samples)) * 1e6
 
 
@@ -71,13 +75,13 @@ def compare(ours: Runner, peer: Runner | None, rounds: int, calls: int) -> tuple
     return float(np.median(ours_t)), float(np.median(peer_t)), float(np.median(ratios))
 
 
-def paged_runner(batch: int, past: int, new: int, threads: int) -> Runner:
+def paged_runner(batch: int, past: int, new: int, threads: int, library: str | None = None) -> Runner:
     rng = np.random.default_rng(0)
     step = random_step(rng, [(past, new)] * batch, num_heads=HEADS, kv_num_heads=KV_HEADS, head_dim=HEAD_DIM,
                        block_size=BLOCK)
     model = paged_attention_model(num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5,
                                   cache_outputs=False)
-    sess = session(model.SerializeToString(), threads, custom=True)
+    sess = session(model.SerializeToString(), threads, custom=True, library=library)
     binding = sess.io_binding()
     feeds = step.feeds()
     for name, array in feeds.items():
@@ -170,9 +174,9 @@ def time_cycle(cycle: LayerCycle, calls: int) -> float:
     """Median µs of CALLS calls, each on the next layer."""
     samples = []
     for _ in range(calls):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         cycle.call()
-        samples.append(time.perf_counter() - start)
+        samples.append(CLOCK[0]() - start)
     return float(np.median(samples)) * 1e6
 
 
@@ -209,26 +213,37 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ORT default)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per shape")
     parser.add_argument("--large", action="store_true", help="only the batch-64 decode over pools beyond the LLC")
-    parser.add_argument("--library", help="another build of the op to compare with in --large (e.g. the previous kernel)")
+    parser.add_argument("--library", help="another build of the op to compare with (e.g. the previous kernel, or a "
+                                          "wheel's portable build); without --large it replaces GroupQueryAttention")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time calls by this thread's CPU time (needs --threads 1); steadier on a loaded machine")
     args = parser.parse_args()
+    if args.cpu_time:
+        if args.threads != 1:
+            parser.error("--cpu-time needs --threads 1 (other threads' work would not be counted)")
+        CLOCK[0] = time.thread_time
     if args.large:
         run_large(args.threads, args.rounds, args.library)
         return 0
     shapes = {"decode B=32 ctx128": (32, 127, 1, 20), "prefill 4x256": (4, 0, 256, 2),
               "decode B=1 ctx2048": (1, 2047, 1, 20)}
     print(f"heads {HEADS}q/{KV_HEADS}kv, head_dim {HEAD_DIM}, block {BLOCK}, threads {args.threads or 'default'}")
+    if args.library:
+        print(f"current: {library_path()}\nother:   {args.library}")
     for label, (batch, past, new, calls) in shapes.items():
         ours = paged_runner(batch, past, new, args.threads)
+        peer_name = "other" if args.library else "com.microsoft.GroupQueryAttention"
         try:
-            peer: Runner | None = gqa_runner(batch, past, new, args.threads)
+            peer: Runner | None = (paged_runner(batch, past, new, args.threads, args.library) if args.library
+                                   else gqa_runner(batch, past, new, args.threads))
         except Exception as error:  # noqa: BLE001 - the peer is optional
-            print(f"  (GroupQueryAttention unavailable: {error})")
+            print(f"  ({peer_name} unavailable: {error})")
             peer = None
         ours_us, peer_us, ratio = compare(ours, peer, args.rounds, calls)
         line = f"{label:20s} octavo.PagedAttention {ours_us:9.1f} µs"
         if peer_us is not None:
-            line += f"   com.microsoft.GroupQueryAttention {peer_us:9.1f} µs   ratio GQA/octavo {ratio:5.2f}x"
-        print(line)
+            line += f"   {peer_name} {peer_us:9.1f} µs   ratio {'other' if args.library else 'GQA'}/octavo {ratio:5.2f}x"
+        print(line, flush=True)
     return 0
 
 
