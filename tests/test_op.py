@@ -9,7 +9,8 @@ import pytest
 from op_cases import paged_attention_model, random_case, random_step
 
 from octavo.kernels.reference import paged_attention_ref
-from octavo.runtime.backends import build_op, oplib
+from octavo.build import op as build_op
+from octavo.runtime.backends import oplib
 from octavo.runtime.kv_cache import set_cache_dtype
 
 
