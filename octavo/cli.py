@@ -31,6 +31,14 @@ class DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default: {'none' if action.default is None else '%(default)s'})"
 
 
+def _unavailable(message: str):  # noqa: ANN202
+    def run(args: argparse.Namespace) -> int:
+        print(f"octavo {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="LLM serving with a paged KV cache and continuous "
                                      "batching", formatter_class=DefaultsFormatter)
@@ -43,7 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as exc:
             if exc.name == f"octavo.commands.{name}":
                 continue  # command not part of this build
-            raise
+            message = missing_extra_message(exc)
+            if message is None:
+                raise
+            # listed, so `octavo --help` works and running it names the extra to install
+            p = sub.add_parser(name, help=f"(not installed: {message})", add_help=False)
+            p.add_argument("args", nargs=argparse.REMAINDER)
+            p.set_defaults(_run=_unavailable(message))
+            continue
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, formatter_class=DefaultsFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
