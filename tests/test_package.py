@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -204,7 +205,7 @@ def test_installed_wheel_generates_like_transformers(install: Install, hf_model_
     assert result["tokens"] == expected
 
 
-def test_installed_cli_generate_export_triton_version(install: Install, hf_model_dir, reference) -> None:  # noqa: ANN001
+def test_installed_cli_generate_export_version(install: Install, hf_model_dir, reference) -> None:  # noqa: ANN001
     model = hf_model_dir("llama")
     assert install.octavo("--version").stdout.strip() == f"octavo {octavo.__version__}"
     gen = install.octavo("generate", model, PROMPT, "--max-tokens", str(MAX_TOKENS), "--ignore-eos")
@@ -216,22 +217,33 @@ def test_installed_cli_generate_export_triton_version(install: Install, hf_model
     ids, expected = reference
     assert installed_generate(install, out, ids)["tokens"] == expected  # the export runs, and runs right
 
-    repo = install.workdir / "triton_repo"
-    install.octavo("triton", out, "--repo-out", repo, "--no-serve")
-    assert (repo / "octavo" / "1" / "model.py").read_bytes() == (ROOT / "model_repo/octavo/1/model.py").read_bytes()
-    config = (repo / "octavo" / "config.pbtxt").read_text()
-    assert str(out.resolve()) in config or str(out) in config
-
     plugin = install.run(install.python, "-c", "from octavo.build.tensorrt_builder import PLUGIN_FILE as p; "
                                                "print(p, p.is_file())").stdout.split()
     assert plugin[1] == "True" and Path(plugin[0]).is_relative_to(site_packages(install))
 
 
 def test_missing_extra_names_the_pip_command_in_one_line(install: Install, hf_model_dir) -> None:  # noqa: ANN001
-    proc = install.octavo("serve", hf_model_dir("llama"), "--port", "0", check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "octavo serve: error: this needs the optional dependency 'aiohttp': pip install 'octavo[serve]'"]
+    """Runs before test_triton_from_the_installed_package installs the serve extra (file order)."""
+    for command in ("serve", "triton"):  # the Triton front is an aiohttp server too
+        proc = install.octavo(command, hf_model_dir("llama"), "--no-serve" if command == "triton" else "--port=0",
+                              check=False)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == [
+            f"octavo {command}: error: this needs the optional dependency 'aiohttp': pip install 'octavo[serve]'"]
+    assert "not installed" in install.octavo("--help").stdout  # every other command still runs
+
+
+def test_triton_from_the_installed_package(install: Install, hf_model_dir) -> None:  # noqa: ANN001
+    """With the serve extra (pip install 'octavo[serve]' from the same wheel), `octavo triton --no-serve` writes
+    the repository from the template inside the package."""
+    install.run(install.python, "-m", "pip", "install", "-q", f"{install.wheel}[serve]")
+    model = hf_model_dir("llama")
+    repo = install.workdir / "triton_repo"
+    install.octavo("triton", model, "--repo-out", repo, "--no-serve")
+    assert (repo / "octavo" / "1" / "model.py").read_bytes() == (ROOT / "model_repo/octavo/1/model.py").read_bytes()
+    config = (repo / "octavo" / "config.pbtxt").read_text()
+    found = re.search(r'key: "model_path" value: \{ string_value: "([^"]+)" \}', config)
+    assert found and (Path(found.group(1)) / "octavo.json").is_file(), config  # an export the server can load
 
 
 def test_sdist_is_complete_and_pip_installs(install: Install, hf_model_dir, reference) -> None:  # noqa: ANN001
