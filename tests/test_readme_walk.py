@@ -3,7 +3,6 @@
 a command added to, removed from or reordered in "Use it" fails here until the walk does the same."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from octavo.serving.triton_launcher import pytriton_installed
 
 ROOT = Path(__file__).resolve().parent.parent
 WALK = ROOT / "scripts" / "readme_walk.sh"
@@ -37,7 +38,7 @@ def test_the_walk_runs_the_readme_commands_in_order() -> None:
     assert walk_commands() == commands
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pytriton") is None, reason="the walk's triton step needs tritonserver")
+@pytest.mark.skipif(not pytriton_installed(), reason="the walk's triton step needs tritonserver")
 @pytest.mark.timeout(1200)
 def test_readme_walk_on_a_tiny_model(tmp_path: Path) -> None:
     from models import make_random_model

@@ -3,7 +3,6 @@ NVIDIA's tritonclient over gRPC streaming and HTTP generate/generate_stream. The
 in this process on the same exported model (itself checked against HF transformers by the engine's tests)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import queue
 import threading
@@ -15,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octavo.serving.triton_launcher import pytriton_target_dir  # noqa: E402
+from octavo.serving.triton_launcher import pytriton_installed  # noqa: E402
 
 # only its files are used (not importable without its deps); `make setup` puts it in its own --target folder
-if importlib.util.find_spec("pytriton") is None and not (pytriton_target_dir() / "pytriton").is_dir():
+if not pytriton_installed():
     pytest.skip("tritonserver is not installed: make setup (or pip install --no-deps nvidia-pytriton==0.7.0)",
                 allow_module_level=True)
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'")

@@ -4,7 +4,6 @@ requests (generate, generate_stream) pass through unchanged, taken ports are nam
 a server that fails to start shows its error lines."""
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import json
 import os
@@ -21,8 +20,9 @@ import pytest
 from engine_helpers import exported
 
 from octavo.serving.triton_front import MAX_JSON_DEPTH, json_depth
+from octavo.serving.triton_launcher import pytriton_installed
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("pytriton") is None,
+needs_triton = pytest.mark.skipif(not pytriton_installed(),
                                   reason="tritonserver is not installed: pip install --no-deps nvidia-pytriton==0.7.0")
 PROMPT = "The quick brown fox"
 
@@ -85,7 +85,7 @@ def model(hf_model_dir) -> Path:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def triton_cli(model: Path, tmp_path_factory):  # noqa: ANN001, ANN201
     """`octavo triton MODEL` as a user runs it (default --host), on free ports; yields (ports, process)."""
-    if importlib.util.find_spec("pytriton") is None:
+    if not pytriton_installed():
         pytest.skip("tritonserver is not installed: pip install --no-deps nvidia-pytriton==0.7.0")
     tmp = tmp_path_factory.mktemp("triton_front")
     ports = {"http": _free_port(), "grpc": _free_port(), "metrics": _free_port()}

@@ -89,15 +89,25 @@ def pytriton_target_dir() -> Path:
     return Path(os.environ.get("OCTAVO_PYTRITON_DIR") or Path(sys.prefix) / "pytriton")
 
 
-def _find_pytriton() -> TritonInstall | None:
+def _pytriton_package() -> Path | None:
+    """nvidia-pytriton's `pytriton` folder: importable here, or in pytriton_target_dir(); None if neither."""
     import importlib.util
 
     spec = importlib.util.find_spec("pytriton")
     if spec is not None and spec.submodule_search_locations:
-        pkg = Path(list(spec.submodule_search_locations)[0])
-    elif (pytriton_target_dir() / "pytriton" / "tritonserver").is_dir():
-        pkg = pytriton_target_dir() / "pytriton"
-    else:
+        return Path(list(spec.submodule_search_locations)[0])
+    target = pytriton_target_dir() / "pytriton"
+    return target if (target / "tritonserver").is_dir() else None
+
+
+def pytriton_installed() -> bool:
+    """Whether nvidia-pytriton's tritonserver is installed (either way `make setup` or pip may have put it)."""
+    return _pytriton_package() is not None
+
+
+def _find_pytriton() -> TritonInstall | None:
+    pkg = _pytriton_package()
+    if pkg is None:
         return None
     dist = pkg / "tritonserver"
     binary = dist / "bin" / "tritonserver"
