@@ -109,3 +109,21 @@ def test_packed_parameter_layout_matches_ptx_abi() -> None:
     assert np.frombuffer(bytes(buffer[:72]), np.uint64).tolist() == [1] * 9
     assert np.frombuffer(bytes(buffer[72:84]), np.int32).tolist() == [2] * 3
     assert np.frombuffer(bytes(buffer[88:112]), np.uint64).tolist() == [3, 3, 3]
+
+
+def test_a_crashing_section_process_is_recorded_and_the_next_section_still_runs(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Sections run in their own processes (a sticky CUDA error poisons a whole context). Here, without a
+    GPU, each section's process dies at its first CUDA call: both deaths are recorded, neither stops the run."""
+    pytest.importorskip("torch")
+    gpu_check = _load_script()
+    report = gpu_check.Report(tmp_path / "r.json", deadline=gpu_check.time.monotonic() + 600)
+    report.data["started_unix"] = 0
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    gpu_check.run_sections_isolated(report, ["kernel_jit", "bandwidth"])
+    on_disk = json.loads((tmp_path / "r.json").read_text())
+    for section in ("kernel_jit", "bandwidth"):
+        process = on_disk[section]["process"]
+        assert process["status"] == "error" and "section process ended with 1" in process["error"], process
+    ok, _ = gpu_check.summarize(on_disk)
+    assert not ok
