@@ -72,6 +72,18 @@ def _worker(scenario: str, folder: str) -> None:
                           pool_written=bool(np.count_nonzero(backend.read_pool("key_cache.0"))),
                           pool_offsets=sorted(p - min(backend.pool_pointers.values()) for p in backend.pool_pointers.values()))
             backend.close()
+        elif scenario == "build_bfloat16":
+            # bf16 end to end through the builder (typed graph, bf16 plugin variant compiled); not executed:
+            # the numpy reference has no bfloat16 pools
+            options.dtype = "bfloat16"
+            tb.build_engine(folder_path, options)
+            spec = json.loads((folder_path / "model.bfloat16.engine").read_bytes())
+            result["aliases"] = spec["aliases"]
+            result["kernel_name"] = spec["kernels"][0]["name"]
+            result["pool_types"] = sorted({t for n, t, _ in spec["inputs"] if n.startswith("key_cache.")})
+            backend = TensorRTBackend(folder_path, manifest, num_blocks=16)
+            result["pool_view"] = str(backend.read_pool("key_cache.0").dtype)
+            backend.close()
         elif scenario == "no_preview_feature":
             # mutation: the builder forgets the preview feature -> the engine does not alias the pools,
             # and the backend refuses it instead of decoding from a stale cache
@@ -160,6 +172,14 @@ def test_build_and_run_through_tensorrt_standin_matches_transformers(exported, r
     np.testing.assert_allclose(result["logits1"], ref[n - 1], atol=atol, rtol=0)
     np.testing.assert_allclose(result["logits2"], ref[n], atol=atol, rtol=0)  # needs step 1's K/V in the pool
     assert result["next"] == int(ref[n - 1].argmax())
+
+
+def test_bfloat16_engine_builds_with_typed_pools_and_aliasing(exported) -> None:  # noqa: ANN001
+    result = _run("build_bfloat16", exported())
+    assert result["status"] == "ok", result
+    assert result["pool_types"] == ["bfloat16"] and len(result["aliases"]) >= 4
+    assert result["kernel_name"].startswith("_paged_attention_kernel")
+    assert result["pool_view"] == "uint16"  # bf16 pools come back as raw bits
 
 
 @pytest.mark.parametrize("version", ["11.4.0.106", "10.16.1.11"])
