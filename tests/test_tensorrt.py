@@ -167,7 +167,7 @@ def test_prepare_onnx_half_graph_is_strongly_typed(tmp_path, hf_model_dir, dtype
     original = onnx.load(str(folder / manifest.onnx_file))
     src = onnx.numpy_helper.to_array(next(t for t in original.graph.initializer if t.name == "model.embed_tokens.weight"))
     got = next(t for t in full.graph.initializer if t.name == "model.embed_tokens.weight")
-    want = torch.from_numpy(src).to(getattr(torch, dtype)).view(torch.int16).numpy().view(np.uint16)
+    want = torch.from_numpy(src.copy()).to(getattr(torch, dtype)).view(torch.int16).numpy().view(np.uint16)
     raw = np.frombuffer(got.raw_data, np.uint16).reshape(src.shape)
     np.testing.assert_array_equal(raw, want)
 
