@@ -79,8 +79,9 @@ def decode_tps(model_dir: Path, batch: int, prompt_len: int, max_tokens: int, th
                                   enable_prefix_caching=False))
     decode_s, decode_tokens = 0.0, 0
 
-    def listen(row: dict) -> None:
+    def listen(record) -> None:  # noqa: ANN001 - a StepRecord
         nonlocal decode_s, decode_tokens
+        row = record.trace_row()
         if row["requests"] and all(r["phase"] == "decode" for r in row["requests"]):
             decode_s += row["duration_s"]
             decode_tokens += row["num_tokens"]

@@ -97,7 +97,7 @@ def test_thread_callback_api(model) -> None:  # noqa: ANN001
     assert done.wait(60)
     for i, (p, m) in enumerate(reqs):
         assert got[f"t{i}"][-1].outputs[0].token_ids == hf_reference(hf, p, m)
-    eng.shutdown_nowait()
+    eng.shutdown_sync()
 
 
 def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa: ANN001
@@ -140,7 +140,7 @@ def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa
     assert done.wait(30)
     assert finals["a"].outputs[0].finish_reason == "abort"
     assert finals["b"].outputs[0].token_ids == hf_reference(hf, [8, 9], 2)
-    eng.shutdown_nowait()
+    eng.shutdown_sync()
 
 
 def test_many_threads_submitting_and_aborting_at_random(tmp_path) -> None:  # noqa: ANN001
@@ -192,7 +192,7 @@ def test_many_threads_submitting_and_aborting_at_random(tmp_path) -> None:  # no
     time.sleep(0.05)
     st = eng.stats()
     assert st.num_free_blocks == st.num_total_blocks and st.num_running == st.num_waiting == 0
-    eng.shutdown_nowait()
+    eng.shutdown_sync()
 
 
 class SlowToyBackend(ToyBackend):
@@ -221,7 +221,7 @@ def test_abort_and_shutdown_in_the_same_drain_still_end_the_request(tmp_path) ->
     eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(50), "a", lambda o: finals.append(o) if o.finished else None)
     assert backend.running.wait(10)
     eng.abort_nowait("a")  # queued behind the running step ...
-    eng.shutdown_nowait()  # ... and the stop drained with it
+    eng.shutdown_sync()  # ... and the stop drained with it
     assert len(finals) == 1 and finals[0].outputs[0].finish_reason == "abort"
     st = eng.engine.stats()  # shutdown aborts through the engine: no blocks left allocated
     assert st.num_running == st.num_waiting == 0 and st.num_free_blocks == st.num_total_blocks
@@ -270,7 +270,7 @@ def test_abort_drained_just_before_the_loop_dies_still_gets_its_final_output(tmp
     assert b.finish_reason == "error" and "injected scheduler bug" in (b.error or "")
     with pytest.raises(EngineDeadError):
         eng.submit("x", greedy(2), "late", cb)
-    assert eng.shutdown_nowait() is True
+    assert eng.shutdown_sync() is True
 
 
 def test_shutdown_that_times_out_never_closes_the_backend_under_a_running_step(tmp_path) -> None:  # noqa: ANN001
@@ -307,9 +307,9 @@ def test_shutdown_that_times_out_never_closes_the_backend_under_a_running_step(t
     finals: list = []
     eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(50), "a", lambda o: finals.append(o) if o.finished else None)
     assert backend.running.wait(10)
-    closed_on_return = eng.shutdown_nowait(timeout=0.05)
+    closed_on_return = eng.shutdown_sync(timeout=0.05)
     assert backend.closed.wait(10), "the engine thread must release the backend once its step ends"
     assert not backend.closed_during_run and not backend.ran_after_close
     assert closed_on_return is False  # the step was still running: shutdown left the closing to the thread
     assert len(finals) == 1 and finals[0].outputs[0].finish_reason == "abort"
-    assert eng.shutdown_nowait() is True  # a second shutdown is harmless (closes nothing twice)
+    assert eng.shutdown_sync() is True  # a second shutdown is harmless (closes nothing twice)

@@ -63,7 +63,7 @@ def test_freed_blocks_stay_cached_and_tail_is_evicted_first() -> None:
     bm.release(a)
     assert bm.num_free_blocks == 4
     # eviction order: the unhashed partial block, then the tail (block 2), then 1, then the head
-    assert list(bm.free) == [table[3], table[2], table[1], table[0]]
+    assert list(bm.free_lru) == [table[3], table[2], table[1], table[0]]
     b = req([1, 2, 3, 4, 5, 6, 9], "b")
     cached = bm.find_cached(b)
     assert cached == table[:3]  # still cached after the free
@@ -191,3 +191,22 @@ def test_property_random_workload(num_blocks: int, block_size: int, ops: list, c
     bm.check([])
     assert bm.promised == {}
     assert bm.num_free_blocks == num_blocks
+
+
+def test_fork_shares_the_full_computed_blocks_and_releases_cleanly() -> None:
+    """BlockManager.fork (beam search, n > 1): the child references the parent's full computed blocks,
+    not its partial last one; releasing both in any order frees everything."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = req(list(range(10)), "p")
+    compute(bm, parent, 10)  # blocks: 2 full + 1 partial
+    child = req(list(range(10)) + [99], "c")
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
+    assert [bm.ref_count[b] for b in parent.block_table] == [2, 2, 1]
+    assert bm.allocate(child, 3) and len(child.block_table) == 3 and child.block_table[2] != parent.block_table[2]
+    bm.check([parent.block_table, child.block_table])
+    bm.release(parent)
+    bm.check([child.block_table])
+    bm.release(child)
+    assert bm.num_free_blocks == 8
+    bm.check([])

@@ -88,7 +88,8 @@ def test_abandoned_non_streamed_requests_are_aborted_not_run_out(model_dir: Path
         inner = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), 256, 16, num_threads=1)
         engine = AsyncEngine(ea, backend=FaultyBackend(inner, FaultPlan(delay_s=STEP_S)))
 
-        def listen(row: dict) -> None:
+        def listen(rec) -> None:  # noqa: ANN001 - a StepRecord
+            row = rec.trace_row()
             with lock:
                 reasons.update((f["id"], f["reason"]) for f in row["finished"])
 

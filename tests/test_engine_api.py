@@ -222,7 +222,7 @@ def test_engine_args_are_checked(toy_dir) -> None:  # noqa: ANN001
 
 def test_default_pool_size(toy_dir) -> None:  # noqa: ANN001
     from octavo.export.manifest import Manifest
-    from octavo.runtime.engine import default_num_blocks
+    from octavo.runtime.model_setup import default_num_blocks
 
     m = Manifest.load(toy_dir)  # 1 layer, 1 KV head of 4: 2*1*16*1*4*4 = 512 bytes per block of 16
     assert default_num_blocks(EngineArgs(model="x", num_blocks=7, kv_cache_memory=10**9), m, 256) == 7
@@ -267,4 +267,39 @@ def test_final_only_outputs_equal_the_last_cumulative_ones(toy_dir) -> None:  # 
     llm(toy_dir).generate({"prompt_token_ids": P}, mine, use_tqdm=False)
     assert mine.output_kind == "cumulative"
     with pytest.raises(InvalidRequestError, match="output_kind"):
-        SamplingParams(output_kind="delta")
+        SamplingParams(output_kind="everything")
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(toy_dir) -> None:  # noqa: ANN001
+    """output_kind="delta" (the engine's native form): per child, the deltas' text, token ids and logprobs
+    concatenated equal the last cumulative output; each child's finish reason comes exactly once, last;
+    a delta never repeats a token. n > 1, a stop string, logprobs and an abort mid-way."""
+    base = dict(n=3, temperature=1.0, seed=11, max_tokens=12, logprobs=2, stop=["a"], stop_token_ids=[7])
+    results = {}
+    for kind in ("cumulative", "delta"):
+        eng = llm(toy_dir).engine
+        for i in range(3):
+            eng.add_request(f"r{i}", {"prompt_token_ids": P[i:]}, SamplingParams(**base, output_kind=kind))
+        acc: dict[tuple[str, int], dict] = {}
+        steps = 0
+        while eng.has_unfinished_requests():
+            steps += 1
+            if steps == 4:
+                eng.abort_request("r2")
+            for out in eng.step():
+                for c in out.outputs:
+                    a = acc.setdefault((out.request_id, c.index), {"text": "", "ids": [], "lps": [], "reasons": []})
+                    if kind == "cumulative":
+                        a.update(text=c.text, ids=list(c.token_ids), lps=list(c.logprobs or []))
+                        a["reasons"] = [c.finish_reason] if c.finish_reason else []
+                    else:
+                        assert not a["reasons"], "output after the child's finish"
+                        a["text"] += c.text
+                        a["ids"] += c.token_ids
+                        a["lps"] += c.logprobs or []
+                        a["reasons"] += [c.finish_reason] if c.finish_reason else []
+        results[kind] = {k: (v["text"], v["ids"], [sorted(d) for d in v["lps"]], v["reasons"]) for k, v in acc.items()}
+        assert eng.stats().num_free_blocks == 64
+    assert results["delta"] == results["cumulative"]
+    assert all(len(v[3]) == 1 for v in results["delta"].values())
+    assert {v[3][0] for k, v in results["delta"].items() if k[0] == "r2"} <= {"abort", "stop", "length"}

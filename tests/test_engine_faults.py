@@ -55,7 +55,7 @@ def test_failing_step_ends_only_its_requests(model) -> None:  # noqa: ANN001
     eng = make_engine(folder, fail_on={4}, max_num_seqs=3, max_num_batched_tokens=64)
     reqs = random_requests(6, seed=11, max_prompt=60, max_gen=12)
     rows: list[dict] = []
-    eng.add_step_listener(rows.append)
+    eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
     for i, (p, m) in enumerate(reqs):
         eng.add_request(str(i), p, greedy(m))
     final: dict = {}

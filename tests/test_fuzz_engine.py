@@ -106,7 +106,7 @@ def test_hostile_requests_are_refused_or_harmless(shared_engine, prompt, params)
     for i in range(200):
         if not eng.has_unfinished_requests():
             break
-        if i == 6 and "hostile" in eng.groups:
+        if i == 6 and eng.has_request("hostile"):
             eng.abort_request("hostile")  # long ones (max_tokens None / 2000) are cut here
         for o in eng.step():
             if o.finished:
@@ -203,14 +203,14 @@ def check_workload(folder, reqs, block_size, pool_tokens, budget, max_seqs, cach
                 else:
                     eng.add_request(str(i), p, sp)
         for i, (_, _, _, abort_at) in enumerate(reqs):
-            if abort_at == step and str(i) in eng.groups:
+            if abort_at == step and eng.has_request(str(i)):
                 eng.abort_request(str(i))
                 aborted.add(str(i))
         for o in eng.step():
             if o.finished:
                 assert o.request_id not in finals, f"{o.request_id} finished twice"
                 finals[o.request_id] = o
-        eng.block_manager.check([r.block_table for g in eng.groups.values() for r in g.children])
+        eng.block_manager.check([r.block_table for g in eng.outputs.groups.values() for r in g.children])
         step += 1
         if step > 8 and not eng.has_unfinished_requests():
             break

@@ -24,7 +24,7 @@ from octavo import LLM, SamplingParams
 from octavo.errors import InvalidRequestError
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
-from octavo.runtime.engine import default_num_blocks, make_backend
+from octavo.runtime.model_setup import default_num_blocks, make_backend
 from octavo.runtime.engine_args import EngineArgs
 
 ARCHS = ["llama", "qwen2"]

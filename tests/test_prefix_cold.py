@@ -51,7 +51,7 @@ def test_eight_requests_arriving_together_compute_the_prefix_once(model, budget)
     reqs = shared(8, seed=1)
     llm = LLM(str(folder), num_blocks=128, block_size=8, max_num_batched_tokens=budget)
     rows: list[dict] = []
-    llm.engine.add_step_listener(rows.append)
+    llm.engine.add_step_listener(lambda rec: rows.append(rec.trace_row()))
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [greedy(m) for _, m in reqs], use_tqdm=False)
     stats = llm.engine.stats()
     suffixes = sum(len(p) - PREFIX_LEN for p, _ in reqs)
@@ -68,7 +68,7 @@ def test_an_aborted_producer_hands_over_mid_prefix(model) -> None:  # noqa: ANN0
     reqs = shared(8, seed=2)
     eng = LLMEngine(EngineArgs(model=str(folder), num_blocks=128, block_size=8, max_num_batched_tokens=36))
     rows: list[dict] = []
-    eng.add_step_listener(rows.append)
+    eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
     for i, (p, m) in enumerate(reqs):
         eng.add_request(str(i), p, greedy(m))
     eng.step()  # the producer computed 36 of the 48 prefix tokens (4 full blocks and half of one); nobody else ran
@@ -90,7 +90,7 @@ def test_a_producer_preempted_mid_prefix(model) -> None:  # noqa: ANN001
     hf, folder = model
     eng = LLMEngine(EngineArgs(model=str(folder), num_blocks=6, block_size=4, max_num_batched_tokens=8))
     rows: list[dict] = []
-    eng.add_step_listener(rows.append)
+    eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
     prefix = list(range(200, 216))
     reqs = {"r": (list(range(20, 28)), 12)} | {x: (prefix + [30 + i, 40 + i], 4) for i, x in enumerate("abc")}
     eng.add_request("r", *reqs["r"][:1], greedy(12))

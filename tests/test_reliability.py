@@ -81,7 +81,7 @@ def test_async_engine_failed_steps_end_only_their_requests(folder) -> None:  # n
                       num_threads=1)
     engine = AsyncEngine(args, backend)
     rows: list[dict] = []
-    engine.add_step_listener(rows.append)
+    engine.add_step_listener(lambda rec: rows.append(rec.trace_row()))
 
     async def run() -> dict:
         await engine.start()
@@ -179,7 +179,7 @@ def test_server_failed_steps_are_500_others_exact_server_stays_up(folder) -> Non
     errors_in_trace: list[str] = []
     with ServerThread(srv) as s:
         srv.state.engine.add_step_listener(
-            lambda row: errors_in_trace.extend(f["id"] for f in row["finished"] if f["reason"] == "error"))
+            lambda rec: errors_in_trace.extend(f["id"] for f in rec.trace_row()["finished"] if f["reason"] == "error"))
         results: dict[int, tuple[int, str]] = {}
 
         def client(i: int) -> None:
@@ -282,7 +282,7 @@ def test_five_times_the_pool_completes_identically_without_starvation(folder, pr
                 assert o.request_id not in finished_at
                 finished_at[o.request_id] = step
                 outputs[o.request_id] = list(o.outputs[0].token_ids)
-        eng.block_manager.check([q.block_table for g in eng.groups.values() for q in g.children])
+        eng.block_manager.check([q.block_table for g in eng.outputs.groups.values() for q in g.children])
         step += 1
         assert step <= max(bound.values()) + 1, f"no progress by step {step} (deadlock?): {len(finished_at)} done"
     stats = eng.stats()

@@ -155,7 +155,7 @@ def test_a_producer_preempted_mid_prefix_withdraws_its_promises(toy_dir) -> None
     output equals the unpaged oracle."""
     eng = engine(toy_dir, num_blocks=6, block_size=4, max_num_batched_tokens=8)
     rows: list[dict] = []
-    eng.add_step_listener(rows.append)
+    eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
     prompts = {"r": list(range(20, 28))} | {x: list(range(200, 216)) + [30 + i, 40 + i] for i, x in enumerate("abc")}
     eng.add_request("r", prompts["r"], greedy(12))
     eng.step()
@@ -166,7 +166,7 @@ def test_a_producer_preempted_mid_prefix_withdraws_its_promises(toy_dir) -> None
         for o in eng.step():
             outs[o.request_id] = o
         bm = eng.block_manager
-        bm.check([r.block_table for g in eng.groups.values() for r in g.children])
+        bm.check([r.block_table for g in eng.outputs.groups.values() for r in g.children])
         assert all(p.status.value == "running" for p in bm.promised.values())
     a_rows = {r["step"]: q for r in rows for q in r["requests"] if q["id"] == "a"}
     preempted = [r["step"] for r in rows if "a" in r["preempted"]]
@@ -251,7 +251,7 @@ def check_random_workload(toy_dir, reqs, num_blocks, block_size, budget, max_seq
                  enable_prefix_caching=caching)
     pool_tokens = num_blocks * block_size
     rows: list[dict] = []
-    eng.add_step_listener(rows.append)
+    eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
     held_steps = watch_admissions(eng)
     finals: dict[str, list] = {}
     expected: dict[str, tuple[list[int], int]] = {}
@@ -267,14 +267,14 @@ def check_random_workload(toy_dir, reqs, num_blocks, block_size, budget, max_seq
                 eng.add_request(str(i), prompt, greedy(max_tokens), priority=prio)
                 expected[str(i)] = (prompt, max_tokens)
         for i, (_, _, _, abort_at, _) in enumerate(reqs):
-            if abort_at == step and str(i) in eng.groups:
+            if abort_at == step and eng.has_request(str(i)):
                 eng.abort_request(str(i))
                 aborted.add(str(i))
         n_rows = len(rows)
         for out in eng.step():
             if out.finished:
                 finals.setdefault(out.request_id, []).append(out)
-        live = [r.block_table for g in eng.groups.values() for r in g.children]
+        live = [r.block_table for g in eng.outputs.groups.values() for r in g.children]
         eng.block_manager.check(live)
         if len(rows) > n_rows:
             row = rows[-1]
@@ -368,7 +368,7 @@ def test_trace_rows_follow_the_contract(toy_dir, tmp_path) -> None:  # noqa: ANN
     path = tmp_path / "trace.jsonl"
     eng = engine(toy_dir, num_blocks=16, block_size=4, max_num_batched_tokens=8, trace_path=str(path))
     rows: list[dict] = []
-    eng.add_step_listener(rows.append)
+    eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
     eng.add_request("a", list(range(5, 15)), greedy(3))
     eng.add_request("b", list(range(5, 8)), greedy(2))
     while eng.has_unfinished_requests():

@@ -1,21 +1,26 @@
-"""Where an engine step's time goes: schedule, pack (ModelRunner.prepare), backend, sample, detokenize,
-and the rest (stop checks, block hashing, outputs, trace row) — per step, from perf_counter stamps.
+"""Where an engine step's time goes: schedule, pack (ModelRunner.prepare), backend, sample, commit
+(Scheduler.update_from_output: KV bookkeeping, block hashing, stop checks), detokenize (text, stop strings,
+outputs) and the rest — per step, from the StepRecord the step fills (perf_counter laps).
 
-`attach_profiler(engine)` wraps the engine's collaborators on that one engine instance (scheduler.schedule,
-runner.prepare, runner.run, sampler, tokenizer.decode, step); nothing changes in the engine's code and
-an engine without a profiler pays nothing. Used by `octavo bench throughput --profile` and
+`attach_profiler(engine)` registers a step listener: nothing is wrapped or patched, and an engine without
+a profiler pays only the laps every step takes. Used by `octavo bench throughput --profile` and
 scripts/compare_peers.py.
 
 Engine overhead = 1 - backend / step: the share of a step in which the model is not running.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-PHASES = ("schedule", "pack", "backend", "sample", "detokenize", "other")
+from octavo.runtime.step_record import PHASES as STEP_PHASES
+from octavo.runtime.step_record import StepRecord
+
+if TYPE_CHECKING:
+    from octavo.runtime.engine import LLMEngine
+
+PHASES = (*STEP_PHASES, "other")
 
 
 @dataclass(slots=True)
@@ -26,6 +31,7 @@ class StepTimes:
     pack: float = 0.0
     backend: float = 0.0
     sample: float = 0.0
+    commit: float = 0.0
     detokenize: float = 0.0
     total: float = 0.0
 
@@ -35,7 +41,7 @@ class StepTimes:
 
     @property
     def other(self) -> float:
-        return max(0.0, self.total - self.schedule - self.pack - self.backend - self.sample - self.detokenize)
+        return max(0.0, self.total - sum(getattr(self, p) for p in STEP_PHASES))
 
 
 @dataclass(slots=True)
@@ -54,11 +60,12 @@ class PhaseSummary:
 @dataclass(slots=True)
 class StepProfile:
     steps: list[StepTimes] = field(default_factory=list)
-    _current: StepTimes | None = None
 
-    def add(self, phase: str, seconds: float) -> None:
-        if self._current is not None:
-            setattr(self._current, phase, getattr(self._current, phase) + seconds)
+    def __call__(self, record: StepRecord) -> None:
+        """The step listener: one StepTimes per step that ran the model."""
+        self.steps.append(StepTimes(batch_size=record.batch_size, num_tokens=record.num_tokens,
+                                    total=record.duration_s,
+                                    **{p: record.seconds.get(p, 0.0) for p in STEP_PHASES}))
 
     def summary(self, label: str, keep: Callable[[StepTimes], bool] = lambda s: True) -> PhaseSummary:
         sel = [s for s in self.steps if keep(s)]
@@ -90,48 +97,8 @@ class StepProfile:
         return {"summaries": [{**asdict(s), "engine_overhead": s.engine_overhead} for s in self.summaries()]}
 
 
-def _wrap(prof: StepProfile, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            prof.add(phase, time.perf_counter() - t0)
-
-    return timed
-
-
-def attach_profiler(engine: Any) -> StepProfile:
-    """Start timing ENGINE's steps (an octavo LLMEngine); returns the profile that fills up."""
+def attach_profiler(engine: LLMEngine) -> StepProfile:
+    """Start timing ENGINE's steps; returns the profile that fills up."""
     prof = StepProfile()
-    schedule = engine.scheduler.schedule
-
-    def timed_schedule() -> Any:
-        t0 = time.perf_counter()
-        out = schedule()
-        if prof._current is not None:
-            prof._current.schedule += time.perf_counter() - t0
-            prof._current.batch_size = len(out.scheduled)
-            prof._current.num_tokens = sum(out.scheduled.values())
-        return out
-
-    step = engine.step
-
-    def timed_step() -> Any:
-        prof._current = current = StepTimes()
-        t0 = time.perf_counter()
-        try:
-            return step()
-        finally:
-            current.total = time.perf_counter() - t0
-            prof._current = None
-            if current.batch_size:
-                prof.steps.append(current)
-
-    engine.scheduler.schedule = timed_schedule
-    engine.runner.prepare = _wrap(prof, "pack", engine.runner.prepare)
-    engine.runner.run = _wrap(prof, "backend", engine.runner.run)
-    engine.sampler = _wrap(prof, "sample", engine.sampler)
-    engine.tokenizer.decode = _wrap(prof, "detokenize", engine.tokenizer.decode)
-    engine.step = timed_step
+    engine.add_step_listener(prof)
     return prof

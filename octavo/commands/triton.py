@@ -135,7 +135,7 @@ def _bytes(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from octavo.commands.engine_flags import changed_fields, engine_args
     from octavo.demo.model import model_argument
-    from octavo.runtime.engine import resolve_model_dir
+    from octavo.runtime.model_setup import resolve_model_dir
     from octavo.serving.engine_params import value_text
     from octavo.serving.triton_launcher import TritonServer, check_ports_free, free_port
 

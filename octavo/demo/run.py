@@ -17,6 +17,7 @@ from octavo.errors import InvalidRequestError
 from octavo.runtime.kv_cache import resolve_kv_cache_dtype
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.step_record import StepRecord
 from octavo.tracing.reader import check_rows
 from octavo.tracing.report import TraceReport, build_report
 
@@ -101,8 +102,9 @@ def run_requests(engine: LLMEngine, requests: Sequence[DemoRequest],
     rows: list[dict[str, Any]] = []
     listening = True
 
-    def listen(row: dict[str, Any]) -> None:
+    def listen(record: StepRecord) -> None:
         if listening:
+            row = record.trace_row()
             rows.append(row)
             if on_step is not None:
                 on_step(row)

@@ -1,9 +1,13 @@
 """AsyncEngine: an LLMEngine stepped by one background thread, for servers.
 
-- asyncio: `await start()`, `async for out in generate(prompt, params, request_id)` (cumulative
-  RequestOutputs, the last one finished), `await abort(id)`, `await shutdown()`.
+- asyncio: `await start()`, `async for out in generate(prompt, params, request_id)` (RequestOutputs of
+  params.output_kind, the last one finished), `await abort(id)`, `await shutdown()`.
 - threads (Triton's python backend): `submit(prompt, params, request_id, callback)`; callback
-  (RequestOutput) runs on the engine thread; `abort_nowait(id)`.
+  (RequestOutput) runs on the engine thread; `abort_nowait(id)`; `shutdown_sync(timeout)` (blocks).
+
+What a slow `generate` consumer has not read is coalesced into one pending output (OutputMailbox: deltas
+concatenated, bounded by the request's own output); one that falls more than `max_unread_entries` tokens
++ logprob entries behind is aborted, so no client can make the server buffer without bound.
 
 Only the engine thread touches the LLMEngine. `submit` validates and tokenizes in the caller's
 thread (so a bad request raises right there: InvalidRequestError, PromptTooLongError) and drops the
@@ -26,9 +30,12 @@ from collections.abc import AsyncIterator, Callable
 
 from octavo.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
-from octavo.runtime.engine import LLMEngine, Prompt, RequestGroup
+from octavo.runtime.engine import LLMEngine, StepListener
 from octavo.runtime.engine_args import EngineArgs
-from octavo.runtime.outputs import CompletionOutput, RequestOutput
+from octavo.runtime.input_processor import Prompt
+from octavo.runtime.output_mailbox import DEFAULT_MAX_ENTRIES, OutputMailbox
+from octavo.runtime.output_processor import RequestGroup
+from octavo.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
 from octavo.runtime.tokenizer import Tokenizer
@@ -38,14 +45,14 @@ Callback = Callable[[RequestOutput], None]
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs, backend: Backend | None = None) -> None:
+    def __init__(self, args: EngineArgs, backend: Backend | None = None, *,
+                 max_unread_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self.engine = LLMEngine(args, backend)
-        self._lock = threading.Lock()  # guards the inbox, the live ids and the flags (never held during a step)
+        self.max_unread_entries = max_unread_entries
+        self._lock = threading.Lock()  # guards the inbox, the callbacks and the flags (never held during a step)
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple[str, RequestGroup | str]] = []  # ("add", group) | ("abort", request_id)
-        self._live: set[str] = set()  # submitted and not finished yet
-        self._callbacks: dict[str, Callback] = {}
-        self._groups: dict[str, RequestGroup] = {}  # the live requests' groups (what `_end_all` reports from)
+        self._callbacks: dict[str, Callback] = {}  # the requests submitted and not finished yet
         try:
             self._stats = self.engine.stats()
         except BaseException:
@@ -73,7 +80,7 @@ class AsyncEngine:
     async def start(self) -> None:
         self.start_thread()
 
-    def shutdown_nowait(self, timeout: float | None = 30.0) -> bool:
+    def shutdown_sync(self, timeout: float | None = 30.0) -> bool:
         """Stop the loop (outstanding requests end with "abort") and release the backend.
 
         Returns True when the backend is closed on return. If a step is still running after TIMEOUT seconds,
@@ -94,7 +101,7 @@ class AsyncEngine:
         return True
 
     async def shutdown(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.shutdown_nowait)
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown_sync)
 
     def _close_engine(self) -> None:
         with self._lock:
@@ -108,16 +115,14 @@ class AsyncEngine:
                *, priority: int = 0) -> None:
         """Queue a request; raises at once if it is invalid. callback gets every output, on the engine thread."""
         self._check_alive()
-        self._enqueue(self.engine.make_group(str(request_id), prompt, params, priority=priority), callback)
+        self._enqueue(self.engine.inputs.make_group(str(request_id), prompt, params, priority=priority), callback)
 
     def _enqueue(self, group: RequestGroup, callback: Callback) -> None:
         with self._lock:
             self._check_alive()
-            if group.request_id in self._live:
+            if group.request_id in self._callbacks:
                 raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
-            self._live.add(group.request_id)
             self._callbacks[group.request_id] = callback
-            self._groups[group.request_id] = group
             self._inbox.append(("add", group))
             self._wake.notify_all()
         self.start_thread()
@@ -127,7 +132,7 @@ class AsyncEngine:
         Raises UnknownRequestError if no such request is running (never submitted, or already over)."""
         request_id = str(request_id)
         with self._lock:
-            if request_id not in self._live:
+            if request_id not in self._callbacks:
                 raise UnknownRequestError(f"no running request has id {request_id!r} (finished, aborted or never added)")
             self._inbox.append(("abort", request_id))
             self._wake.notify_all()
@@ -141,24 +146,25 @@ class AsyncEngine:
         """The counters as of the end of the latest step (or inbox drain)."""
         return self._stats
 
-    def add_step_listener(self, fn: Callable[[dict], None]) -> None:
+    def add_step_listener(self, fn: StepListener) -> None:
         self.engine.add_step_listener(fn)  # a list append: safe while the thread runs
 
     # -- asyncio API --------------------------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None, request_id: str,
                        *, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = str(request_id)
         self._check_alive()
         # validate and tokenize on a worker thread (a long prompt takes seconds, the event loop must not wait);
         # queue it from here, so a consumer that leaves meanwhile leaves no request behind
-        group = await asyncio.to_thread(self.engine.make_group, request_id, prompt, params, priority=priority)
-        self._enqueue(group, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        group = await asyncio.to_thread(self.engine.inputs.make_group, request_id, prompt, params, priority=priority)
+        delta = group.output_kind == "delta"
+        box = OutputMailbox(asyncio.get_running_loop(), self.max_unread_entries,
+                            on_overflow=lambda: self._overflow(request_id))
+        self._enqueue(group, lambda out: box.put(out, delta))
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                out = await box.get()
                 finished = out.finished
                 yield out
         finally:
@@ -167,6 +173,14 @@ class AsyncEngine:
                     self.abort_nowait(request_id)
                 except UnknownRequestError:
                     pass
+
+    def _overflow(self, request_id: str) -> None:
+        logger.warning("request %s: its consumer is more than %d entries behind; aborting it", request_id,
+                       self.max_unread_entries)
+        try:
+            self.abort_nowait(request_id)
+        except UnknownRequestError:
+            pass
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
@@ -227,8 +241,6 @@ class AsyncEngine:
             cb = self._callbacks.get(out.request_id)
             if out.finished:
                 self._callbacks.pop(out.request_id, None)
-                self._groups.pop(out.request_id, None)
-                self._live.discard(out.request_id)
         if cb is not None:
             try:
                 cb(out)
@@ -238,30 +250,24 @@ class AsyncEngine:
     def _abort_all(self) -> None:
         """Shutdown: abort every request through the engine (freeing its blocks) and deliver the final outputs,
         those of aborts drained just before included."""
-        engine = self.engine
-        for request_id in list(engine.groups):
-            engine.abort_request(request_id)
-        for out in engine.step():  # nothing is left to schedule: it only returns the aborted requests' outputs
+        self.engine.abort_all("abort")
+        for out in self.engine.step():  # nothing is left to schedule: it only returns the aborted requests' outputs
             self._deliver(out)
-        self._stats = engine.stats()
+        self._stats = self.engine.stats()
 
     def _end_all(self, message: str) -> None:
         """After an engine failure: end every request that has not had its final output yet, without asking the
-        broken engine: those it runs, those still in the inbox, and those aborted (or finished) by the failed
-        step or just before it, whose outputs the engine had not returned yet. Children that finished keep
-        their finish reason ("abort", ...); the others end with "error" and MESSAGE."""
+        broken engine to step: those it runs, those still in the inbox, and those aborted (or finished) by the
+        failed step or just before it. Children that finished keep their finish reason ("abort", ...); the
+        others end with "error" and MESSAGE (the output processor builds these outputs as any other)."""
         with self._lock:
+            waiting = [arg for op, arg in self._inbox if op == "add"]
             self._inbox = []
-            groups = [self._groups[rid] for rid in self._live if rid in self._groups]
-        for group in groups:
-            outs = [CompletionOutput(index=c.index, text=c.detokenizer.text if c.detokenizer else "",
-                                     token_ids=list(c.output_token_ids),
-                                     finish_reason=c.finish_reason if c.finished else "error",
-                                     stop_reason=c.stop_reason if c.finished else None,
-                                     error=c.error if c.finished else message)
-                    for c in group.children]
-            self._deliver(RequestOutput(request_id=group.request_id, prompt=group.prompt,
-                                        prompt_token_ids=group.prompt_token_ids, outputs=outs, finished=True,
-                                        metrics=group.children[0].metrics))
-        self.engine.groups.clear()
+        for out in self.engine.outputs.end_all(message, more=waiting):  # type: ignore[arg-type]
+            self._deliver(out)
+        with self._lock:
+            orphans = list(self._callbacks)  # their group was lost inside the failed step (an engine bug)
+        for request_id in orphans:
+            self._deliver(RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "error", error=message)],
+                                        finished=True, metrics=RequestMetrics(arrival_time=time.time())))
         self._stats = self.engine.stats()

@@ -3,15 +3,15 @@
 - Every block has a reference count. A request's block table grows on demand (`allocate`).
 - A FULL block is identified by a chained hash of its tokens (hash of the previous block's hash and
   this block's token ids), so equal prefixes map to equal hashes. `hash_to_block` finds them.
-- Free blocks (refcount 0) sit in an LRU `free` list (OrderedDict: O(1) touch and evict). A free
+- Free blocks (refcount 0) sit in an LRU `free_lru` list (OrderedDict: O(1) touch and evict). A free
   block keeps its hash until it is evicted, i.e. reused for new tokens, so a later request with the
   same prefix gets it back for free. Evict from the front; a finished request frees its blocks
   last-first so that its tail is evicted before its (more shareable) head.
-- Promises (cold shared prefixes): when a request is admitted, the hashes of the full blocks it is
-  about to compute are recorded in `promised` (hash -> that request) until the block is filled
-  (`cache_full_blocks`) or the request lets go of its blocks (`release`: finished, aborted, preempted,
-  failed). The scheduler holds back a waiting request whose next uncached block is promised, so that
-  requests arriving together compute a shared prefix once. Only running requests hold promises.
+- Promises (cold shared prefixes): an admitted request's about-to-be-computed full blocks are in
+  `promised` (hash -> that request) until filled (`cache_full_blocks`) or let go (`release`).
+- The one writer of a request's KV state: block_table, num_computed_tokens (`admit`: the cached
+  prefix, `commit`: a step's tokens, `release`: 0), block hashes; it counts its own cache hits.
+- `fork`: a new request shares another's full computed blocks (beam search, n > 1).
 - Invariant (checked by `check`): free + in use == total; a block is free iff its refcount is 0.
 """
 from __future__ import annotations
@@ -39,14 +39,14 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.free_lru: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.promised: dict[bytes, Request] = {}  # hash of a full block being computed -> the request computing it
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of those, tokens found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free_lru)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -121,13 +121,17 @@ class BlockManager:
         """Would admitting req (with its cached prefix blocks) plus num_new_tokens fit right now?"""
         revived = sum(1 for b in cached if self.ref_count[b] == 0)  # cached but in the free list
         new = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
-        return revived + new <= len(self.free)
+        return revived + new <= len(self.free_lru)
 
     def admit(self, req: Request, cached: list[int]) -> None:
-        """Give req its cached prefix blocks (touching them out of the free list)."""
+        """Give req its cached prefix blocks (touching them out of the free list); on its first admission
+        count the prompt's lookup in the prefix-cache statistics."""
+        if not req.admitted:
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += len(cached) * self.block_size
         for b in cached:
             if self.ref_count[b] == 0:
-                del self.free[b]
+                del self.free_lru[b]
             self.ref_count[b] += 1
         req.block_table = list(cached)
         req.num_computed_tokens = len(cached) * self.block_size
@@ -136,10 +140,10 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow req's block table to hold num_new_tokens more tokens; False (nothing done) if no room."""
         need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
-        if need > len(self.free):
+        if need > len(self.free_lru):
             return False
         for _ in range(need):
-            b, _ = self.free.popitem(last=False)  # least recently freed: evict its cached hash
+            b, _ = self.free_lru.popitem(last=False)  # least recently freed: evict its cached hash
             h = self.hash_of[b]
             if h is not None:
                 self.hash_of[b] = None
@@ -149,6 +153,24 @@ class BlockManager:
             req.block_table.append(b)
         return True
 
+    def commit(self, req: Request, num_tokens: int) -> None:
+        """A step computed num_tokens more tokens of req: advance it and offer its new full blocks."""
+        req.num_computed_tokens += num_tokens
+        self.cache_full_blocks(req)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give child (no blocks yet) parent's full computed blocks, shared by reference count. The
+        partial last block is not shared (a write would change the parent's copy): the child computes
+        those tokens itself. child's tokens must start with parent's first num_computed_tokens."""
+        assert not child.block_table, "fork into a request that already holds blocks"
+        n_full = parent.num_computed_tokens // self.block_size
+        for b in parent.block_table[:n_full]:
+            self.ref_count[b] += 1
+        child.block_table = parent.block_table[:n_full]
+        child.block_hashes = parent.block_hashes[:n_full]
+        child.num_computed_tokens = n_full * self.block_size
+        child.num_registered_blocks = min(n_full, parent.num_registered_blocks)
+
     def release(self, req: Request) -> None:
         """Drop req's references, last block first; unreferenced blocks join the free list. Its
         unfilled promises are withdrawn (requests held on them compute the blocks themselves)."""
@@ -157,9 +179,9 @@ class BlockManager:
         for b in reversed(req.block_table):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self.free[b] = None
+                self.free_lru[b] = None
                 if self.hash_of[b] is None:
-                    self.free.move_to_end(b, last=False)  # nothing cached in it: reuse it first
+                    self.free_lru.move_to_end(b, last=False)  # nothing cached in it: reuse it first
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
@@ -172,8 +194,8 @@ class BlockManager:
                 counts[b] += 1
         assert counts == self.ref_count, "refcounts disagree with the block tables"
         in_use = sum(1 for c in counts if c)
-        assert in_use + len(self.free) == self.num_blocks, "free + used != total"
-        assert all(self.ref_count[b] == 0 for b in self.free), "a referenced block is in the free list"
+        assert in_use + len(self.free_lru) == self.num_blocks, "free + used != total"
+        assert all(self.ref_count[b] == 0 for b in self.free_lru), "a referenced block is in the free list"
         for h, b in self.hash_to_block.items():
             assert self.hash_of[b] == h, "hash map out of sync"
         for h, req in self.promised.items():

@@ -72,15 +72,19 @@ class IncrementalDetokenizer:
 
     def visible_text(self, finished: bool) -> str:
         """Text that is safe to show now: all of it once finished, else minus a possible stop prefix."""
+        return self.text[: self.visible_length(finished)]
+
+    def visible_length(self, finished: bool) -> int:
+        """len(visible_text(finished)) without copying the text (a stream slices only what is new)."""
         if finished or not self.stop or self.stopped_by is not None:
-            return self.text
+            return len(self.text)
         hold = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(self.text)), hold, -1):
                 if self.text.endswith(s[:k]):
                     hold = k
                     break
-        return self.text[: len(self.text) - hold]
+        return len(self.text) - hold
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)

@@ -10,7 +10,8 @@ from typing import Any
 
 from octavo.errors import InvalidRequestError
 from octavo.runtime.backends.base import Backend
-from octavo.runtime.engine import LLMEngine, Prompt
+from octavo.runtime.engine import LLMEngine
+from octavo.runtime.input_processor import Prompt
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
@@ -82,7 +83,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Run one request, yielding its cumulative output after each step that changed it."""
+        """Run one request, yielding its outputs as they come: cumulative ones by default, what is new since
+        the previous one with output_kind="delta" (see SamplingParams.output_kind)."""
         rid = uuid.uuid4().hex[:12]
         self.engine.add_request(rid, prompt, sampling_params)
         finished = False
@@ -119,7 +121,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-            left = [i for i in ids if i not in done and i in self.engine.groups]
+            left = [i for i in ids if i not in done and self.engine.has_request(i)]
             for rid in left:  # interrupted (Ctrl-C, an exception): leave the engine clean
                 self.engine.abort_request(rid)
             if left:

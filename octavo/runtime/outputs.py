@@ -1,7 +1,12 @@
-"""What a request returns: RequestOutput with CompletionOutputs and metrics (vLLM's shape)."""
+"""What a request returns: RequestOutput with CompletionOutputs and metrics (vLLM's shape).
+
+With SamplingParams.output_kind="delta" (the engine's native form) a CompletionOutput's text, token_ids
+and logprobs hold only what is new since the previous output of that completion, and finish_reason is
+set once, on its last one; see runtime/output_processor.py.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -46,4 +51,3 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)

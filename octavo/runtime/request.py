@@ -1,21 +1,19 @@
 """Request: one sequence the engine generates (a prompt, its sampled tokens and its KV bookkeeping).
 
 A request with SamplingParams.n > 1 becomes n Requests ("children") that share the prompt; the prefix
-cache lets them share the prompt's full KV blocks. The engine groups them back into one RequestOutput.
+cache lets them share the prompt's full KV blocks. The output processor groups them back into one
+RequestOutput. Who writes what: the BlockManager writes the KV fields (block_table, num_computed_tokens,
+block hashes), the Scheduler the lifecycle fields (status, output_token_ids, finish_reason, metrics).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from octavo.runtime.outputs import Logprob, RequestMetrics
+from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from octavo.runtime.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -46,10 +44,11 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    detokenizer: "IncrementalDetokenizer | None" = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     admitted: bool = False  # admitted at least once (num_cached_tokens is set then)
+    # requests the scheduler queues once this one has computed its prompt (or finished): the other n-1
+    # children of an n > 1 request, which then find the prompt's full blocks in the prefix cache
+    followers: list[Request] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""ModelRunner: packs one scheduled step into the contract's flat arrays and runs the backend.
+"""ModelRunner: packs one scheduled step into the contract's flat arrays (the engine hands them to the backend).
 
 No padding: T = the scheduled tokens of all sequences back to back. The arrays are views of buffers
 allocated once (max_num_batched_tokens rows, max_num_seqs sequences) and sliced per step.
@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from octavo.runtime.backends.base import Backend, StepInputs
+from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.request import Request
 
 
 class ModelRunner:
-    def __init__(self, backend: Backend, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_blocks_per_seq: int) -> None:
-        self.backend = backend
+    def __init__(self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> None:
         self.block_size = block_size
         t, b = max_num_batched_tokens, max_num_seqs
         self._input_ids = np.zeros(t, np.int64)
@@ -77,6 +75,3 @@ class ModelRunner:
             logits_indices=self._logits_indices[: len(sampled)],
         )
         return inputs, sampled
-
-    def run(self, inputs: StepInputs) -> np.ndarray:
-        return self.backend.run(inputs)

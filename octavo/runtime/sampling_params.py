@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from octavo.errors import InvalidRequestError
 
 
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind
 
 
 @dataclass(slots=True)
@@ -29,8 +29,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen one)
     skip_special_tokens: bool = True
-    # "cumulative": an output after every step that changed the request (streaming); "final_only": only
-    # the finished one (vLLM's RequestOutputKind; LLM.generate asks for it: no per-step output objects)
+    # what each output holds (vLLM's RequestOutputKind; see runtime/output_processor.py): "delta" (the
+    # engine's native form: what is new since the previous output; the server and Triton stream these),
+    # "cumulative" (everything so far, after every step that sampled for the request: O(length) copies),
+    # "final_only" (one output, finished; LLM.generate asks for it)
     output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:

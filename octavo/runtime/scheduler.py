@@ -8,24 +8,24 @@ token, a prefill chunk is many, a recompute after preemption is just a long pref
    waiting queue; the prefix cache makes the recompute cheap);
 2. then waiting requests, by (priority, arrival) — FCFS by default — while budget, blocks and
    max_num_seqs last. A prefix-cache hit skips the cached tokens (never the last one).
-Requests that can never fit are rejected before they get here (see LLMEngine.add_request).
+Requests that can never fit are rejected before they get here (see InputProcessor).
 
-Cold shared prefixes: an admitted request promises the full blocks it is about to compute
-(BlockManager.promise). A waiting request whose first uncached prefix block is promised is HELD:
-it stays in the queue, takes no budget and no blocks, and is looked at again next step, when it
-finds the filled blocks in the prefix cache (or is held on the next one). Requests arriving together
-with one long system prompt therefore compute it once. Why this cannot deadlock or starve: only
-running requests hold promises, a held request blocks no running request, and a running request
-either progresses (it fills the block) or leaves the running set (finished, aborted, failed,
-preempted), which withdraws its promises — so every hold ends within finitely many steps. A held
-request keeps its place: it still counts against max_num_seqs for those queued behind it, so they
-overtake it only into seats it does not need this step. With nothing promised the check is one
-emptiness test per admitted request.
+It also owns the commit (nano-vllm's postprocess, vLLM's update_from_output): `update_from_output`
+advances computed tokens (through the block manager, which caches the blocks that filled), appends the
+sampled tokens, checks the token stops (EOS, stop ids, max_tokens, context) and finishes and frees what
+ended: the one writer of status, output tokens, finish reasons and the token counters. Stop strings
+are found in the text by the output processor, which then has the engine call `finish(req, "stop")`.
+
+Cold shared prefixes: a waiting request whose first uncached prefix block another running request has
+promised to compute (BlockManager.promise) is HELD this step (no budget, no blocks, keeps its place), so
+requests arriving with one long system prompt compute it once; why no hold deadlocks or starves:
+docs/engine.md, "Cold shared prefixes".
 """
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.runtime.block_manager import BlockManager
@@ -38,19 +38,21 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     held: list[Request] = field(default_factory=list)  # waiting on a prefix block another request is computing
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.scheduled.values())
-
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting: list[Request] = []  # sorted by (priority, arrival_order)
         self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.finished: list[Request] = []  # finished since the engine last took them (its step record)
         self.num_preemptions = 0
+        self.prompt_tokens_total = 0  # prompt tokens computed (cache hits excluded, recomputes included)
+        self.generation_tokens_total = 0  # tokens sampled
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -98,8 +100,6 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 req.metrics.num_cached_tokens = req.num_computed_tokens
                 req.metrics.first_scheduled_time = time.time()
-                self.block_manager.prefix_queries += req.num_prompt_tokens
-                self.block_manager.prefix_hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             out.scheduled[req] = n
             budget -= n
@@ -113,12 +113,63 @@ class Scheduler:
         out.preempted.append(req)
         self.add(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End req (any state): free its blocks and drop it from the queues."""
+    # -- the commit ---------------------------------------------------------------------------------
+    def update_from_output(self, scheduled: dict[Request, int], sampled: list[Request], token_ids: list[int]) -> None:
+        """A step ran: its scheduled tokens are in the KV cache, and SAMPLED (the requests that had a
+        logits row, in row order) got TOKEN_IDS. The place where accepted tokens become part of a request
+        (a grammar matcher advances on the same list; see docs/architecture.md)."""
+        for req, n in scheduled.items():
+            self.prompt_tokens_total += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+            self.block_manager.commit(req, n)
+        now = time.time()
+        for req, tok in zip(sampled, token_ids):
+            self._append_token(req, tok, now)
+
+    def _append_token(self, req: Request, tok: int, now: float) -> None:
+        p = req.params
+        req.output_token_ids.append(tok)
+        self.generation_tokens_total += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            self._release_followers(req)
+        req.metrics.last_token_time = now
+        min_done = req.num_output_tokens >= p.min_tokens
+        if min_done and tok in p.stop_token_ids:
+            req.stop_reason = tok
+            self.finish(req, "stop")
+        elif min_done and not p.ignore_eos and tok in self.eos_token_ids:
+            self.finish(req, "stop")
+        elif req.num_output_tokens >= req.max_tokens or (self.max_model_len is not None
+                                                         and req.num_tokens >= self.max_model_len):
+            self.finish(req, "length")
+
+    def _release_followers(self, req: Request) -> None:
+        followers, req.followers = req.followers, []
+        for f in followers:
+            if not f.finished:
+                self.add(f)
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        """End req (any state): free its blocks and drop it from the queues. A stop string found in the
+        text of a request that ended by length this step relabels it ("stop" wins, as the text ends there)."""
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        if req.finished:
+            if reason == "stop" and req.finish_reason == "length":
+                req.finish_reason = reason
+            return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:  # (a WAITING request may not have been added yet: see n > 1)
+        elif req in self.waiting:  # (a follower of an n > 1 request may not have been queued yet)
             self.waiting.remove(req)
         self.block_manager.release(req)
         req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
+        req.finish_reason, req.error = reason, error
+        req.metrics.finished_time = time.time()
+        self.finished.append(req)
+        self._release_followers(req)
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the previous call (for the engine's step record)."""
+        finished, self.finished = self.finished, []
+        return finished

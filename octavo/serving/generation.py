@@ -1,7 +1,8 @@
 """One HTTP request's prompts running on the shared AsyncEngine, seen as per-choice deltas.
 
-The engine yields cumulative RequestOutputs; a Generation turns them into ChoiceUpdates (new text,
-new tokens, new logprobs, finish reason) for the route handlers, observes latency metrics, and aborts
+The engine yields delta RequestOutputs (output_kind="delta": only what is new); a Generation turns them into
+ChoiceUpdates (new text, new tokens, new logprobs, finish reason) for the route handlers, keeps the counts
+the usage block needs (never the text), observes latency metrics, and aborts
 its engine requests when it is closed early (client gone, handler cancelled, shutdown), so their KV
 blocks are freed at once. It never sees block tables: it talks to the AsyncEngine only (whose submit and
 abort never wait for a step, so they run right on the event loop).
@@ -9,6 +10,7 @@ abort never wait for a step, so they run right on the event loop).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,9 +39,12 @@ class ChoiceUpdate:
 
 @dataclass(slots=True)
 class _Choice:
-    text_len: int = 0
     num_tokens: int = 0
-    finished: bool = False
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -64,7 +69,7 @@ class Generation:
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompts: list[Any], params: SamplingParams,
                  request_id: str, priority: int = 0) -> None:
         self._engine = engine
-        self._params = params
+        self._params = dataclasses.replace(params, output_kind="delta")
         self._priority = priority
         self._failed = False  # ended by an exception (not counted as an abort)
         now = time.monotonic()
@@ -130,18 +135,20 @@ class Generation:
                 sub.timer.finish(time.monotonic(), "abort", None)
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        # bounded: a pump whose output the consumer has not taken waits, and the engine coalesces meanwhile
+        # (AsyncEngine's mailbox), so a client that stops reading holds at most one output per prompt here
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=len(self._subs))
 
         async def pump(i: int, sub: _Sub) -> None:
             try:
                 async for out in self._engine.generate(sub.prompt, self._params, sub.request_id,
                                                       priority=self._priority):
-                    queue.put_nowait((i, out))
-                queue.put_nowait(_END)
+                    await queue.put((i, out))
+                await queue.put(_END)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises
-                queue.put_nowait(exc)
+                await queue.put(exc)
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self._subs)]
         try:
@@ -165,26 +172,20 @@ class Generation:
         sub.cached_tokens = out.num_cached_tokens
         sub.metrics = out.metrics
         updates = []
-        for o in out.outputs:
+        for o in out.outputs:  # deltas: each holds only what is new for its choice
             st = sub.choices.setdefault(o.index, _Choice())
             if st.finished:
                 continue
-            if len(o.text) < st.text_len:
-                log.warning("request %s: engine text shrank (%d -> %d chars)", sub.request_id, st.text_len,
-                            len(o.text))
-            new_text = o.text[st.text_len:]
-            new_ids = list(o.token_ids[st.num_tokens:])
-            new_lps = list(o.logprobs[st.num_tokens:len(o.token_ids)]) if o.logprobs is not None else None
-            st.text_len = max(st.text_len, len(o.text))
-            st.num_tokens = len(o.token_ids)
-            st.finished = o.finish_reason is not None
-            if new_text or new_ids or st.finished:
-                updates.append(ChoiceUpdate(i * self._params.n + o.index, new_text, new_ids, new_lps,
+            st.num_tokens += len(o.token_ids)
+            st.finish_reason = o.finish_reason
+            if o.text or o.token_ids or st.finished:
+                updates.append(ChoiceUpdate(i * self._params.n + o.index, o.text, list(o.token_ids),
+                                            list(o.logprobs) if o.logprobs is not None else None,
                                             o.finish_reason, o.error))
         sub.timer.output(now, max((c.num_tokens for c in sub.choices.values()), default=0))
         if out.finished:
             sub.finished = True
-            reasons = [o.finish_reason or "stop" for o in out.outputs]
+            reasons = [c.finish_reason or "stop" for _, c in sorted(sub.choices.items())]
             reason = "error" if "error" in reasons else "abort" if "abort" in reasons else reasons[0] if reasons else "stop"
             m = out.metrics
             queue_time = (m.first_scheduled_time - m.arrival_time) if m.first_scheduled_time is not None else None

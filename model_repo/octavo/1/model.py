@@ -2,8 +2,9 @@
 
 Each model instance owns one octavo AsyncEngine. `execute` only parses requests and hands them to the engine
 (`engine.submit`), so requests from all Triton clients meet in our scheduler and are batched in flight; the
-engine thread calls back with each request's cumulative output and the callback sends Triton responses through
-the request's response sender: deltas when `stream` is true, one response with the whole text otherwise, the
+engine thread calls back with each request's delta output (output_kind="delta") and the callback sends Triton
+responses through the request's response sender: each delta when `stream` is true, one response with the
+whole text (joined once at the end) otherwise, the
 last one flagged TRITONSERVER_RESPONSE_COMPLETE_FINAL. A small watcher thread aborts requests whose client
 cancelled (their KV blocks are freed at once) and publishes the engine's counters as Triton custom metrics
 (`octavo_*` on the metrics port). A bad request gets a Triton error response and touches nothing else.
@@ -64,7 +65,8 @@ class LiveRequest:
     request: Any  # pb_utils.InferenceRequest (kept for is_cancelled())
     sender: Any  # its response sender
     parsed: ParsedRequest
-    sent_chars: int = 0
+    pieces: list[str] = field(default_factory=list)  # non-streaming: the text so far, joined at the end
+    num_output_tokens: int = 0
     responses: int = 0
     done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -122,7 +124,7 @@ def parse_request(request: Any) -> ParsedRequest:
     stream = _optional_scalar(request, "stream")
     exclude = _optional_scalar(request, "exclude_input_in_output")
     try:
-        params = SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs, output_kind="delta")  # the engine's native form: only what is new
     except TypeError as exc:
         raise InvalidRequestError(str(exc)) from None
     return ParsedRequest(prompt, params, bool(stream) if stream is not None else False,
@@ -250,19 +252,19 @@ class TritonPythonModel:
                 self._close(live, cancelled=True)
                 return
             parsed = live.parsed
-            prefix = "" if parsed.exclude_input or live.sent_chars or live.responses else parsed.prompt
+            live.num_output_tokens += len(completion.token_ids)
+            prefix = "" if parsed.exclude_input or live.responses else parsed.prompt
             if parsed.stream:
-                text = completion.text[live.sent_chars:]
-                if not text and not out.finished:
-                    return  # the detokenizer is holding back an incomplete character
-                text = prefix + text
-            elif out.finished:
+                if not completion.text and not out.finished:
+                    return  # only tokens whose text the detokenizer still holds back (an incomplete character)
                 text = prefix + completion.text
             else:
-                return
-            live.sent_chars = len(completion.text)
-            response = _response(text, len(out.prompt_token_ids), len(completion.token_ids),
-                                 completion.finish_reason, out.num_cached_tokens)
+                live.pieces.append(completion.text)
+                if not out.finished:
+                    return
+                text = prefix + "".join(live.pieces)
+            response = _response(text, len(out.prompt_token_ids), live.num_output_tokens, completion.finish_reason,
+                                 out.num_cached_tokens)
             self._send(live, response, FINAL if out.finished else 0)
             live.responses += 1
             if out.finished:
@@ -312,8 +314,8 @@ class TritonPythonModel:
             pass
 
     # ---- watcher thread: cancellations and metrics ------------------------------------------------------
-    def _on_step(self, row: dict) -> None:
-        self.max_batch_size = max(self.max_batch_size, int(row.get("batch_size", 0)))
+    def _on_step(self, record: Any) -> None:  # a StepRecord: reads one field, builds no trace row
+        self.max_batch_size = max(self.max_batch_size, record.batch_size)
 
     def _watch(self) -> None:
         while not self.stopping.wait(WATCH_INTERVAL_S):
@@ -365,5 +367,5 @@ class TritonPythonModel:
                 if not live.done:
                     self._close(live, cancelled=True)
             self._abort(live.request_id)
-        self.engine.shutdown_nowait()
+        self.engine.shutdown_sync()
         log.warning("octavo: instance %s stopped; max batch size seen %d", self.instance_name, self.max_batch_size)

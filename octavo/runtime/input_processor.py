@@ -1,0 +1,125 @@
+"""InputProcessor: a user's request in, a validated RequestGroup out (nothing queued, no engine state read).
+
+Validation (the prompt's form and token ids, SamplingParams, priority, whether prompt + max_tokens can ever
+fit the context and the KV pool), tokenization, the per-request RNG and the n > 1 fan-out. Safe from any
+thread: AsyncEngine runs it on the caller's thread (or a worker) so that a bad request raises right there
+and a long prompt never holds the engine loop. Its only state is the arrival counter (thread-safe under the
+GIL), which orders requests first come, first served and seeds requests without a seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+
+from octavo.errors import InvalidRequestError, PromptTooLongError
+from octavo.runtime.detokenizer import IncrementalDetokenizer
+from octavo.runtime.output_processor import RequestGroup
+from octavo.runtime.outputs import RequestMetrics
+from octavo.runtime.request import Request
+from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.tokenizer import Tokenizer
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[str, str]:
+    """(message, param) for prompt + max_tokens > LIMIT: the message says which of the two to change, and to what."""
+    head = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} exceeds {what}"
+    if prompt_len >= limit:  # no max_tokens can help
+        return f"{head}; shorten the prompt to at most {limit - max_tokens} tokens", "prompt"
+    return f"{head}; lower max_tokens to at most {limit - prompt_len}", "max_tokens"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int,
+                 block_size: int, seed: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.seed = seed
+        self._arrival_counter = itertools.count(1)
+
+    def make_group(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                   arrival_time: float | None = None, priority: int = 0) -> RequestGroup:
+        """Validate and tokenize a request; raises InvalidRequestError / PromptTooLongError."""
+        request_id = str(request_id)
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)  # a private, normalised and validated copy
+        text, ids = self._prompt_ids(prompt)
+        max_tokens = self._check_fits(len(ids), params)
+        if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        now = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            order = next(self._arrival_counter)
+            children.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids=ids,
+                params=params, generator=self._generator(params, i, order), max_tokens=max_tokens,
+                arrival_order=order, priority=priority, parent_id=request_id, index=i,
+                metrics=RequestMetrics(arrival_time=now)))
+        # children 1..n-1 are queued once child 0 has computed the prompt: they then share its cached blocks
+        children[0].followers = children[1:]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                         params.skip_special_tokens) for _ in children]
+        return RequestGroup(request_id, text, ids, children, now, params.output_kind, detoks)
+
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        text: str | None = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+                raise InvalidRequestError("prompt_token_ids must be integers")
+            ids = [int(t) for t in prompt]
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        else:
+            raise InvalidRequestError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return text, ids
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> int:
+        """The request's effective max_tokens, or PromptTooLongError if it can never fit."""
+        pool_tokens = self.num_blocks * self.block_size
+        limit = min(self.max_model_len, pool_tokens + 1)  # the last sampled token needs no KV slot
+        if params.max_tokens is None:
+            if prompt_len >= limit:
+                raise PromptTooLongError(
+                    f"the prompt has {prompt_len} tokens; the limit is {limit - 1} "
+                    f"(max_model_len {self.max_model_len}, KV pool {pool_tokens} tokens): shorten the prompt",
+                    param="prompt")
+            return limit - prompt_len
+        total = prompt_len + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(*_too_long(prompt_len, params.max_tokens, self.max_model_len,
+                                                f"the model's context of {self.max_model_len} tokens"))
+        if total > pool_tokens + 1:
+            where = (f"the whole pool of KV blocks ({self.num_blocks} blocks of {self.block_size} = {pool_tokens} tokens; "
+                     "a bigger pool: num_blocks / kv_cache_memory)")
+            raise PromptTooLongError(*_too_long(prompt_len, params.max_tokens, pool_tokens + 1, where))
+        return params.max_tokens
+
+    def _generator(self, params: SamplingParams, index: int, order: int) -> np.random.Generator:
+        if params.seed is None:
+            return np.random.default_rng([self.seed % (1 << 64), order])
+        seed = params.seed % (1 << 64)
+        return np.random.default_rng(seed if index == 0 else [seed, index])

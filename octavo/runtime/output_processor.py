@@ -1,0 +1,191 @@
+"""OutputProcessor: the one owner of what a user sees of a request — its detokenizers and what was emitted.
+
+The engine's native output is a DELTA: per step, for each child of a request with something new, the token
+ids, text and logprobs added since the previous output, and the finish reason once (vLLM's
+RequestOutputKind.DELTA). Nothing is copied that is not new, so a step's output cost does not grow with
+the output's length. `SamplingParams.output_kind` picks what a request gets:
+- "delta": those deltas (the server, Triton);
+- "cumulative": everything so far after every step that sampled for it (copies: O(length) per step);
+- "final_only": one output, finished, with everything (LLM.generate).
+
+Stop strings are properties of the text, so they are found here (`detokenize`), and the engine then asks
+the scheduler to finish those requests. A request group is dropped once its final output is made.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from octavo.runtime.detokenizer import IncrementalDetokenizer
+from octavo.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from octavo.runtime.request import Request
+from octavo.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestGroup:
+    """One user request: n children sharing one prompt, and, per child, what has been emitted so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    arrival_time: float
+    output_kind: str
+    detokenizers: list[IncrementalDetokenizer]
+    sent_tokens: list[int] = field(default_factory=list)  # per child: output tokens already emitted
+    sent_chars: list[int] = field(default_factory=list)  # per child: text characters already emitted
+    sent_final: list[bool] = field(default_factory=list)  # per child: its finish reason was emitted
+    # per child: logprob entries not emitted yet ("delta") or all of them (other kinds); None if not asked
+    logprobs: list[list[dict[int, Logprob]]] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.children)
+        self.sent_tokens, self.sent_chars, self.sent_final = [0] * n, [0] * n, [False] * n
+        if self.children[0].params.logprobs is not None:
+            self.logprobs = [[] for _ in range(n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}  # live user requests
+        self.ready: list[RequestOutput] = []  # final outputs made between steps (aborts): the next step returns them
+
+    def add(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+
+    def detokenize(self, sampled: list[Request], logprobs: list[dict[int, float] | None]
+                   ) -> tuple[list[tuple[Request, str]], list[tuple[Request, str]]]:
+        """Feed each sampled request's new token (committed by the scheduler) to its detokenizer.
+        Returns (requests whose text hit a stop string, with it; requests that failed, with the error)."""
+        stopped, failed = [], []
+        for req, lp in zip(sampled, logprobs):
+            group = self.groups[req.parent_id]
+            try:
+                if lp is not None and group.logprobs is not None:
+                    group.logprobs[req.index].append(
+                        {t: Logprob(t, v, self.tokenizer.decode([t], skip_special_tokens=False)) for t, v in lp.items()})
+                stop = self._add_token(req, group.detokenizers[req.index])
+            except Exception as exc:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode: end only this one
+                logger.exception("request %s failed after sampling token %d", req.request_id, req.output_token_ids[-1])
+                failed.append((req, f"{type(exc).__name__}: {exc}"))
+                continue
+            if stop is not None:
+                stopped.append((req, stop))
+        return stopped, failed
+
+    @staticmethod
+    def _add_token(req: Request, detok: IncrementalDetokenizer) -> str | None:
+        tok, p = req.output_token_ids[-1], req.params
+        if req.finish_reason == "stop":  # ended by a token this step: EOS is never text, a stop token only if asked
+            if req.stop_reason is not None and p.include_stop_str_in_output:
+                detok.add(tok)
+            return None
+        return detok.add(tok, check_stop=req.num_output_tokens >= p.min_tokens)
+
+    def make_outputs(self, reqs: Iterable[Request]) -> list[RequestOutput]:
+        """The outputs of the requests of REQS (those a step touched); finished groups are dropped."""
+        groups = {r.parent_id: self.groups[r.parent_id] for r in reqs if r.parent_id in self.groups}
+        outs = []
+        for group in groups.values():
+            out = self._output(group)
+            if out is not None:
+                outs.append(out)
+            if group.finished:
+                del self.groups[group.request_id]
+        return outs
+
+    def close(self, request_id: str) -> None:
+        """The group has just been ended (aborted): queue its final output for the next step."""
+        group = self.groups.pop(request_id)
+        out = self._output(group)
+        if out is not None:
+            self.ready.append(out)
+
+    def take_ready(self) -> list[RequestOutput]:
+        ready, self.ready = self.ready, []
+        return ready
+
+    def end_all(self, error: str, more: Iterable[RequestGroup] = ()) -> list[RequestOutput]:
+        """After an engine failure, without touching its requests: the final output of every group (the
+        live ones and MORE, never added), unfinished children reported with finish_reason "error" and
+        ERROR; outputs made before (aborts) come first."""
+        outs = self.take_ready()
+        for group in [*self.groups.values(), *more]:
+            out = self._output(group, error)
+            if out is not None:
+                outs.append(out)
+        self.groups.clear()
+        return outs
+
+    # -- one output -------------------------------------------------------------------------------------
+    def _output(self, group: RequestGroup, end_error: str | None = None) -> RequestOutput | None:
+        finished = end_error is not None or group.finished
+        if group.output_kind == "final_only" and not finished:
+            return None
+        comps = []
+        for c in group.children:
+            comp = self._completion(group, c, end_error)
+            if comp is not None:
+                comps.append(comp)
+        if not comps and not finished:
+            return None
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                             outputs=comps, finished=finished, metrics=_merged_metrics(group, finished),
+                             num_cached_tokens=group.children[0].metrics.num_cached_tokens)
+
+    def _completion(self, group: RequestGroup, c: Request, end_error: str | None) -> CompletionOutput | None:
+        i, detok = c.index, group.detokenizers[c.index]
+        done = c.finished or end_error is not None
+        if done:
+            try:
+                detok.flush()
+            except Exception:  # noqa: BLE001 - the output must still be made
+                logger.exception("detokenizer flush failed for %s", c.request_id)
+        reason, stop_reason, error = c.finish_reason, c.stop_reason, c.error
+        if not c.finished and done:
+            reason, stop_reason, error = "error", None, end_error
+        visible = detok.visible_length(done)
+        lps = group.logprobs[i] if group.logprobs is not None else None
+        if group.output_kind != "delta":
+            return CompletionOutput(index=i, text=detok.text[:visible], token_ids=list(c.output_token_ids),
+                                    finish_reason=reason, stop_reason=stop_reason,
+                                    logprobs=list(lps) if lps is not None else None, error=error)
+        new_ids = c.output_token_ids[group.sent_tokens[i]:]
+        text = detok.text[group.sent_chars[i]:visible] if visible > group.sent_chars[i] else ""
+        newly_done = done and not group.sent_final[i]
+        if not new_ids and not text and not newly_done:
+            return None
+        group.sent_tokens[i] = len(c.output_token_ids)
+        group.sent_chars[i] = max(group.sent_chars[i], visible)
+        group.sent_final[i] = done
+        if lps is not None:
+            group.logprobs[i] = []  # type: ignore[index]
+        return CompletionOutput(index=i, text=text, token_ids=new_ids, finish_reason=reason if done else None,
+                                stop_reason=stop_reason if done else None, logprobs=lps, error=error if done else None)
+
+
+def _merged_metrics(group: RequestGroup, finished: bool) -> RequestMetrics:
+    ms = [c.metrics for c in group.children]
+
+    def earliest(vals: list[float | None]) -> float | None:
+        present = [v for v in vals if v is not None]
+        return min(present) if present else None
+
+    return RequestMetrics(
+        arrival_time=group.arrival_time,
+        first_scheduled_time=earliest([m.first_scheduled_time for m in ms]),
+        first_token_time=earliest([m.first_token_time for m in ms]),
+        last_token_time=max((m.last_token_time for m in ms if m.last_token_time is not None), default=None),
+        finished_time=max(m.finished_time or 0.0 for m in ms) if finished else None,
+        num_cached_tokens=ms[0].num_cached_tokens,
+        num_preemptions=sum(m.num_preemptions for m in ms),
+    )

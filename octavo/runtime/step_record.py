@@ -1,0 +1,74 @@
+"""StepRecord: what one engine step did, filled by the step and read by every observer.
+
+Step listeners (`LLMEngine.add_step_listener`), the JSONL trace (`EngineArgs.trace_path`), the profiler
+(octavo/bench/profile.py) and Triton's metrics all read this one record: nothing wraps or patches the
+engine. Filling it costs a few list appends per step; the JSON trace row is built only by whoever asks
+for it (`trace_row`, which reads the requests' current state: call it inside the listener).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter
+from time import time as wall_clock
+from typing import Any
+
+from octavo.runtime.request import Request
+
+# the step's phases, in order: the scheduler's decision, packing the inputs (ModelRunner.prepare), the
+# backend, sampling, the commit (Scheduler.update_from_output) and detokenization + outputs
+PHASES = ("schedule", "pack", "backend", "sample", "commit", "detokenize")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    time: float = field(default_factory=wall_clock)  # wall clock at the start
+    scheduled: dict[Request, int] = field(default_factory=dict)  # request -> tokens computed, packing order
+    starts: list[int] = field(default_factory=list)  # per scheduled request: its computed tokens before the step
+    blocks: list[int] = field(default_factory=list)  # per scheduled request: its block-table length in the step
+    preempted: list[Request] = field(default_factory=list)
+    held: list[Request] = field(default_factory=list)  # waiting for a prefix block another request is computing
+    arrived: list[str] = field(default_factory=list)  # sequence ids added since the previous step
+    finished: list[Request] = field(default_factory=list)  # ended since the previous step (any reason)
+    num_waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 0
+    error: str | None = None  # the backend/sampler failure that ended this step's requests
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES)
+    duration_s: float = 0.0
+    _t: float = field(default_factory=perf_counter)
+
+    def capture(self, scheduled: dict[Request, int]) -> None:
+        """Before the commit: where each scheduled request starts and how many blocks it holds."""
+        self.starts = [r.num_computed_tokens for r in scheduled]
+        self.blocks = [len(r.block_table) for r in scheduled]
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the previous lap (or the start) to PHASE."""
+        now = perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._t
+        self.duration_s += now - self._t
+        self._t = now
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.scheduled.values())
+
+    def trace_row(self) -> dict[str, Any]:
+        """The step as one JSON-able trace row (the format octavo/tracing reads)."""
+        reqs = [{"id": r.request_id, "phase": "decode" if n == 1 and start >= r.num_prompt_tokens else "prefill",
+                 "tokens": n, "prompt_len": r.num_prompt_tokens, "total_len": start + n,
+                 "output_len": r.num_output_tokens, "blocks": blocks, "cached": r.num_cached_tokens}
+                for (r, n), start, blocks in zip(self.scheduled.items(), self.starts, self.blocks)]
+        return {
+            "step": self.step, "time": self.time, "duration_s": self.duration_s, "batch_size": self.batch_size,
+            "num_tokens": self.num_tokens, "num_waiting": self.num_waiting, "free_blocks": self.free_blocks,
+            "total_blocks": self.total_blocks, "block_size": self.block_size, "requests": reqs,
+            "arrived": self.arrived, "finished": [{"id": r.request_id, "reason": r.finish_reason} for r in self.finished],
+            "preempted": [r.request_id for r in self.preempted], "held": [r.request_id for r in self.held],
+        }
