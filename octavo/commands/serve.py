@@ -27,6 +27,26 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="export folder, HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct, "
@@ -50,16 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted "
                         "(default: %(default)s)")
-    p.add_argument("--header-timeout", type=float, default=30.0,
+    p.add_argument("--header-timeout", type=_positive_seconds, default=30.0,
                    help="seconds a connection may take to send complete request headers (from connect, and idle "
                         "between requests on a kept-alive connection); then it is closed")
-    p.add_argument("--body-timeout", type=float, default=60.0,
+    p.add_argument("--body-timeout", type=_positive_seconds, default=60.0,
                    help="seconds a request may take to send its whole body once its headers are in (408 after)")
     p.add_argument("--special-tokens-in-content", action="store_true",
                    help="parse special-token strings inside chat messages (<|im_start|>, ...) as control tokens; "
                         "by default they are plain text, so a user cannot open a system turn. Only for clients "
                         "that put raw template markup in messages on purpose and trust whoever wrote them")
-    p.add_argument("--max-connections", type=int, default=1024,
+    p.add_argument("--max-connections", type=_positive_int, default=1024,
                    help="open connections at most; more are refused at once with 503 (also kept below the "
                         "open-file limit, which serve raises to its hard maximum)")
     add_engine_arguments(p)
