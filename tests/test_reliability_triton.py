@@ -7,7 +7,6 @@ models" until --exit-timeout-secs, exit 1) although octavo sent a final response
 holds nothing (see docs/reliability.md, "Known"): hence xfail(strict=False), and slow (~30-60 s)."""
 from __future__ import annotations
 
-import importlib.util
 import queue
 import random
 import time
@@ -16,8 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-if importlib.util.find_spec("pytriton") is None:
-    pytest.skip("tritonserver is not installed: pip install --no-deps nvidia-pytriton==0.7.0", allow_module_level=True)
+from octavo.serving.triton_launcher import pytriton_installed  # noqa: E402
+
+if not pytriton_installed():
+    pytest.skip("tritonserver is not installed: make setup (or pip install --no-deps nvidia-pytriton==0.7.0)",
+                allow_module_level=True)
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'")
 
 from octavo.commands.triton import write_model_repository  # noqa: E402
