@@ -252,3 +252,19 @@ def test_the_step_log_shortens_long_ids_too() -> None:
 
     text = format_step_log(check_rows(SERVE_ROWS))
     assert LONG_A not in text and "3f2a9…b6c-0:5/5/2*" in text and "77e1d…8c7-0:6/7/2✓" in text
+
+
+def test_the_story_reads_held_requests_from_the_rows() -> None:
+    """An engine that reports "held" (waiting for a prefix block another request computes): the story says so
+    from the rows, and the finishing rule it quotes matches them (a: prompt at 1, 2 tokens -> 2; b: 2, 2 -> 3)."""
+    from octavo.tracing.story import describe_run
+
+    rows = [row(1, [req("a", "prefill", 4, 6, 4, 0, 1)], 9, arrived=["a", "b"], waiting=1),
+            row(2, [req("a", "prefill", 2, 6, 6, 1, 2), req("b", "prefill", 2, 6, 6, 1, 2)], 6),
+            row(3, [req("a", "decode", 1, 6, 7, 2, 2), req("b", "decode", 1, 6, 7, 2, 2)], 10, finished=["a", "b"])]
+    rows[0]["held"] = ["b"]
+    rows = check_rows(rows)
+    text = "\n".join(describe_run(rows, build_spans(rows), 4))
+    assert "Prompts completed at step 2: seq[a], seq[b]." in text
+    assert "1 request (seq[b]) waited 1 step for the prompt prefix seq[a] was computing" in text
+    assert "seq[a] completed at step 2 with g = 2 → step 3" in text

@@ -28,6 +28,7 @@ OPTIONAL_ROW_FIELDS: dict[str, Any] = {
     "arrived": [],
     "finished": [],
     "preempted": [],
+    "held": [],  # ids waiting for a prefix block another request is computing (engines that report it)
 }
 REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
     "id": (str,),

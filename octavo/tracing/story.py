@@ -73,8 +73,9 @@ def describe_run(rows: list[dict[str, Any]], spans: list[RequestSpan], budget: i
 
 def _why_waited(rows: list[dict[str, Any]], spans: list[RequestSpan], done: dict[str, int | None],
                 budget: int | None) -> list[str]:
-    """Why requests were not scheduled on the step they arrived: the prefix another request was computing,
-    or the step's budget / sequence limit / free blocks."""
+    """Why requests were not scheduled on the step they arrived: the prefix another request was computing (the
+    rows' "held" list when the engine reports it; else inferred: it then read prompt tokens from the prefix cache
+    while another request was prefilling), or the step's budget / sequence limit / free blocks."""
     row_at = {r["step"]: r for r in rows}
     held, queued = [], []
     for s in spans:
@@ -82,7 +83,9 @@ def _why_waited(rows: list[dict[str, Any]], spans: list[RequestSpan], done: dict
             continue
         waited = s.first_step - s.arrived_step
         others = [q["id"] for q in row_at[s.arrived_step]["requests"] if q["phase"] == PREFILL and q["id"] != s.id]
-        if s.cached > 0 and others:
+        reported = any(s.id in row_at[step].get("held", ()) for step in range(s.arrived_step, s.first_step)
+                       if step in row_at)
+        if reported or (s.cached > 0 and others and not any(r.get("held") for r in rows)):
             held.append((s, waited, others))
         else:
             queued.append((s, waited))
