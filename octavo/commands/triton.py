@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from octavo.errors import InvalidRequestError, ModelFormatError
+from octavo.errors import BackendUnavailableError, InvalidRequestError, ModelFormatError
 from octavo.serving.engine_params import engine_parameter_names
 from octavo.serving.triton_front import MAX_BODY_BYTES, MAX_JSON_DEPTH
 
@@ -140,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     from octavo.serving.triton_launcher import TritonServer, check_ports_free, free_port
 
     ea = engine_args(args, model_argument(args.model)[0])  # refuse bad values now, before any work
+    if not args.no_serve:  # a taken port is named now, not after an export and a tritonserver start
+        check_ports_free([("HTTP", args.host, args.http_port), ("gRPC", args.host, args.grpc_port),
+                          ("metrics", args.host, args.metrics_port)])
     if ea.trace_path:  # the python-backend stub runs in another folder
         ea.trace_path = str(Path(ea.trace_path).resolve())
     params = {k: value_text(v) for k, v in changed_fields(ea).items()}
@@ -150,7 +153,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"model repository: {repo} (model {model})", flush=True)
     if args.no_serve:
         return 0
-    check_ports_free([("HTTP", args.host, args.http_port)])  # the front's port; tritonserver's own are checked by it
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="octavo-triton-run-"))
     # tritonserver's HTTP listens on a private loopback port; the public one is octavo's checking front
     server = TritonServer(repo, workdir, http_port=free_port(), grpc_port=args.grpc_port,
@@ -173,7 +175,11 @@ async def _serve_front(server: TritonServer, args: argparse.Namespace) -> int:
 
     config = FrontConfig(upstream=f"http://{server.http_url}", max_body_bytes=args.max_body_bytes,
                          max_json_depth=args.max_json_depth)
-    runner = await start_front(config, args.host, args.http_port)
+    try:
+        runner = await start_front(config, args.host, args.http_port)
+    except OSError as exc:  # taken since the check
+        raise BackendUnavailableError(f"cannot serve HTTP on {args.host}:{args.http_port}: {exc.strerror or exc}; "
+                                      "pick another --http-port") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C / SIGTERM: leave the loop, then stop tritonserver
