@@ -88,7 +88,8 @@ def _actions(parser: argparse.ArgumentParser, path: str = "octavo"):  # noqa: AN
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 yield from _actions(sub, f"{path} {name}")
-        elif action.option_strings and not isinstance(action, argparse._HelpAction) and action.help != argparse.SUPPRESS:
+        elif (action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+              and action.help != argparse.SUPPRESS):
             yield path, parser, action
 
 
