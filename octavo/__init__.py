@@ -10,6 +10,7 @@ _LAZY = {
     "AsyncEngine": "octavo.runtime.async_engine",
     "LLMEngine": "octavo.runtime.engine",
     "SamplingParams": "octavo.runtime.sampling_params",
+    "StructuredOutputsParams": "octavo.structured.params",
     "EngineArgs": "octavo.runtime.engine_args",
     "RequestOutput": "octavo.runtime.outputs",
     "CompletionOutput": "octavo.runtime.outputs",
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from octavo.runtime.llm import LLM
     from octavo.runtime.outputs import CompletionOutput, RequestOutput
     from octavo.runtime.sampling_params import SamplingParams
+    from octavo.structured.params import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,7 @@ class Request:
     # requests the scheduler queues once this one has computed its prompt (or finished): the other n-1
     # children of an n > 1 request, which then find the prompt's full blocks in the prefix cache
     followers: list[Request] = field(default_factory=list)
+    grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
 
     @property
     def num_prompt_tokens(self) -> int:

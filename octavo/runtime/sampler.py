@@ -1,11 +1,14 @@
 """Sampler: next tokens for a batch of logits rows, vectorised over the batch with numpy.
 
-Order of processing (vLLM semantics): logit_bias, penalties (repetition over prompt+output tokens:
+Order of processing (vLLM semantics): the grammar's token bitmask of structured-output rows (tokens it
+forbids get -inf, before anything else sees the logits; see octavo/structured/), logit_bias, penalties (repetition over prompt+output tokens:
 positive logits divided, negative multiplied; presence/frequency over output tokens), min_tokens
 (EOS and stop ids suppressed until reached). Logprobs are the log-softmax of these processed logits.
 Then greedy rows take the argmax; the others are divided by temperature, filtered by top_k, top_p,
 min_p and sampled with the request's own np.random.Generator (one uniform draw per token), so a
-seeded request gives the same tokens whatever else is in the batch.
+seeded request gives the same tokens whatever else is in the batch. A constrained row left with no
+allowed token (min_tokens holding back the EOS that is all its grammar allows) gets its EOS back: the
+grammar is complete, and the request ends rather than failing the batch.
 """
 from __future__ import annotations
 
@@ -55,6 +58,23 @@ def _plain_greedy(r: Request) -> bool:
             and len(r.output_token_ids) >= p.min_tokens)
 
 
+def _masked_rows(bitmask: np.ndarray | None) -> np.ndarray:
+    """Rows of BITMASK that forbid at least one token."""
+    if bitmask is None:
+        return np.empty(0, np.int64)
+    return np.flatnonzero((bitmask != -1).any(axis=1))
+
+
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
+    """logits[rows, t] = -inf where bit t of bitmask[rows] is 0, in place (tokens past the mask's width too)."""
+    v = logits.shape[1]
+    words = np.ascontiguousarray(bitmask[rows], dtype=np.int32)
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little", count=v).astype(bool)
+    if allowed.shape[1] < v:  # a mask narrower than the logits: the rest is forbidden
+        allowed = np.pad(allowed, ((0, 0), (0, v - allowed.shape[1])))
+    logits[rows] = np.where(allowed, logits[rows], np.float32(-np.inf))
+
+
 def repetition_penalised(x: np.ndarray, penalty: float) -> np.ndarray:
     """Seen tokens' logits X under a repetition penalty: positive ones divided, negative ones multiplied.
 
@@ -86,13 +106,20 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits: np.ndarray, reqs: list[Request]) -> SamplerOutput:
-        if all(_plain_greedy(r) for r in reqs):  # nothing changes the logits: no copy of [N, vocab]
+    def __call__(self, logits: np.ndarray, reqs: list[Request], bitmask: np.ndarray | None = None) -> SamplerOutput:
+        """BITMASK: None, or [len(reqs), ceil(vocab / 32)] int32 words, bit t of row i = token t allowed for
+        reqs[i] (a row of all ones, -1 words, constrains nothing)."""
+        masked = _masked_rows(bitmask)
+        if not masked.size and all(_plain_greedy(r) for r in reqs):  # nothing changes the logits: no copy
             return self._plain_argmax(logits, reqs)
         logits = np.array(logits, dtype=np.float32, copy=True)
+        if masked.size:
+            apply_token_bitmask(logits, bitmask, masked)
         self._apply_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         self._apply_min_tokens(logits, reqs)
+        if masked.size:
+            self._revive_dead_rows(logits, masked)
         logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         lp = log_softmax(logits[logprob_rows]) if logprob_rows else None
 
@@ -125,6 +152,15 @@ class Sampler:
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(reqs))
 
     # -- logits processors --------------------------------------------------------------------------
+    def _revive_dead_rows(self, logits: np.ndarray, rows: np.ndarray) -> None:
+        """Constrained rows where every token is now -inf (not NaN: a broken backend must still fail):
+        let their EOS through, so they end instead of sampling from nothing."""
+        sub = logits[rows]
+        dead = rows[np.all(sub == -np.inf, axis=1)]
+        eos = [t for t in self.eos_token_ids if 0 <= t < logits.shape[1]]
+        if dead.size and eos:
+            logits[np.ix_(dead, eos)] = 0.0
+
     @staticmethod
     def _apply_bias(logits: np.ndarray, reqs: list[Request]) -> None:
         for i, r in enumerate(reqs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from octavo.errors import InvalidRequestError
+from octavo.structured.params import StructuredOutputsParams
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind
@@ -34,8 +35,12 @@ class SamplingParams:
     # "cumulative" (everything so far, after every step that sampled for the request: O(length) copies),
     # "final_only" (one output, finished; LLM.generate asks for it)
     output_kind: str = "cumulative"
+    # constrained decoding (JSON schema, regex, choice, grammar): vLLM's StructuredOutputsParams, or a dict of its fields
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple, type(None))):
@@ -103,4 +108,4 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
 
 
-__all__ = ["SamplingParams", "field"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "field"]

@@ -111,6 +111,10 @@ class Tokenizer:
             literal = self._literal
         return literal.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar engines are built from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

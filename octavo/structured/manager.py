@@ -1,0 +1,121 @@
+"""StructuredOutputManager: the engine's one handle on structured outputs.
+
+    InputProcessor / make_group ─► init_requests(children)      each child its own GrammarMatcher
+    before sampling              ─► start_bitmask(rows) ... bitmask()   masks of the rows to sample
+    the commit                   ─► commit(req, token)         advance; say whether the grammar ended
+    finish / abort               ─► free(req)
+
+The masks depend only on tokens already committed, so `start_bitmask` may run while the backend computes
+the step (llguidance releases the GIL, as ONNX Runtime does); `bitmask` waits for it. Rows of requests
+without a grammar are all ones. Preemption, recompute, prefix-cache hits and chunked prefill need nothing:
+they change which KV is computed, never the committed tokens the matcher has seen, and a mask is computed
+only for rows that sample.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from octavo.structured.compiler import GrammarCompiler
+from octavo.structured.matcher import GrammarMatcher
+
+if TYPE_CHECKING:
+    from octavo.runtime.request import Request
+    from octavo.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# a step's masks are computed on the worker when at least this many rows are constrained (below it,
+# the thread hand-off costs more than the overlap saves)
+OVERLAP_MIN_ROWS = 4
+
+
+@dataclass(slots=True)
+class CommitResult:
+    terminated: bool = False  # the grammar is complete: the sequence ends ("stop")
+    error: str | None = None  # the token broke the grammar (cannot happen with its mask applied)
+
+
+@dataclass(slots=True)
+class StructuredOutputManager:
+    tokenizer: Tokenizer
+    vocab_size: int
+    compiler: GrammarCompiler = field(init=False)
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _pending: concurrent.futures.Future | None = None
+    _pending_key: tuple[tuple[int, int], ...] = ()  # (row, id(request)) of the masks being computed
+
+    def __post_init__(self) -> None:
+        self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def init_requests(self, reqs: Sequence[Request]) -> None:
+        """Give each request whose params ask for structured outputs its own matcher (StructuredOutputError,
+        an InvalidRequestError, if the constraint is unusable). Safe from any thread."""
+        for req in reqs:
+            so = req.params.structured_outputs
+            if so is not None and req.grammar is None:
+                req.grammar = self.compiler.matcher(so)
+
+    def commit(self, req: Request, token: int) -> CommitResult:
+        """REQ committed TOKEN: advance its matcher."""
+        g: GrammarMatcher | None = req.grammar
+        if g is None or g.freed:
+            return CommitResult()
+        if g.is_terminated:  # (an EOS after completion: nothing to match)
+            return CommitResult(terminated=True)
+        if not g.accept(token):
+            return CommitResult(error=f"token {token} does not match the output's grammar: {g.error()[:300]}")
+        return CommitResult(terminated=g.is_terminated)
+
+    @staticmethod
+    def free(req: Request) -> None:
+        if req.grammar is not None:
+            req.grammar.free()
+            req.grammar = None
+
+    # -- masks --------------------------------------------------------------------------------------
+    @staticmethod
+    def any_constrained(reqs: Sequence[Request]) -> bool:
+        return any(r.grammar is not None for r in reqs)
+
+    def start_bitmask(self, reqs: Sequence[Request]) -> None:
+        """Begin computing the masks of REQS (the rows the step will sample, in order) in the background."""
+        self._pending = None
+        rows = tuple(i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.freed)
+        if len(rows) < OVERLAP_MIN_ROWS:
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="octavo-grammar")
+        self._pending_key = tuple((i, id(reqs[i])) for i in rows)
+        self._pending = self._pool.submit(self._fill, list(reqs), rows)
+
+    def bitmask(self, reqs: Sequence[Request]) -> np.ndarray | None:
+        """[len(reqs), words] int32 masks (None when no row is constrained): the one start_bitmask began
+        for these rows, or computed now."""
+        pending, self._pending = self._pending, None
+        rows = tuple(i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.freed)
+        if not rows:
+            return None
+        if pending is not None and tuple((i, id(reqs[i])) for i in rows) == self._pending_key:
+            return pending.result()
+        return self._fill(list(reqs), rows)
+
+    def _fill(self, reqs: list[Request], rows: tuple[int, ...]) -> np.ndarray:
+        mask = np.full((len(reqs), self.compiler.words), -1, np.int32)
+        for i in rows:
+            reqs[i].grammar.fill_bitmask(mask, i)
+        return mask
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def stats(self) -> Any:
+        return self.compiler.stats
