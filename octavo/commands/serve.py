@@ -82,6 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=_positive_int, default=1024,
                    help="open connections at most; more are refused at once with 503 (also kept below the "
                         "open-file limit, which serve raises to its hard maximum)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="read tool calls out of the model's text (enables tool_choice 'auto'): hermes = "
+                        "<tool_call>{...}</tool_call>, llama3_json = Llama 3's JSON calls")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility (--tool-call-parser alone enables 'auto')")
     add_engine_arguments(p)
 
 
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
         per_request_metrics=args.enable_per_request_metrics,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, max_connections=args.max_connections,
-        special_tokens_in_content=args.special_tokens_in_content,
+        special_tokens_in_content=args.special_tokens_in_content, tool_call_parser=args.tool_call_parser,
     )
     raise_open_file_limit()
     server = OpenAIServer(config, lambda: AsyncEngine(ea), shutdown_timeout=args.shutdown_timeout)

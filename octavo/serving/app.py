@@ -29,6 +29,8 @@ from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.serving.openapi import add_openapi_route, server_schema
 from octavo.serving.protocol import ChatRequest, CompletionRequest, Limits, check_model, parse_chat, parse_completion
+from octavo.serving.tool_output import ToolStream, tool_message, whole_message
+from octavo.serving.tools import template_messages
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class ServerConfig:
     body_timeout: float = 60.0  # seconds to send the whole body once the headers are in (408 after)
     max_connections: int = 1024  # open connections; more get 503 too_many_connections at once
     special_tokens_in_content: bool = False  # parse special-token strings in chat messages as control tokens
+    tool_call_parser: str | None = None  # --tool-call-parser (hermes, llama3_json): enables tool_choice "auto"
 
 
 @dataclass(slots=True)
@@ -292,10 +295,12 @@ async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req:
         raise bad_request("'use_beam_search' is not supported by this server yet", "use_beam_search")
     c = req.chat
     try:  # off the event loop: a long conversation takes a while to render and tokenize
+        tools = {"tools": req.tools} if req.tools else {}  # as transformers' apply_chat_template(tools=...)
         ids = await asyncio.to_thread(
-            st.tokenizer.encode_chat, req.messages, c.add_generation_prompt, add_special_tokens=c.add_special_tokens,
-            special_tokens_in_content=st.config.special_tokens_in_content,
-            chat_template=c.chat_template, continue_final_message=c.continue_final_message, **c.chat_template_kwargs)
+            st.tokenizer.encode_chat, template_messages(req.messages), c.add_generation_prompt,
+            add_special_tokens=c.add_special_tokens, special_tokens_in_content=st.config.special_tokens_in_content,
+            chat_template=c.chat_template, continue_final_message=c.continue_final_message, **c.chat_template_kwargs,
+            **tools)
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects these messages
         param = "chat_template" if c.chat_template is not None else "messages"
         raise bad_request(f"cannot apply the chat template to these messages: {exc}", param) from None
@@ -458,6 +463,17 @@ class _ChatShape(_Shape):
     envelope = staticmethod(R.chat)
     req: ChatRequest
 
+    def __init__(self, st: ServerState, req: ChatRequest, gen: Generation, rid: str) -> None:
+        super().__init__(st, req, gen, rid)
+        self.tool_streams: dict[int, ToolStream] = {}  # per choice, when tool calls are read from the text
+
+    def _tool_stream(self, index: int) -> ToolStream:
+        ts = self.tool_streams.get(index)
+        if ts is None:
+            ts = self.tool_streams[index] = ToolStream(self.req.tool_choice, self.st.config.tool_call_parser,
+                                                       self.req.parallel_tool_calls)
+        return ts
+
     def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
         if not self.req.logprobs or u.logprobs is None:
             return None
@@ -487,11 +503,31 @@ class _ChatShape(_Shape):
         self._counted(u)
         if not self._wants_chunk(u, self.req.logprobs):
             return None
-        delta = {"content": u.text} if u.text else {}
-        choice = R.chat_chunk_choice(u.index, delta, u.finish_reason, self._logprobs(u))
+        ts = self._tool_stream(u.index)
+        delta, reason = self._tool_delta(ts, u) if ts.active else ({"content": u.text} if u.text else {}, u.finish_reason)
+        if ts.active and not delta and reason is None and not (u.token_ids and (self.req.logprobs
+                                                                               or self.opts.return_token_ids)):
+            return None  # text held back (a call being assembled)
+        choice = R.chat_chunk_choice(u.index, delta, reason, self._logprobs(u))
         if self.opts.return_token_ids:
             choice["token_ids"] = u.token_ids
         return self._chunk([choice])
+
+    @staticmethod
+    def _tool_delta(ts: ToolStream, u: ChoiceUpdate) -> tuple[dict[str, Any], str | None]:
+        """A choice whose text may be tool calls: its content / tool-call deltas merged into one delta."""
+        deltas = ts.feed(u.text)
+        reason = u.finish_reason
+        if reason is not None:
+            last, reason = ts.finish(reason)
+            deltas += last
+        delta: dict[str, Any] = {}
+        for d in deltas:  # content pieces concatenate; tool-call items list in order
+            if "content" in d:
+                delta["content"] = delta.get("content", "") + d["content"]
+            for item in d.get("tool_calls", ()):
+                delta.setdefault("tool_calls", []).append(item)
+        return delta, reason
 
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
@@ -502,7 +538,13 @@ class _ChatShape(_Shape):
             if self.req.logprobs:
                 lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st),
                                      as_ids=self.opts.tokens_as_ids)
-            choice = R.chat_choice(i, self._echo + "".join(texts.get(i, [])), reasons.get(i), lp)
+            text, reason = self._echo + "".join(texts.get(i, [])), reasons.get(i)
+            choice = R.chat_choice(i, text, reason, lp)
+            if self.req.tools is not None and self.req.tool_choice.mode != "none":
+                m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, text, reason,
+                                  self.req.parallel_tool_calls)
+                choice["message"] = tool_message(m.content, m.tool_calls)
+                choice["finish_reason"] = m.finish_reason
             if self.opts.return_token_ids:
                 choice["token_ids"] = ids
             choices.append(choice)

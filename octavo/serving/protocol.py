@@ -1,7 +1,10 @@
 """Request bodies of /v1/completions and /v1/chat/completions -> validated requests with SamplingParams.
 
 Every field is type-checked here, so a malformed body becomes a 400 that names the parameter
-(never a 500 from deep inside the engine). Unknown fields are ignored, as vLLM does.
+(never a 500 from deep inside the engine). A field we know but do not implement is a 400 when it asks for
+anything but its default (REFUSED_EXTENSIONS, _REFUSED_CHAT), never silently ignored; an unknown field is
+logged once per server (as vLLM does) and ignored. Output constraints: serving/constraints.py; tools:
+serving/tools.py.
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from typing import Any
 from octavo.errors import InvalidRequestError
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serving.api_error import ApiError, bad_request
+from octavo.serving.constraints import CONSTRAINT_FIELDS, parse_constraint
+from octavo.serving.tools import ToolChoice, constraint, parse_tool_choice, parse_tools
+from octavo.structured.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +36,21 @@ REFUSED_EXTENSIONS: dict[str, Any] = {
     "prompt_embeds": None, "spaces_between_special_tokens": True, "documents": None, "mm_processor_kwargs": None,
     "kv_transfer_params": None, "cache_salt": None, "vllm_xargs": None,
 }
+# OpenAI chat fields this server does not implement (the deprecated functions API, audio, predicted outputs)
+_REFUSED_CHAT: dict[str, Any] = {"functions": None, "function_call": None, "audio": None, "prediction": None,
+                                 "web_search_options": None}
+# every field the parsers read (anything else is unknown: logged once, ignored)
+_COMMON_FIELDS = frozenset({
+    "model", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "stream", "stream_options", "user",
+    "return_token_ids", "return_tokens_as_token_ids", "include_metrics", "priority", "prompt_logprobs",
+    "use_beam_search", "length_penalty", "echo", "add_special_tokens", *REFUSED_EXTENSIONS, *CONSTRAINT_FIELDS,
+    "store", "metadata", "service_tier"})  # (the last three change nothing in the output)
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "logprobs"}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", *_REFUSED_CHAT}
 
 
 @dataclass(slots=True)
@@ -41,6 +62,8 @@ class Limits:
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions batch
     max_choices: int = 256  # prompts x n in one request
+    tool_call_parser: str | None = None  # --tool-call-parser: what tool_choice "auto" reads calls with
+    warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged
 
 
 @dataclass(slots=True)
@@ -90,7 +113,7 @@ class ChatOptions:
 @dataclass(slots=True)
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -99,6 +122,9 @@ class ChatRequest:
     options: OutputOptions = field(default_factory=OutputOptions)
     beam: BeamOptions | None = None
     chat: ChatOptions = field(default_factory=ChatOptions)
+    tools: list[dict[str, Any]] | None = None  # as the chat template receives them
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    parallel_tool_calls: bool = True
 
 
 class _Body:
@@ -324,7 +350,20 @@ def _beam(b: _Body, n: int) -> BeamOptions | None:
     return BeamOptions(width=max(n, best_of or n), length_penalty=b.number("length_penalty", 1.0))
 
 
-def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _check_fields(b: _Body, known: frozenset[str], limits: Limits, refused: dict[str, Any] | None = None) -> None:
+    """400 for a known-but-unimplemented field that asks for something; log each unknown field once."""
+    for name, off in (refused or {}).items():
+        if b.d.get(name) is not None and b.d[name] != off:
+            raise bad_request(f"'{name}' is not supported by this server (leave it unset)", name,
+                              "unsupported_parameter")
+    for name in b.d:
+        if name not in known and name not in limits.warned_fields:
+            limits.warned_fields.add(name)
+            log.warning("ignoring unknown request field %r (logged once)", name[:80])
+
+
+def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | None,
+              structured: StructuredOutputsParams | None = None) -> SamplingParams:
     n = b.integer("n", 1, lo=1, hi=limits.max_n)
     best_of = b.integer("best_of", None, lo=1, hi=limits.max_n)
     if best_of is not None and best_of != n and not b.d.get("use_beam_search"):
@@ -365,6 +404,7 @@ def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | 
             ignore_eos=b.boolean("ignore_eos", False),
             logprobs=logprobs,
             skip_special_tokens=b.boolean("skip_special_tokens", True),
+            structured_outputs=structured,
         )
     except InvalidRequestError as exc:  # the shared validator caught something our getters let through
         raise bad_request(str(exc)) from None
@@ -405,13 +445,15 @@ def _prompts(b: _Body, limits: Limits) -> list[str | list[int]]:
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     b = _Body(body)
+    _check_fields(b, _COMPLETION_FIELDS, limits)
     if b.present("suffix"):
         raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
     logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
     stream, include_usage, continuous = _stream(b)
     max_tokens = _max_tokens(b, ("max_tokens",), 16, limits)
     prompts = _prompts(b, limits)
-    params = _sampling(b, limits, max_tokens, logprobs)
+    structured, _ = parse_constraint(b.d)
+    params = _sampling(b, limits, max_tokens, logprobs, structured)
     _prompt_logprobs(b)
     beam = _beam(b, params.n)
     if len(prompts) * params.n > limits.max_choices:
@@ -445,7 +487,27 @@ def _content(m: dict[str, Any], i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _messages(b: _Body) -> list[dict[str, str]]:
+def _tool_calls(m: dict[str, Any], i: int) -> list[dict[str, Any]] | None:
+    """An assistant message's earlier tool calls, checked, in OpenAI's shape."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return None
+    where = f"messages[{i}].tool_calls"
+    if m.get("role") != "assistant" or not isinstance(calls, list):
+        raise bad_request(f"'{where}' must be a list, on an assistant message", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str)
+                or c.get("type", "function") != "function"):
+            raise bad_request(f"'{where}[{j}]' must be {{'id', 'type': 'function', 'function': {{'name': str, "
+                              "'arguments': JSON text}}}}", "messages")
+        out.append({"id": c["id"] if isinstance(c.get("id"), str) else f"call_{i}_{j}", "type": "function",
+                    "function": {"name": f["name"], "arguments": f["arguments"]}})
+    return out
+
+
+def _messages(b: _Body) -> list[dict[str, Any]]:
     msgs = b.d.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -458,22 +520,35 @@ def _messages(b: _Body) -> list[dict[str, str]]:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, or another role the "
                               "chat template accepts written as a plain word (letters, digits, '_', '-', '.'; "
                               f"at most 64), got {_show(role)}", "messages")
-        msg = {"role": role, "content": _content(m, i)}
+        msg: dict[str, Any] = {"role": role, "content": _content(m, i)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        calls = _tool_calls(m, i)
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise bad_request(f"'messages[{i}].tool_call_id' must be a string", "messages")
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 
 
 def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     b = _Body(body)
-    for unsupported in ("tools", "functions"):
-        if b.d.get(unsupported):
-            raise bad_request(f"'{unsupported}' is not supported by this server", unsupported,
-                              "unsupported_parameter")
-    rf = b.d.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    _check_fields(b, _CHAT_FIELDS, limits, _REFUSED_CHAT)
+    structured, source = parse_constraint(b.d)
+    tools = parse_tools(b.d)
+    choice = parse_tool_choice(b.d, tools)
+    parallel = b.boolean("parallel_tool_calls", True)
+    if choice.mode == "auto" and tools and limits.tool_call_parser is None:
+        raise bad_request("tool_choice 'auto' needs a tool call parser: start the server with --tool-call-parser "
+                          "(hermes, llama3_json), or send tool_choice 'required', 'none' or a named function",
+                          "tool_choice")
+    forced = constraint(tools, choice, parallel)
+    if forced is not None and structured is not None:
+        raise bad_request(f"'{source}' cannot be combined with tool_choice {choice.mode!r} (which constrains the "
+                          "output to the tool call)", source)
     logprobs = b.boolean("logprobs", False)
     top = b.integer("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top is not None and not logprobs:
@@ -482,12 +557,13 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     stream, include_usage, continuous = _stream(b)
     max_tokens = _max_tokens(b, ("max_completion_tokens", "max_tokens"), None, limits)
     messages = _messages(b)
-    params = _sampling(b, limits, max_tokens, top if logprobs else None)
+    params = _sampling(b, limits, max_tokens, top if logprobs else None, forced or structured)
     _prompt_logprobs(b)
     return ChatRequest(
         model=_model(b), messages=messages, params=params,
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
         options=_output_options(b, continuous, logprobs), beam=_beam(b, params.n), chat=_chat_options(b, messages),
+        tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
     )
 
 

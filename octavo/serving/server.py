@@ -78,7 +78,8 @@ class OpenAIServer:
             tokenizer, vocab_size, max_model_len = _engine_facts(engine)
             st.tokenizer = tokenizer
             st.max_model_len = max_model_len
-            st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n)
+            st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n,
+                               tool_call_parser=st.config.tool_call_parser)
             st.engine = engine
             log.info("model %s ready", st.model_name)
         except BaseException as exc:  # reported through /health, wait_ready() and the CLI
