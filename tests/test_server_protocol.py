@@ -49,10 +49,10 @@ def test_rejected(body: dict) -> None:
     assert e.value.status == 400 and e.value.body()["error"]["message"]
 
 
-def test_chat_rejects_tools_and_non_text_parts() -> None:
+def test_chat_rejects_malformed_tools_and_non_text_parts() -> None:
     for body in ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
                  {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]},
-                 {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}):
+                 {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}):
         with pytest.raises(ApiError):
             parse_chat(body, LIM)
     with pytest.raises(ApiError) as e:

@@ -84,7 +84,58 @@ def _sampling(max_tokens_cap: int | None, max_n: int, vocab_size: int | None) ->
         "use_beam_search": {"type": "boolean", "nullable": True,
                             "description": "beam search of width max(n, best_of); the n best beams"},
         "length_penalty": {**_num(), "description": "beam score = cumulative logprob / length ** length_penalty"},
+        **_constraints(),
     }
+
+
+def _constraints() -> dict[str, Any]:
+    """Output constraints (serving/constraints.py): at most one per request."""
+    schema = {"type": "object", "description": "a JSON schema"}
+    return {
+        "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"}, "schema": schema,
+                "strict": {"type": "boolean", "nullable": True}}}}},
+        "structured_outputs": {"type": "object", "nullable": True, "description": "exactly one of json, regex, "
+                               "choice, grammar, json_object", "properties": {
+            "json": {"nullable": True, "oneOf": [schema, {"type": "string"}]},
+            "regex": _NULLABLE_STR, "grammar": {**_NULLABLE_STR, "description": "Lark, or GBNF (::= rules)"},
+            "choice": {"type": "array", "nullable": True, "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            "json_object": {"type": "boolean", "nullable": True},
+            "disable_any_whitespace": {"type": "boolean"}, "disable_additional_properties": {"type": "boolean"},
+            "disable_fallback": {"type": "boolean"}, "whitespace_pattern": _NULLABLE_STR},
+            "additionalProperties": False},
+        "guided_json": {"nullable": True, "oneOf": [schema, {"type": "string"}]},
+        "guided_regex": _NULLABLE_STR,
+        "guided_choice": {"type": "array", "nullable": True, "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        "guided_grammar": _NULLABLE_STR,
+        "guided_whitespace_pattern": _NULLABLE_STR,
+        "guided_decoding_backend": {"type": "string", "nullable": True, "enum": ["auto", "guidance", "llguidance", None]},
+    }
+
+
+def _tools() -> dict[str, Any]:
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean", "nullable": True}}}
+    return {
+        "tools": {"type": "array", "nullable": True, "maxItems": 128, "items": {
+            "type": "object", "required": ["type", "function"],
+            "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function}}},
+        "tool_choice": {"nullable": True, "description": "needs tools", "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
+        "parallel_tool_calls": {"type": "boolean", "nullable": True},
+    }
+
+
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
 
 
 def _completion_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, Any]:
@@ -112,14 +163,14 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, A
                  "description": "system, developer, user, assistant, tool, or another role the template takes"},
         "content": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
         "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant messages only"},
+        "tool_call_id": {"type": "string"},
     }}
     props.update({
         "messages": {"type": "array", "minItems": 1, "items": message},
         "max_completion_tokens": _int(1, cap, nullable=True),
         "logprobs": {"type": "boolean", "nullable": True},
         "top_logprobs": _int(0, MAX_LOGPROBS, nullable=True, description="needs logprobs: true"),
-        "response_format": {"type": "object", "nullable": True, "required": ["type"],
-                            "properties": {"type": {"type": "string", "enum": ["text"]}}},
         "add_generation_prompt": {"type": "boolean", "nullable": True, "description": "default true"},
         "continue_final_message": {"type": "boolean", "nullable": True,
                                    "description": "continue the last (assistant) message; needs "
@@ -132,6 +183,7 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, A
                                  "description": "extra template variables"},
         "add_special_tokens": {"type": "boolean", "nullable": True,
                                "description": "special tokens (BOS) on top of the template's; default false"},
+        **_tools(),
     })
     return {"type": "object", "required": ["messages"], "properties": props}
 
@@ -147,7 +199,7 @@ _METRICS = {"type": "object", "nullable": True, "description": "with include_met
                 k: _MS for k in ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
                                  "tokens_per_second")}}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "with return_token_ids"}
-_FINISH = {"type": "string", "nullable": True, "enum": ["stop", "length", "abort", "error", None]}
+_FINISH = {"type": "string", "nullable": True, "enum": ["stop", "length", "tool_calls", "abort", "error", None]}
 
 
 def _responses_schemas() -> dict[str, Any]:
@@ -178,7 +230,8 @@ def _responses_schemas() -> dict[str, Any]:
                                        "index": {"type": "integer", "minimum": 0},
                                        "message": {"type": "object", "required": ["role", "content"], "properties": {
                                            "role": {"type": "string", "enum": ["assistant"]},
-                                           "content": {"type": "string"}}},
+                                           "content": {"type": "string", "nullable": True},
+                                           "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
                                        "logprobs": {"type": "object", "nullable": True},
                                        "finish_reason": _FINISH, "token_ids": _TOKEN_IDS}}},
                                "usage": _ref("Usage"), "metrics": _METRICS, "prompt_token_ids": _TOKEN_IDS}},

@@ -44,11 +44,14 @@ def build_grammar(p: StructuredOutputsParams) -> str:
 
                 text = gbnf_to_lark(text)
             grammar = llg.LLMatcher.grammar_from_lark(text)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     except StructuredOutputError:
         raise
-    except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError, the converter its own
+    except BaseException as exc:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError, the converter its
+        # own, and a Rust panic arrives as pyo3's PanicException (a BaseException): all the constraint's fault
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise
         raise StructuredOutputError(f"invalid {_what(kind)}: {_first_lines(str(exc))}", _field(kind)) from None
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise StructuredOutputError(f"invalid {_what(kind)}: {_first_lines(messages[0])}", _field(kind))
     return grammar
