@@ -1,6 +1,7 @@
 """Tokenizer: the export folder's tokenizer.json (HF `tokenizers`) and chat template (sandboxed jinja2)."""
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,15 @@ def _sandbox() -> Any:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson  # as transformers renders templates (tools, tool call arguments)
     return env
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` for chat templates: plain json.dumps, keys in order, no HTML escaping (jinja2's
+    own filter sorts keys and escapes <>&' — the model would see tool schemas unlike in training)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:

@@ -13,7 +13,6 @@ Text that looks like a call but does not parse stays content.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,26 +42,26 @@ def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
 class HermesParser:
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
     def parse(self, text: str) -> Parsed:
-        if self.START not in text:
-            return Parsed(text)
-        calls = []
-        for m in self._BLOCK.finditer(text):
-            body = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
-            try:
-                call = _call(json.loads(body), ("arguments", "parameters"))
-            except ValueError:
-                call = None
-            if call is None:
-                return Parsed(text)  # not a well-formed call: the model's text, as is
-            calls.append(call)
-        content = text[:text.index(self.START)]
-        return Parsed(content if content.strip() else None, calls)
+        """Calls of the well-formed blocks; content is the text before the first block plus any block that
+        does not parse (what the streamer sends, by construction)."""
+        st = self.streamer()
+        a, b = st.feed(text), st.finish()
+        content = a.content + b.content
+        return Parsed(content if content.strip() or not (a.calls or b.calls) else None, a.calls + b.calls)
 
     def streamer(self) -> HermesStreamer:
-        return HermesStreamer(self)
+        return HermesStreamer()
+
+    @classmethod
+    def block_call(cls, block: str) -> ToolCall | None:
+        """The call in one '<tool_call>...</tool_call>' block (the end tag may be missing), or None."""
+        body = block.strip().removeprefix(cls.START).removesuffix(cls.END).strip()
+        try:
+            return _call(json.loads(body), ("arguments", "parameters"))
+        except ValueError:
+            return None
 
 
 @dataclass(slots=True)
@@ -73,10 +72,8 @@ class StreamDelta:
 
 @dataclass(slots=True)
 class HermesStreamer:
-    parser: HermesParser
     buf: str = ""  # text not yet passed on
-    in_calls: bool = False  # a <tool_call> was seen: no more content
-    done: list[ToolCall] = field(default_factory=list)
+    in_calls: bool = False  # a <tool_call> was seen: text between blocks is no longer content
 
     def feed(self, text: str) -> StreamDelta:
         self.buf += text
@@ -93,27 +90,32 @@ class HermesStreamer:
             if end < 0:
                 break
             block, self.buf = self.buf[:end + len(HermesParser.END)], self.buf[end + len(HermesParser.END):]
-            parsed = self.parser.parse(block.strip())
-            if parsed.calls:
-                out.calls += parsed.calls
-                self.done += parsed.calls
-            i = self.buf.find(HermesParser.START)
-            self.buf = self.buf[i:] if i >= 0 else ""
+            self._block(block, out)
+            i = self.buf.find(HermesParser.START)  # text between calls is dropped (as vLLM does)
+            if i >= 0:
+                self.buf = self.buf[i:]
+            else:
+                keep = _partial_suffix(self.buf, HermesParser.START)
+                self.buf = self.buf[len(self.buf) - keep:] if keep else ""
         return out
 
     def finish(self) -> StreamDelta:
-        """The end of the output: an unclosed last call is parsed as is; nothing parsed at all -> content."""
+        """The end of the output: an unclosed last block is parsed as is."""
         rest, self.buf = self.buf, ""
+        out = StreamDelta()
         if not self.in_calls:
-            return StreamDelta(content=rest)
-        if rest.strip():
-            parsed = self.parser.parse(rest.strip())
-            if parsed.calls:
-                self.done += parsed.calls
-                return StreamDelta(calls=parsed.calls)
-            if not self.done:
-                return StreamDelta(content=rest)
-        return StreamDelta()
+            out.content = rest
+        elif rest.strip():
+            self._block(rest, out)
+        return out
+
+    @staticmethod
+    def _block(block: str, out: StreamDelta) -> None:
+        call = HermesParser.block_call(block)
+        if call is not None:
+            out.calls.append(call)
+        else:  # not a well-formed call: the model's text, as is
+            out.content += block
 
 
 class Llama3JsonParser:
