@@ -505,3 +505,20 @@ def test_a_field_added_to_engine_args_later_reaches_the_engine(exported: Path, t
         assert status == 200 and json.loads(body)["num_output_tokens"] == MAX_TOKENS, body
     finally:
         srv.stop()
+
+
+def test_structured_output_request_parameters(server: TritonServer) -> None:
+    """The output constraint as a request parameter (the generate body's extra fields), as on the HTTP API."""
+    import re
+
+    for extra, ok in [({"guided_regex": "[0-9]{4}-[a-c]{2}"}, lambda t: re.fullmatch("[0-9]{4}-[a-c]{2}", t)),
+                      ({"structured_outputs": json.dumps({"choice": ["red", "green"]})}, lambda t: t in ("red", "green")),
+                      ({"guided_json": json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                   "required": ["a"], "additionalProperties": False})},
+                       lambda t: set(json.loads(t)) == {"a"})]:
+        status, body = http_post(server, "generate", dict(text_input=PROMPT, max_tokens=40, temperature=1.0, seed=3,
+                                                          exclude_input_in_output=True, **extra))
+        out = json.loads(body)
+        assert status == 200 and out["finish_reason"] == "stop" and ok(out["text_output"]), body
+    status, body = http_post(server, "generate", dict(text_input=PROMPT, guided_regex="[a-"))
+    assert status == 400 and "guided_regex" in body, body

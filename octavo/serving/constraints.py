@@ -104,3 +104,34 @@ def _response_format(rf: Any) -> StructuredOutputsParams | None:
                           "json_schema", "response_format")
     raise bad_request(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
                       "response_format")
+
+
+def from_request_parameters(parameters: str | dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """The constraint of a Triton request: its request parameters (`parameters` of a tritonclient infer, the
+    extra fields of a generate body) under the same names as the HTTP fields. Triton parameters are scalars,
+    so objects and lists come as JSON text. InvalidRequestError if malformed."""
+    from octavo.errors import InvalidRequestError
+    from octavo.serving.api_error import ApiError
+
+    import json
+
+    if not parameters:
+        return None
+    try:
+        d = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
+    except ValueError as exc:
+        raise InvalidRequestError(f"request parameters are not JSON: {exc}") from None
+    picked: dict[str, Any] = {}
+    for name in CONSTRAINT_FIELDS:
+        v = d.get(name)
+        if isinstance(v, str) and name in ("response_format", "structured_outputs", "guided_choice"):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise InvalidRequestError(f"request parameter {name} must be JSON text, got {v[:40]!r}") from None
+        if v is not None:
+            picked[name] = v
+    try:
+        return parse_constraint(picked)[0]
+    except ApiError as exc:
+        raise InvalidRequestError(f"request parameter {exc.message}") from None

@@ -27,6 +27,7 @@ from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serving.engine_params import engine_args_from_strings
+from octavo.serving.constraints import from_request_parameters
 
 log = logging.getLogger("octavo.triton")
 
@@ -121,6 +122,9 @@ def parse_request(request: Any) -> ParsedRequest:
     if stop is not None:
         words = [_as_text(w, "stop_words") for w in stop.as_numpy().reshape(-1)]
         kwargs["stop"] = [w for w in words if w]
+    structured = from_request_parameters(request.parameters())  # guided_json, structured_outputs, ...
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     stream = _optional_scalar(request, "stream")
     exclude = _optional_scalar(request, "exclude_input_in_output")
     try:
