@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,13 @@ class CommitResult:
 
 
 @dataclass(slots=True)
+class MaskStats:
+    rows: int = 0  # constrained rows masked
+    fill_seconds: float = 0.0  # computing masks (on the worker or inline)
+    wait_seconds: float = 0.0  # the engine loop waiting for them after the backend returned
+
+
+@dataclass(slots=True)
 class StructuredOutputManager:
     tokenizer: Tokenizer
     vocab_size: int
@@ -49,6 +57,7 @@ class StructuredOutputManager:
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     _pending: concurrent.futures.Future | None = None
     _pending_key: tuple[tuple[int, int], ...] = ()  # (row, id(request)) of the masks being computed
+    masks: MaskStats = field(default_factory=MaskStats)
 
     def __post_init__(self) -> None:
         self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
@@ -102,14 +111,21 @@ class StructuredOutputManager:
         rows = tuple(i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.freed)
         if not rows:
             return None
+        t = time.perf_counter()
         if pending is not None and tuple((i, id(reqs[i])) for i in rows) == self._pending_key:
-            return pending.result()
-        return self._fill(list(reqs), rows)
+            mask = pending.result()
+        else:
+            mask = self._fill(list(reqs), rows)
+        self.masks.wait_seconds += time.perf_counter() - t
+        return mask
 
     def _fill(self, reqs: list[Request], rows: tuple[int, ...]) -> np.ndarray:
+        t = time.perf_counter()
         mask = np.full((len(reqs), self.compiler.words), -1, np.int32)
         for i in rows:
             reqs[i].grammar.fill_bitmask(mask, i)
+        self.masks.rows += len(rows)
+        self.masks.fill_seconds += time.perf_counter() - t
         return mask
 
     def close(self) -> None:
