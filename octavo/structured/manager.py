@@ -119,6 +119,13 @@ class StructuredOutputManager:
         self.masks.wait_seconds += time.perf_counter() - t
         return mask
 
+    def discard(self) -> None:
+        """The step failed before its masks were used: wait for the worker (it reads the matchers the
+        failure is about to free) and drop its result."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            concurrent.futures.wait([pending])
+
     def _fill(self, reqs: list[Request], rows: tuple[int, ...]) -> np.ndarray:
         t = time.perf_counter()
         mask = np.full((len(reqs), self.compiler.words), -1, np.int32)
