@@ -72,13 +72,17 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, *, special_tokens_in_content: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, *, special_tokens_in_content: bool = False,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate. Special-token strings inside
-        the messages stay plain text unless SPECIAL_TOKENS_IN_CONTENT (see Tokenizer.encode_chat)."""
+        the messages stay plain text unless SPECIAL_TOKENS_IN_CONTENT (see Tokenizer.encode_chat). TOOLS (OpenAI's
+        [{"type": "function", "function": {...}}]) reach the template as in transformers' apply_chat_template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
+        extra = {"tools": tools} if tools else {}
         prompts: list[Prompt] = [
-            {"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, special_tokens_in_content=special_tokens_in_content)}
+            {"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, special_tokens_in_content=special_tokens_in_content,
+                                                 **extra)}
             for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
