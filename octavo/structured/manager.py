@@ -2,8 +2,8 @@
 
     InputProcessor / make_group ─► init_requests(children)      each child its own GrammarMatcher
     before sampling              ─► start_bitmask(rows) ... bitmask()   masks of the rows to sample
-    the commit                   ─► commit(req, token)         advance; say whether the grammar ended
-    finish / abort               ─► free(req)
+    the commit                   ─► commit_token(req, token)   advance; say whether the grammar ended
+    finish / abort               ─► release_grammar(req)
 
 The masks depend only on tokens already committed, so `start_bitmask` may run while the backend computes
 the step (llguidance releases the GIL, as ONNX Runtime does); `bitmask` waits for it. Rows of requests
@@ -42,6 +42,25 @@ class CommitResult:
     error: str | None = None  # the token broke the grammar (cannot happen with its mask applied)
 
 
+def commit_token(req: Request, token: int) -> CommitResult:
+    """REQ committed TOKEN: advance its matcher (the scheduler's commit calls this for every sampled token)."""
+    g: GrammarMatcher | None = req.grammar
+    if g is None or g.freed:
+        return CommitResult()
+    if g.is_terminated:  # (an EOS after completion: nothing to match)
+        return CommitResult(terminated=True)
+    if not g.accept(token):
+        return CommitResult(error=f"token {token} does not match the output's grammar: {g.error()[:300]}")
+    return CommitResult(terminated=g.is_terminated)
+
+
+def release_grammar(req: Request) -> None:
+    """Drop REQ's matcher (it finished, or was aborted)."""
+    if req.grammar is not None:
+        req.grammar.free()
+        req.grammar = None
+
+
 @dataclass(slots=True)
 class MaskStats:
     rows: int = 0  # constrained rows masked
@@ -71,22 +90,8 @@ class StructuredOutputManager:
             if so is not None and req.grammar is None:
                 req.grammar = self.compiler.matcher(so)
 
-    def commit(self, req: Request, token: int) -> CommitResult:
-        """REQ committed TOKEN: advance its matcher."""
-        g: GrammarMatcher | None = req.grammar
-        if g is None or g.freed:
-            return CommitResult()
-        if g.is_terminated:  # (an EOS after completion: nothing to match)
-            return CommitResult(terminated=True)
-        if not g.accept(token):
-            return CommitResult(error=f"token {token} does not match the output's grammar: {g.error()[:300]}")
-        return CommitResult(terminated=g.is_terminated)
-
-    @staticmethod
-    def free(req: Request) -> None:
-        if req.grammar is not None:
-            req.grammar.free()
-            req.grammar = None
+    commit = staticmethod(commit_token)
+    free = staticmethod(release_grammar)
 
     # -- masks --------------------------------------------------------------------------------------
     @staticmethod
