@@ -27,6 +27,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler, SchedulerOutput
 from octavo.runtime.stats import EngineStats
 from octavo.runtime.step_record import StepRecord
+from octavo.structured.manager import StructuredOutputManager
 from octavo.tracing.jsonl import JsonlTraceWriter
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ class LLMEngine:
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size)  # grammars, masks
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
-                                     self.block_size, args.seed)
+                                     self.block_size, args.seed, self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []
@@ -105,14 +107,19 @@ class LLMEngine:
         inputs, to_sample = self.runner.prepare(sched.scheduled)
         rec.capture(sched.scheduled)
         rec.lap("pack")
+        constrained = self.structured.any_constrained(to_sample)
         try:
+            if constrained:  # the masks depend on committed tokens only: computed while the backend runs
+                self.structured.start_bitmask(to_sample)
             logits = self.backend.run(inputs)
             if logits.shape[0] != len(to_sample):
                 raise StepFailedError(f"backend returned {logits.shape[0]} logits rows, expected {len(to_sample)}")
             rec.lap("backend")
-            sampled = self.sampler(logits, to_sample)
+            bitmask = self.structured.bitmask(to_sample) if constrained else None
+            sampled = self.sampler(logits, to_sample, bitmask)
             rec.lap("sample")
         except Exception as exc:  # noqa: BLE001 - any backend failure ends only this step's requests
+            self.structured.discard()  # (its worker reads the matchers the failure is about to free)
             logger.exception("step %d failed; ending its %d requests with an error", rec.step, len(sched.scheduled))
             rec.error = f"{type(exc).__name__}: {exc}"
             for req in sched.scheduled:
@@ -156,6 +163,7 @@ class LLMEngine:
         )
 
     def close(self) -> None:
+        self.structured.close()
         if self._trace is not None:
             self._trace.close()
         close = getattr(self.backend, "close", None)

@@ -22,6 +22,7 @@ from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.request import Request
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.tokenizer import Tokenizer
+from octavo.structured.manager import StructuredOutputManager
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -36,8 +37,9 @@ def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int,
-                 block_size: int, seed: int) -> None:
+                 block_size: int, seed: int, structured: StructuredOutputManager | None = None) -> None:
         self.tokenizer = tokenizer
+        self.structured = structured  # compiles output constraints (None: a request with one is refused)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -68,6 +70,10 @@ class InputProcessor:
                 params=params, generator=self._generator(params, i, order), max_tokens=max_tokens,
                 arrival_order=order, priority=priority, parent_id=request_id, index=i,
                 metrics=RequestMetrics(arrival_time=now)))
+        if params.structured_outputs is not None:  # compiled here, off the engine loop; each child its own matcher
+            if self.structured is None:
+                raise InvalidRequestError("structured outputs need an engine with a grammar compiler")
+            self.structured.init_requests(children)
         # children 1..n-1 are queued once child 0 has computed the prompt: they then share its cached blocks
         children[0].followers = children[1:]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,

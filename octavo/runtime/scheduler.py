@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.request import Request, RequestStatus
+from octavo.structured.manager import commit_token, release_grammar
 
 
 @dataclass(slots=True)
@@ -133,11 +134,20 @@ class Scheduler:
             req.metrics.first_token_time = now
             self._release_followers(req)
         req.metrics.last_token_time = now
+        grammar_done = False
+        if req.grammar is not None:  # structured outputs: the matcher sees exactly the committed tokens
+            res = commit_token(req, tok)
+            if res.error is not None:
+                self.finish(req, "error", error=res.error)
+                return
+            grammar_done = res.terminated
         min_done = req.num_output_tokens >= p.min_tokens
         if min_done and tok in p.stop_token_ids:
             req.stop_reason = tok
             self.finish(req, "stop")
         elif min_done and not p.ignore_eos and tok in self.eos_token_ids:
+            self.finish(req, "stop")
+        elif grammar_done:  # the output is complete: nothing but EOS could follow
             self.finish(req, "stop")
         elif req.num_output_tokens >= req.max_tokens or (self.max_model_len is not None
                                                          and req.num_tokens >= self.max_model_len):
@@ -163,6 +173,7 @@ class Scheduler:
         elif req in self.waiting:  # (a follower of an n > 1 request may not have been queued yet)
             self.waiting.remove(req)
         self.block_manager.release(req)
+        release_grammar(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.error = reason, error
         req.metrics.finished_time = time.time()
