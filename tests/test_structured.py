@@ -280,7 +280,7 @@ def test_grammar_is_complete_means_stop_and_children_have_own_matchers(model_dir
     try:
         eng.add_request("r", "Hello", SamplingParams(n=4, temperature=1.0, max_tokens=20, seed=1,
                                                     structured_outputs=StructuredOutputsParams(regex="[0-9]{5}")))
-        kids = eng.groups["r"].children
+        kids = eng.outputs.groups["r"].children
         assert len({id(k.grammar) for k in kids}) == 4
         out = None
         while eng.has_unfinished_requests():
@@ -291,7 +291,7 @@ def test_grammar_is_complete_means_stop_and_children_have_own_matchers(model_dir
         assert all(k.grammar is None for k in kids)  # freed at the finish
         # abort frees the state too
         eng.add_request("a", "Hello", SamplingParams(max_tokens=20, structured_outputs={"regex": "[0-9]{9}"}))
-        req = eng.groups["a"].children[0]
+        req = eng.outputs.groups["a"].children[0]
         eng.step()
         assert req.grammar is not None and req.grammar.num_accepted == len(req.output_token_ids)
         eng.abort_request("a")

@@ -73,7 +73,7 @@ class OutputProcessor:
                 if lp is not None and group.logprobs is not None:
                     group.logprobs[req.index].append(
                         {t: Logprob(t, v, self.tokenizer.decode([t], skip_special_tokens=False)) for t, v in lp.items()})
-                stop = self._add_token(req, group.detokenizers[req.index])
+                stop = self._add_token(req, group.detokenizers[req.index], self.tokenizer.eos_token_ids)
             except Exception as exc:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode: end only this one
                 logger.exception("request %s failed after sampling token %d", req.request_id, req.output_token_ids[-1])
                 failed.append((req, f"{type(exc).__name__}: {exc}"))
@@ -83,9 +83,11 @@ class OutputProcessor:
         return stopped, failed
 
     @staticmethod
-    def _add_token(req: Request, detok: IncrementalDetokenizer) -> str | None:
+    def _add_token(req: Request, detok: IncrementalDetokenizer, eos_token_ids: list[int]) -> str | None:
         tok, p = req.output_token_ids[-1], req.params
-        if req.finish_reason == "stop":  # ended by a token this step: EOS is never text, a stop token only if asked
+        # ended by this token as a stop token or EOS: EOS is never text, a stop token only if asked (a request
+        # whose grammar this token completed ended "stop" too, and the token is text)
+        if req.finish_reason == "stop" and (req.stop_reason == tok or tok in eos_token_ids):
             if req.stop_reason is not None and p.include_stop_str_in_output:
                 detok.add(tok)
             return None
