@@ -4,7 +4,8 @@
 random moment, then SIGTERM: tritonserver must unload the model (octavo's finalize() runs) and exit 0.
 With the tritonserver 2.51 that nvidia-pytriton bundles it does not in about half the runs ("Found 1 live
 models" until --exit-timeout-secs, exit 1) although octavo sent a final response for every request and
-holds nothing (see docs/reliability.md, "Known"): hence xfail(strict=False), and slow (~30-60 s)."""
+holds nothing Python can see; the cause is not found (docs/reliability.md, "Known, not fixed"): hence
+xfail(strict=False), and slow (~30-60 s)."""
 from __future__ import annotations
 
 import queue
@@ -42,7 +43,7 @@ def _inputs(prompt: str, max_tokens: int) -> list:
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="tritonserver 2.51 keeps a model reference after cancelled gRPC streams "
-                   "in about half the runs (docs/reliability.md, 'Known')")
+                   "in about half the runs; cause not found (docs/reliability.md, 'Known, not fixed')")
 def test_shutdown_after_many_cancelled_streams_unloads_the_model(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     from octavo.export import export_model
 
