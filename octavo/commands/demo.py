@@ -41,14 +41,15 @@ def run(args: argparse.Namespace) -> int:
     from octavo.tracing.report import format_terminal
     from octavo.tracing.story import describe_run
 
-    model = model_argument(args.model)[0]
+    model, name = model_argument(args.model)
+    shown = model if name == model else f"{name} ({model})"
     ea = engine_args(args, model)
     config = DemoConfig(
         model=model, arrivals=args.arrivals, stagger_every=args.stagger_every,
         use_chat_template=not args.no_chat_template, **{k: getattr(ea, k) for k in DEMO_FIELDS},
         engine_extra={k: getattr(ea, k) for k in ENGINE_FIELDS if k not in DEMO_FIELDS},
     )
-    print(f"octavo demo: model {model}", file=sys.stderr)
+    print(f"octavo demo: model {shown}", file=sys.stderr)
     print("(exported once into the cache on first use; later runs start at once)", file=sys.stderr)
 
     def progress(row: dict) -> None:
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     report = result.report
     report.title = "octavo demo: the seed's ten requests, continuous batching on a paged KV cache"
     report.notes[:0] = [
-        f"model {model}; block_size {config.block_size}, {result.num_blocks} KV blocks, "
+        f"model {shown}; block_size {config.block_size}, {result.num_blocks} KV blocks, "
         f"max_num_batched_tokens {config.max_num_batched_tokens}, max_num_seqs {config.max_num_seqs}, "
         f"arrivals {config.arrivals}" + (f" (one every {config.stagger_every} steps)" if config.arrivals == "staggered" else ""),
         "Greedy, ignore_eos=True and max_tokens = each profile's generation length: every length is exact, "

@@ -97,9 +97,9 @@ def _why_waited(rows: list[dict[str, Any]], spans: list[RequestSpan], done: dict
         lines.append(
             f"{_count(len(ids), 'request')} ({_names(ids)}) waited "
             + (f"{held[0][1]} step{'s' if held[0][1] != 1 else ''}" if len({w for _, w, _ in held}) == 1 else "a few steps")
-            + f" for the prompt prefix {_names(computing) or 'another request'} was computing (the same first "
-            f"{' / '.join(map(str, tokens))} tokens, e.g. the chat template's system prompt), then read it from the "
-            "prefix cache instead of computing it again.")
+            + f" for the prompt prefix {_names(computing) or 'another request'} was computing"
+            + (f" (the first {' / '.join(map(str, tokens))} tokens of their prompts are the same)" if any(tokens) else "")
+            + ", then read it from the prefix cache instead of computing it again.")
     if queued:
         ids = [s.id for s, _ in queued]
         lines.append(f"{_count(len(ids), 'request')} ({_names(ids)}) waited in the queue: the step's token budget"
