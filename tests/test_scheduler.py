@@ -226,7 +226,8 @@ request_st = st.tuples(
 
 workload = dict(reqs=st.lists(request_st, min_size=3, max_size=12), num_blocks=st.integers(6, 24),
                 block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 48), max_seqs=st.integers(1, 8),
-                caching=st.booleans(), base=st.lists(st.integers(5, 300), min_size=32, max_size=32))
+                caching=st.booleans(), base=st.lists(st.integers(5, 300), min_size=32, max_size=32),
+                long_prefill=st.sampled_from([0, 0, 1, 3, 8, 512]))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -242,13 +243,14 @@ def test_slow_property_random_workloads(toy_dir, **kw) -> None:  # noqa: ANN001
     check_random_workload(toy_dir, **kw)
 
 
-def check_random_workload(toy_dir, reqs, num_blocks, block_size, budget, max_seqs, caching, base) -> None:  # noqa: ANN001
+def check_random_workload(toy_dir, reqs, num_blocks, block_size, budget, max_seqs, caching, base,  # noqa: ANN001
+                          long_prefill=0) -> None:
     """No block leaked or double-owned; free + used == total after every step; the budget and the
     sequence cap hold; every request ends with exactly one finish; unaborted outputs equal the oracle
     and aborted ones are a prefix of it (prefix hits, chunking and preemption never change outputs)."""
     reqs = [(arrive, base[:k] + suffix, m, abort_at, prio) for arrive, k, suffix, m, abort_at, prio in reqs]
     eng = engine(toy_dir, num_blocks, block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                 enable_prefix_caching=caching)
+                 enable_prefix_caching=caching, long_prefill_token_threshold=long_prefill)
     pool_tokens = num_blocks * block_size
     rows: list[dict] = []
     eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
@@ -390,3 +392,38 @@ def test_trace_rows_follow_the_contract(toy_dir, tmp_path) -> None:  # noqa: ANN
     decode = [q for r in rows for q in r["requests"] if q["phase"] == "decode"]
     assert decode and all(q["tokens"] == 1 for q in decode)
     assert rows[-1]["free_blocks"] == 16 and rows[-1]["total_blocks"] == 16 and rows[-1]["block_size"] == 4
+
+
+def test_a_long_prompt_never_holds_back_decodes_or_a_short_request(toy_dir) -> None:  # noqa: ANN001
+    """Issue 17.9: with long_prefill_token_threshold C, prompts with more than C tokens left share C tokens per
+    step. While a 300-token prompt is prefilled, a running request decodes one token EVERY step, and a short
+    request added after step k is scheduled in step k + 1 and has its first token then (TTFT = one step after
+    arrival, counted in steps), long before the long prompt is done; nobody's tokens change (vs the oracle)."""
+    C, budget = 16, 64
+    eng = engine(toy_dir, 256, 4, max_num_batched_tokens=budget, long_prefill_token_threshold=C)
+    rows: list[dict] = []
+    eng.add_step_listener(lambda rec: rows.append(rec.trace_row()))
+    eng.add_request("decoder", list(range(5, 12)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    eng.step()  # the decoder's prompt (7 tokens): it decodes from now on
+    long_prompt = [5 + (7 * i) % 370 for i in range(300)]
+    eng.add_request("long", long_prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    first_token_row: dict[str, int] = {}
+    final: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        if len(rows) == 5:
+            eng.add_request("short", [9, 8, 7, 6, 5], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        for out in eng.step():
+            if out.outputs[0].token_ids:
+                first_token_row.setdefault(out.request_id, len(rows))
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    tokens = [{q["id"]: q["tokens"] for q in r["requests"]} for r in rows]
+    long_steps = [t for t in tokens if "long" in t]
+    assert len(long_steps) >= 300 // C and all(t["long"] <= C for t in long_steps)  # chunked by C
+    assert all(sum(t.values()) <= budget for t in tokens)
+    assert all(t.get("decoder") == 1 for t in long_steps[:30])  # the decoder never missed a step (40 tokens)
+    assert first_token_row["short"] == 6  # added after step 5, sampled in step 6
+    assert first_token_row["short"] < first_token_row["long"]
+    assert final["decoder"] == toy_greedy(list(range(5, 12)), 40)
+    assert final["long"] == toy_greedy(long_prompt, 2) and final["short"] == toy_greedy([9, 8, 7, 6, 5], 3)
+    assert eng.stats().num_free_blocks == 256

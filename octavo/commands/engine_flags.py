@@ -25,6 +25,8 @@ HELP: dict[str, str] = {
     "max_num_seqs": "most sequences in one step's batch",
     "max_num_batched_tokens": "token budget of one step (longer prompts are prefilled in chunks)",
     "max_model_len": "context limit in tokens",
+    "long_prefill_token_threshold": "prefill tokens per step that prompts with more than this many tokens left "
+                                    "share, so a long prompt never holds back decodes and short prompts (0 = off)",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes already computed",
     "num_threads": "backend threads",
     "backend": "onnxruntime (CPU) or tensorrt (NVIDIA GPU, after `octavo build`)",

@@ -3,10 +3,9 @@
 - Every block has a reference count. A request's block table grows on demand (`allocate`).
 - A FULL block is identified by a chained hash of its tokens (hash of the previous block's hash and
   this block's token ids), so equal prefixes map to equal hashes. `hash_to_block` finds them.
-- Free blocks (refcount 0) sit in an LRU `free_lru` list (OrderedDict: O(1) touch and evict). A free
-  block keeps its hash until it is evicted, i.e. reused for new tokens, so a later request with the
-  same prefix gets it back for free. Evict from the front; a finished request frees its blocks
-  last-first so that its tail is evicted before its (more shareable) head.
+- Free blocks (refcount 0) sit in an LRU `free_lru` list (OrderedDict: O(1) touch and evict) and keep
+  their hash until reused, so a later request with the same prefix gets them back for free. A finished
+  request frees its blocks last-first: its tail is evicted before its (more shareable) head.
 - Promises (cold shared prefixes): an admitted request's about-to-be-computed full blocks are in
   `promised` (hash -> that request) until filled (`cache_full_blocks`) or let go (`release`).
 - The one writer of a request's KV state: block_table, num_computed_tokens (`admit`: the cached
@@ -17,7 +16,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 
@@ -188,16 +187,10 @@ class BlockManager:
 
     def check(self, tables: list[list[int]]) -> None:
         """Assert the pool's invariants given every live block table (used by tests)."""
-        counts = [0] * self.num_blocks
-        for table in tables:
-            for b in table:
-                counts[b] += 1
-        assert counts == self.ref_count, "refcounts disagree with the block tables"
-        in_use = sum(1 for c in counts if c)
-        assert in_use + len(self.free_lru) == self.num_blocks, "free + used != total"
+        counts = Counter(b for table in tables for b in table)
+        assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, "refcounts disagree with the block tables"
+        assert len(counts) + len(self.free_lru) == self.num_blocks, "free + used != total"
         assert all(self.ref_count[b] == 0 for b in self.free_lru), "a referenced block is in the free list"
-        for h, b in self.hash_to_block.items():
-            assert self.hash_of[b] == h, "hash map out of sync"
-        for h, req in self.promised.items():
-            assert req.block_table, "a promise held by a request without blocks"
-            assert h not in self.hash_to_block, "a filled block is still promised"
+        assert all(self.hash_of[b] == h for h, b in self.hash_to_block.items()), "hash map out of sync"
+        assert all(req.block_table for req in self.promised.values()), "a promise held by a request without blocks"
+        assert not self.promised.keys() & self.hash_to_block.keys(), "a filled block is still promised"

@@ -44,6 +44,7 @@ class LLMEngine:
         self.block_size, self.num_blocks, self.vocab_size = args.block_size, self.backend.num_blocks, self.manifest.vocab_size
         self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
+                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
                                    eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len)
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)

@@ -14,6 +14,10 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes for the KV pool; default: enough for max_num_seqs full contexts, capped
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # prefill tokens per step that requests with more than this many tokens left to compute take TOGETHER
+    # (vLLM's long_prefill_token_threshold, shared): a long prompt is prefilled in chunks of at most this
+    # beside the decodes and short prompts, which keep the rest of the budget (docs/engine.md); 0 = off
+    long_prefill_token_threshold: int = 512
     max_model_len: int | None = None  # default: the manifest's max_context
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # backend intra-op threads; None = all cores
@@ -34,6 +38,9 @@ class EngineArgs:
             raise InvalidRequestError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise InvalidRequestError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise InvalidRequestError(f"long_prefill_token_threshold must be an integer >= 0 (0 = off), got "
+                                      f"{self.long_prefill_token_threshold!r}")
         if self.weights not in (None, "fp32", "int8", "int4"):
             raise InvalidRequestError(f"weights must be 'fp32', 'int8' or 'int4', got {self.weights!r}")
         if self.kv_cache_dtype not in ("auto", "float16"):

@@ -1,9 +1,8 @@
 """Request: one sequence the engine generates (a prompt, its sampled tokens and its KV bookkeeping).
 
 A request with SamplingParams.n > 1 becomes n Requests ("children") that share the prompt; the prefix
-cache lets them share the prompt's full KV blocks. The output processor groups them back into one
-RequestOutput. Who writes what: the BlockManager writes the KV fields (block_table, num_computed_tokens,
-block hashes), the Scheduler the lifecycle fields (status, output_token_ids, finish_reason, metrics).
+cache lets them share the prompt's full KV blocks. The BlockManager writes the KV fields, the Scheduler
+the others (docs/architecture.md, "Who writes what"); the output processor groups children into outputs.
 """
 from __future__ import annotations
 

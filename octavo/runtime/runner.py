@@ -26,9 +26,8 @@ class ModelRunner:
         self._table = np.zeros(b * max_blocks_per_seq, np.int32)  # viewed as [B, max_blocks of this step]
 
     def prepare(self, scheduled: dict[Request, int]) -> tuple[StepInputs, list[Request]]:
-        """Pack the step; return the inputs and the requests that get a logits row (in row order).
-        Values are gathered in Python lists (a decode row is a few ints) and written with one numpy
-        assignment per array, instead of several small numpy operations per request."""
+        """Pack the step; return the inputs and the requests that get a logits row (in row order). Values go
+        into Python lists (a decode row is a few ints), then one numpy assignment per array."""
         bs = self.block_size
         b = len(scheduled)
         width = max(len(r.block_table) for r in scheduled)

@@ -1,25 +1,18 @@
 """Scheduler: each step decides {request: num_tokens} under a token budget and a sequence cap.
 
-One mechanism for everything (vLLM v1's view): a request has `num_tokens` (prompt + sampled) and
-`num_computed_tokens` (K/V in the cache); scheduling gives it up to the difference. A decode is 1
-token, a prefill chunk is many, a recompute after preemption is just a long prefill. Order:
-1. running requests (admission order): the next chunk or decode; when the pool is out of blocks,
-   preempt the most recently admitted running request (free its blocks, back to the front of the
-   waiting queue; the prefix cache makes the recompute cheap);
-2. then waiting requests, by (priority, arrival) — FCFS by default — while budget, blocks and
-   max_num_seqs last. A prefix-cache hit skips the cached tokens (never the last one).
-Requests that can never fit are rejected before they get here (see InputProcessor).
+One mechanism (vLLM v1's view): a request has `num_tokens` (prompt + sampled) and `num_computed_tokens`
+(K/V in the cache); scheduling gives it up to the difference — a decode, a prefill chunk, a recompute
+after preemption. Running requests first (on a full pool the most recently admitted is preempted), then
+waiting ones by (priority, arrival) while budget, blocks and seats last; prompts with more than
+`long_prefill_token_threshold` tokens left share that many tokens per step (`_chunk`). A waiting request
+whose next prefix block another request is computing is HELD (cold shared prefixes). docs/engine.md
+explains each rule and why none deadlocks or starves.
 
 It also owns the commit (nano-vllm's postprocess, vLLM's update_from_output): `update_from_output`
-advances computed tokens (through the block manager, which caches the blocks that filled), appends the
-sampled tokens, checks the token stops (EOS, stop ids, max_tokens, context) and finishes and frees what
-ended: the one writer of status, output tokens, finish reasons and the token counters. Stop strings
-are found in the text by the output processor, which then has the engine call `finish(req, "stop")`.
-
-Cold shared prefixes: a waiting request whose first uncached prefix block another running request has
-promised to compute (BlockManager.promise) is HELD this step (no budget, no blocks, keeps its place), so
-requests arriving with one long system prompt compute it once; why no hold deadlocks or starves:
-docs/engine.md, "Cold shared prefixes".
+advances computed tokens (the block manager caches the blocks that filled), appends the sampled
+tokens, checks the token stops (EOS, stop ids, max_tokens, context) and finishes and frees what ended:
+the one writer of status, output tokens, finish reasons and the token counters. Stop strings are found
+in the text by the output processor, after which the engine calls `finish(req, "stop")`.
 """
 from __future__ import annotations
 
@@ -42,10 +35,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None) -> None:
+                 long_prefill_token_threshold: int = 0, eos_token_ids: Iterable[int] = (),
+                 max_model_len: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill = long_prefill_token_threshold  # see _chunk
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []  # sorted by (priority, arrival_order)
@@ -59,16 +54,25 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=lambda r: (r.priority, r.arrival_order))
 
+    def _chunk(self, left: int, budget: int, long_left: int) -> tuple[int, int]:
+        """(tokens to compute now, what is left of the long-prefill share) for a request with LEFT tokens to
+        compute. Requests with more than `long_prefill` left share `long_prefill` tokens per step, so a
+        long prompt is chunked beside decodes and short prompts instead of taking the whole budget."""
+        if left > self.long_prefill > 0:
+            n = min(left, budget, long_left)
+            return n, long_left - n
+        return min(left, budget), long_left
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget, long_left, deferred = self.max_num_batched_tokens, self.long_prefill, 0
         running, self.running = self.running, []
         while running:
             req = running.pop(0)
-            if budget == 0:
+            n, new_long_left = self._chunk(req.num_tokens - req.num_computed_tokens, budget, long_left)
+            if n == 0:
                 self.running.append(req)
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.block_manager.allocate(req, n):
                 victim = running.pop() if running else req
                 self._preempt(victim, out)
@@ -76,19 +80,24 @@ class Scheduler:
                     break
             else:
                 out.scheduled[req] = n
-                budget -= n
+                budget, long_left = budget - n, new_long_left
                 self.running.append(req)
         if out.preempted:
             return out  # under memory pressure: admit nobody this step
         i = 0  # waiting[:i] are held this step
-        while i < len(self.waiting) and budget and len(self.running) + len(out.held) < self.max_num_seqs:
+        while i < len(self.waiting) and budget and len(self.running) + len(out.held) + deferred < self.max_num_seqs:
             req = self.waiting[i]
             cached = self.block_manager.find_cached(req)
             if self.block_manager.producer_of_next(req, len(cached)) is not None:
                 out.held.append(req)
                 i += 1
                 continue
-            n = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            n, new_long_left = self._chunk(req.num_tokens - len(cached) * self.block_manager.block_size, budget,
+                                           long_left)
+            if n == 0:  # a long prompt while others take the long-prefill share: it keeps its place and seat
+                deferred += 1
+                i += 1
+                continue
             if not self.block_manager.can_admit(req, cached, n):
                 break  # FCFS: nobody overtakes the first request that is not held
             self.waiting.pop(i)
@@ -103,7 +112,7 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             out.scheduled[req] = n
-            budget -= n
+            budget, long_left = budget - n, new_long_left
             self.running.append(req)
         return out
 
