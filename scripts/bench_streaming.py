@@ -68,11 +68,13 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--lengths", default="16,64,256,1024,4096")
     ap.add_argument("--n", type=int, default=4, help="choices per request (each streams its own chunks)")
-    ap.add_argument("--logprobs", type=int, default=5)
+    ap.add_argument("--logprobs", type=int, default=5, help="top logprobs per token (-1: none)")
     ap.add_argument("--rounds", type=int, default=3, help="best of this many streams per length")
     ap.add_argument("--num-threads", type=int, default=1)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.logprobs < 0:
+        args.logprobs = None
     ea = EngineArgs(model=str(Path(args.model)), num_blocks=args.n * ((max(lengths) + 64) // 16 + 1) + 8, block_size=16,
                     max_num_seqs=4, num_threads=args.num_threads)
     holder: dict[str, TimedBackend] = {}
