@@ -11,6 +11,7 @@ _LAZY = {
     "LLMEngine": "octavo.runtime.engine",
     "SamplingParams": "octavo.runtime.sampling_params",
     "StructuredOutputsParams": "octavo.structured.params",
+    "BeamSearchParams": "octavo.runtime.beam_search",
     "EngineArgs": "octavo.runtime.engine_args",
     "RequestOutput": "octavo.runtime.outputs",
     "CompletionOutput": "octavo.runtime.outputs",
@@ -22,6 +23,7 @@ __all__ = list(_LAZY) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from octavo.export import export_model
     from octavo.runtime.async_engine import AsyncEngine
+    from octavo.runtime.beam_search import BeamSearchParams
     from octavo.runtime.engine import LLMEngine
     from octavo.runtime.engine_args import EngineArgs
     from octavo.runtime.llm import LLM

@@ -10,7 +10,8 @@
   `promised` (hash -> that request) until filled (`cache_full_blocks`) or let go (`release`).
 - The one writer of a request's KV state: block_table, num_computed_tokens (`admit`: the cached
   prefix, `commit`: a step's tokens, `release`: 0), block hashes; it counts its own cache hits.
-- `fork`: a new request shares another's full computed blocks (beam search, n > 1).
+- `fork`: a new request shares another's full computed blocks (beam search, n > 1); `copy_partial_block`
+  then gives it its own copy of the partially filled last block (copy on write: both will write into it).
 - Invariant (checked by `check`): free + in use == total; a block is free iff its refcount is 0.
 """
 from __future__ import annotations
@@ -169,6 +170,19 @@ class BlockManager:
         child.block_hashes = parent.block_hashes[:n_full]
         child.num_computed_tokens = n_full * self.block_size
         child.num_registered_blocks = min(n_full, parent.num_registered_blocks)
+
+    def copy_partial_block(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """After `fork`: give child its own copy of parent's partially filled last block (copy on write, for
+        beam search, where both go on writing into it). Returns (source, copy) for the backend to copy the
+        K/V, or None: no partial block, or no free block (the child then recomputes those few tokens)."""
+        n_full = len(child.block_table)
+        if parent.num_computed_tokens == n_full * self.block_size or not self.free_lru:
+            return None
+        src = parent.block_table[n_full]
+        if not self.allocate(child, parent.num_computed_tokens - child.num_computed_tokens):
+            return None
+        child.num_computed_tokens = parent.num_computed_tokens
+        return src, child.block_table[n_full]
 
     def release(self, req: Request) -> None:
         """Drop req's references, last block first; unreferenced blocks join the free list. Its

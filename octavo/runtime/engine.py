@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from octavo.errors import InvalidRequestError, StepFailedError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
+from octavo.runtime.beam_search import BeamSearchManager
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.input_processor import InputProcessor, Prompt
@@ -50,8 +51,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size)  # grammars, masks
+        self.beams = BeamSearchManager(self.scheduler, self.block_manager, self.backend, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
-                                     self.block_size, args.seed, self.structured)
+                                     self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal)
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []
@@ -66,14 +68,21 @@ class LLMEngine:
 
     def add_group(self, group: RequestGroup) -> None:
         """Queue a request made by InputProcessor.make_group (which is safe from any thread)."""
-        if group.request_id in self.outputs.groups:
+        if group.request_id in self.outputs.groups or self.beams.has(group.request_id):
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+        if group.children[0].params.use_beam_search:  # its beams are the beam search's, its output too
+            self.scheduler.add(self.beams.add(group))
+            self._arrived.append(group.children[0].request_id)
+            return
         self.outputs.add(group)
         self.scheduler.add(group.children[0])  # its followers (n > 1) join once it has computed the prompt
         self._arrived.extend(c.request_id for c in group.children)  # sequence ids, as in the trace's "requests"
 
     def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
         """End a request now (its blocks are freed); its final output comes with the next step()."""
+        if self.beams.has(str(request_id)):
+            self.outputs.ready.append(self.beams.abort(str(request_id), reason, error))
+            return
         group = self.outputs.groups.get(str(request_id))
         if group is None:
             raise UnknownRequestError(f"no running request has id {request_id!r} (finished, aborted or never added)")
@@ -83,14 +92,14 @@ class LLMEngine:
 
     def abort_all(self, reason: str = "abort", error: str | None = None) -> None:
         """End every request (shutdown: "abort"); their final outputs come with the next step()."""
-        for request_id in list(self.outputs.groups):
+        for request_id in [*self.outputs.groups, *self.beams.searches]:
             self.abort_request(request_id, reason, error)
 
     def has_request(self, request_id: str) -> bool:
-        return str(request_id) in self.outputs.groups
+        return str(request_id) in self.outputs.groups or self.beams.has(str(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.groups) or bool(self.outputs.ready)
+        return bool(self.outputs.groups) or bool(self.outputs.ready) or bool(self.beams.searches)
 
     def add_step_listener(self, fn: StepListener) -> None:
         """fn(StepRecord) after every step that ran the model (on the engine's thread)."""
@@ -126,10 +135,15 @@ class LLMEngine:
             for req in sched.scheduled:
                 self.scheduler.finish(req, "error", error=rec.error)
             touched = list(sched.scheduled)
+            outputs += self.beams.fail(touched, rec.error)
         else:
-            self.scheduler.update_from_output(sched.scheduled, to_sample, sampled.token_ids)
+            # the rows of beam-search beams leave the normal commit: the beam search appends their tokens
+            to_sample, token_ids, logprobs, beam_rows = self.beams.split(to_sample, sampled.token_ids,
+                                                                         sampled.logprobs)
+            self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
+            outputs += self.beams.advance(beam_rows)
             rec.lap("commit")
-            stopped, failed = self.outputs.detokenize(to_sample, sampled.logprobs)
+            stopped, failed = self.outputs.detokenize(to_sample, logprobs)
             for req, stop in stopped:
                 self.scheduler.finish(req, "stop", stop_reason=stop)
             for req, error in failed:

@@ -37,9 +37,12 @@ def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int,
-                 block_size: int, seed: int, structured: StructuredOutputManager | None = None) -> None:
+                 block_size: int, seed: int, structured: StructuredOutputManager | None = None,
+                 beam_search_refusal: str | None = None) -> None:
+        """beam_search_refusal: why this engine cannot run beam search (None: it can)."""
         self.tokenizer = tokenizer
         self.structured = structured  # compiles output constraints (None: a request with one is refused)
+        self.beam_search_refusal = beam_search_refusal
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -61,6 +64,8 @@ class InputProcessor:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if params.use_beam_search and self.beam_search_refusal is not None:
+            raise InvalidRequestError(self.beam_search_refusal)
         now = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):

@@ -10,6 +10,7 @@ from typing import Any
 
 from octavo.errors import InvalidRequestError
 from octavo.runtime.backends.base import Backend
+from octavo.runtime.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.input_processor import Prompt
 from octavo.runtime.engine_args import EngineArgs
@@ -85,6 +86,28 @@ class LLM:
                                                  **extra)}
             for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt (vLLM's LLM.beam_search): the beam_width best hypotheses each, best first;
+        a sequence's tokens are the prompt's and the generated ones, its text their decoding. The beams
+        share KV blocks (runtime/beam_search.py); all prompts' searches run batched together."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        sp = SamplingParams(n=params.beam_width, use_beam_search=True, temperature=0.0, max_tokens=params.max_tokens,
+                            ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+                            output_kind="final_only")
+        tok = self.engine.tokenizer
+        results = []
+        for out in self.generate(prompts, sp, use_tqdm=use_tqdm):
+            seqs = []
+            for o in out.outputs:
+                tokens = list(out.prompt_token_ids) + list(o.token_ids)
+                seqs.append(BeamSearchSequence(tokens=tokens, cum_logprob=o.cumulative_logprob or 0.0,
+                                               finish_reason=o.finish_reason or "length", text=tok.decode(tokens),
+                                               num_prompt_tokens=len(out.prompt_token_ids)))
+            results.append(BeamSearchOutput(sequences=seqs))
+        return results
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request, yielding its outputs as they come: cumulative ones by default, what is new since

@@ -25,6 +25,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: top-k + the chosen one
     error: str | None = None  # message when finish_reason == "error"
+    cumulative_logprob: float | None = None  # beam search: the hypothesis' summed token logprobs
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,11 @@ class SamplingParams:
     output_kind: str = "cumulative"
     # constrained decoding (JSON schema, regex, choice, grammar): vLLM's StructuredOutputsParams, or a dict of its fields
     structured_outputs: StructuredOutputsParams | None = None
+    # beam search (vLLM's use_beam_search, runtime/beam_search.py): best_of (default n) beams, the n best
+    # returned, ranked by cumulative logprob / length ** length_penalty; one final output
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -94,6 +99,21 @@ class SamplingParams:
             raise bad(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise bad(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        if not isinstance(self.use_beam_search, bool):
+            raise bad(f"use_beam_search must be a boolean, got {self.use_beam_search!r}")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            raise bad(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise bad("best_of different from n is only supported with use_beam_search (as the beam width)")
+        if not _finite(self.length_penalty):
+            raise bad(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.use_beam_search and (self.stop or self.stop_token_ids or self.logprobs is not None):
+            raise bad("beam search ends hypotheses at EOS and max_tokens only: stop, stop_token_ids and "
+                      "logprobs are not supported with use_beam_search")
+        if self.use_beam_search and self.structured_outputs is not None:
+            raise bad("structured outputs are not supported with use_beam_search (each beam would need its own "
+                      "grammar state)")
         if self.logit_bias is not None:
             for k, v in self.logit_bias.items():
                 if not isinstance(k, int) or not _finite(v) or not -100 <= v <= 100:
@@ -101,7 +121,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0.0 or self.use_beam_search
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of or self.n
 
 
 def _finite(x: object) -> bool:

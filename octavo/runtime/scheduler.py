@@ -70,7 +70,9 @@ class Scheduler:
         while running:
             req = running.pop(0)
             n, new_long_left = self._chunk(req.num_tokens - req.num_computed_tokens, budget, long_left)
-            if n == 0:
+            # n == 0 also for a beam that has its logprobs and waits for its siblings'; and forked beams can
+            # outnumber the seats of a step (max_num_seqs)
+            if n == 0 or len(out.scheduled) == self.max_num_seqs:
                 self.running.append(req)
                 continue
             while not self.block_manager.allocate(req, n):

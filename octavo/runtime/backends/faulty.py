@@ -79,6 +79,12 @@ class FaultyBackend:
             self.failures += 1
             self.failed_request_counts.append(len(inputs.past_seqlens))
 
+    def __getattr__(self, name: str) -> object:
+        """Optional backend methods (copy_blocks) are the inner backend's: faults are injected in run only."""
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -176,6 +176,16 @@ class OnnxRuntimeBackend:
         del keep
         return logits
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer's pools (beam search's copy on write). The pools are
+        the numpy arrays ONNX Runtime reads in place, so the next step sees the copies."""
+        if not pairs:
+            return
+        src = np.fromiter((s for s, _ in pairs), np.int64)
+        dst = np.fromiter((d for _, d in pairs), np.int64)
+        for pool in (*self.key_caches, *self.value_caches):
+            pool[dst] = pool[src]
+
     def close(self) -> None:
         """Drop the session and the pools (their memory is freed once nobody else references it)."""
         self._binding = None  # type: ignore[assignment]
