@@ -240,3 +240,21 @@ def test_refusals(llm) -> None:  # noqa: ANN001
         SamplingParams(n=1, best_of=3)  # without beam search
     with pytest.raises(InvalidRequestError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=3)
+
+
+def test_a_backend_without_block_copies_refuses_beam_search_clearly(tmp_path) -> None:  # noqa: ANN001
+    """The TensorRT backend (and any backend without copy_blocks) cannot copy a partial block: beam search is
+    refused when the request is made, with the reason; other requests run."""
+    from toy_backend import ToyBackend, make_toy_model_dir
+
+    from octavo.errors import InvalidRequestError
+
+    toy = LLM(str(make_toy_model_dir(tmp_path / "toy")), block_size=4, backend_instance=ToyBackend(24, 4))
+    try:
+        with pytest.raises(InvalidRequestError, match="copy KV blocks.*onnxruntime"):
+            toy.generate([1, 2, 3], SamplingParams(n=2, use_beam_search=True, max_tokens=3), use_tqdm=False)
+        with pytest.raises(InvalidRequestError, match="copy KV blocks"):
+            toy.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=3))
+        assert toy.generate([1, 2, 3], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        toy.close()

@@ -299,6 +299,40 @@ def test_a_hostile_or_broken_request_template_is_a_400(client, template: str) ->
 
 
 # ------------------------------------------------------------------------------------------------
+# beam search
+
+
+def test_use_beam_search_returns_the_n_best_beams(client, url, llm) -> None:  # noqa: ANN001
+    from octavo import BeamSearchParams
+
+    tok = llm.get_tokenizer()
+    want = llm.beam_search("The quick brown fox", BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True,
+                                                                   length_penalty=0.5))[0].sequences
+    extra = {"use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "ignore_eos": True,
+             "return_token_ids": True, "top_p": 0.9, "seed": 3}  # sampling knobs do not apply: ignored, as vLLM
+    r = client.completions.create(model=NAME, prompt="The quick brown fox", n=2, max_tokens=6, extra_body=extra)
+    assert [c.token_ids for c in r.choices] == [s.output_token_ids for s in want[:2]]
+    assert [c.text for c in r.choices] == [tok.decode(s.output_token_ids) for s in want[:2]]
+    assert r.usage.completion_tokens == 12 and all(c.finish_reason == "length" for c in r.choices)
+    chunks = list(client.completions.create(model=NAME, prompt="The quick brown fox", n=2, max_tokens=6,
+                                            stream=True, extra_body=extra))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)] == \
+        [c.text for c in r.choices]
+    # chat: n = width = 3 by default (best_of unset)
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    ids = tok.encode_chat(msgs)
+    want = llm.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=3, max_tokens=5,
+                                                                       ignore_eos=True))[0].sequences
+    c = client.chat.completions.create(model=NAME, messages=msgs, n=3, max_tokens=5,
+                                       extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [ch.message.content for ch in c.choices] == [tok.decode(s.output_token_ids) for s in want]
+    for bad, param in (({"stop": ["x"]}, "stop"), ({"best_of": 1, "n": 2}, "best_of")):
+        r = post(url, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2, "use_beam_search": True,
+                                          "n": 1, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ------------------------------------------------------------------------------------------------
 # per-request timing
 
 
@@ -361,6 +395,7 @@ def test_enable_per_request_metrics_flag(model_dir) -> None:  # noqa: ANN001
     ({"prompt": [1, 2, 77777]}, "prompt", ["77777", "out of vocabulary"]),
     ({"priority": 2**63}, "priority", ["between -2^63 and 2^63-1"]),
     ({"best_of": 3}, "best_of", ["use_beam_search"]),
+    ({"use_beam_search": True, "logprobs": 2}, "logprobs", ["beam search"]),
     ({"length_penalty": 0.5}, "length_penalty", ["use_beam_search"]),
     ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens", ["not supported"]),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", ["not supported"]),

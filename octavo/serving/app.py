@@ -274,8 +274,6 @@ async def _completions(request: web.Request, st: ServerState, engine: AsyncEngin
     check_model(req.model, st.config.served_model_names)
     if req.echo and req.logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported", "echo")
-    if req.beam is not None:
-        raise bad_request("'use_beam_search' is not supported by this server yet", "use_beam_search")
     rid = R.new_id("cmpl")
     gen = Generation(engine, st.metrics, req.prompts, req.params, rid, req.options.priority)
     return await _run(request, st, gen, _CompletionShape(st, req, gen, rid))
@@ -291,8 +289,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req: ChatRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
-    if req.beam is not None:
-        raise bad_request("'use_beam_search' is not supported by this server yet", "use_beam_search")
     c = req.chat
     try:  # off the event loop: a long conversation takes a while to render and tokenize
         tools = {"tools": req.tools} if req.tools else {}  # as transformers' apply_chat_template(tools=...)

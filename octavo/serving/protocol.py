@@ -78,14 +78,6 @@ class OutputOptions:
 
 
 @dataclass(slots=True)
-class BeamOptions:
-    """use_beam_search: width = max(n, best_of); the n best beams are returned."""
-
-    width: int
-    length_penalty: float = 1.0
-
-
-@dataclass(slots=True)
 class CompletionRequest:
     model: str | None
     prompts: list[str | list[int]]
@@ -95,7 +87,6 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None  # top-k per token, None = off
     options: OutputOptions = field(default_factory=OutputOptions)
-    beam: BeamOptions | None = None
 
 
 @dataclass(slots=True)
@@ -120,7 +111,6 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     options: OutputOptions = field(default_factory=OutputOptions)
-    beam: BeamOptions | None = None
     chat: ChatOptions = field(default_factory=ChatOptions)
     tools: list[dict[str, Any]] | None = None  # as the chat template receives them
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
@@ -333,21 +323,24 @@ def _prompt_logprobs(b: _Body) -> None:
     raise bad_request("'prompt_logprobs' is not supported by this server yet", "prompt_logprobs")
 
 
-def _beam(b: _Body, n: int) -> BeamOptions | None:
-    """use_beam_search: beam width max(n, best_of), length_penalty (vLLM's: score = cumulative logprob /
-    length ** length_penalty). Sampling fields that beam search does not use are refused, not ignored."""
+def _beam(b: _Body, n: int) -> bool:
+    """use_beam_search (vLLM's): beam width max(n, best_of), the n best returned, ranked by cumulative logprob /
+    length ** length_penalty. The fields beam search does not use are refused, not ignored."""
     if not b.boolean("use_beam_search", False):
         if b.present("length_penalty") and b.number("length_penalty", 1.0) != 1.0:
             raise bad_request("'length_penalty' only applies with 'use_beam_search': true", "length_penalty")
-        return None
+        return False
     best_of = b.integer("best_of", None, lo=1)
     if best_of is not None and best_of < n:
         raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n}): it is the beam width", "best_of")
-    for name, off in (("top_p", 1.0), ("top_k", None), ("min_p", 0.0), ("seed", None)):
-        if b.present(name) and b.d[name] != off and not (name == "top_k" and b.d[name] in (0, -1)):
-            raise bad_request(f"'{name}' does not apply to beam search (beams are chosen by cumulative "
-                              "logprob); leave it unset", name)
-    return BeamOptions(width=max(n, best_of or n), length_penalty=b.number("length_penalty", 1.0))
+    # sampling knobs (temperature, top_p, top_k, min_p, seed) do not change a beam search: ignored, as vLLM does;
+    # these would change what the client gets, so they are refused rather than ignored
+    for name in ("stop", "stop_token_ids", "logprobs", "top_logprobs", "prompt_logprobs"):
+        v = b.d.get(name)
+        if v not in (None, False, [], ""):
+            raise bad_request(f"'{name}' is not supported with beam search (hypotheses end at EOS or max_tokens "
+                              "and carry no logprobs); leave it unset", name)
+    return True
 
 
 def _check_fields(b: _Body, known: frozenset[str], limits: Limits, refused: dict[str, Any] | None = None) -> None:
@@ -366,7 +359,8 @@ def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | 
               structured: StructuredOutputsParams | None = None) -> SamplingParams:
     n = b.integer("n", 1, lo=1, hi=limits.max_n)
     best_of = b.integer("best_of", None, lo=1, hi=limits.max_n)
-    if best_of is not None and best_of != n and not b.d.get("use_beam_search"):
+    beam = _beam(b, n)
+    if best_of is not None and best_of != n and not beam:
         raise bad_request(f"'best_of' ({best_of}) different from 'n' ({n}) is only supported with "
                           "'use_beam_search': true (as the beam width)", "best_of",
                           "unsupported_parameter")
@@ -405,6 +399,8 @@ def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | 
             logprobs=logprobs,
             skip_special_tokens=b.boolean("skip_special_tokens", True),
             structured_outputs=structured,
+            use_beam_search=beam, best_of=best_of if beam else None,
+            length_penalty=b.number("length_penalty", 1.0),
         )
     except InvalidRequestError as exc:  # the shared validator caught something our getters let through
         raise bad_request(str(exc)) from None
@@ -455,14 +451,13 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     structured, _ = parse_constraint(b.d)
     params = _sampling(b, limits, max_tokens, logprobs, structured)
     _prompt_logprobs(b)
-    beam = _beam(b, params.n)
     if len(prompts) * params.n > limits.max_choices:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} is more than {limits.max_choices} choices "
                           "in one request", "n")
     return CompletionRequest(
         model=_model(b), prompts=prompts, params=params,
         stream=stream, include_usage=include_usage, echo=b.boolean("echo", False), logprobs=logprobs,
-        options=_output_options(b, continuous, logprobs is not None), beam=beam,
+        options=_output_options(b, continuous, logprobs is not None),
     )
 
 
@@ -562,7 +557,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     return ChatRequest(
         model=_model(b), messages=messages, params=params,
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
-        options=_output_options(b, continuous, logprobs), beam=_beam(b, params.n), chat=_chat_options(b, messages),
+        options=_output_options(b, continuous, logprobs), chat=_chat_options(b, messages),
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
     )
 
