@@ -37,13 +37,19 @@ def hf(hf_dir):  # noqa: ANN001, ANN201
     return model
 
 
+_HF_CACHE: dict[tuple[int, ...], np.ndarray] = {}
+
+
 def hf_logprobs(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
     """log-softmax of the next-token logits after IDS, by transformers (full forward, float64 softmax)."""
     import torch
 
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1].double()
-    return torch.log_softmax(logits, -1).numpy()
+    key = tuple(ids)
+    if key not in _HF_CACHE:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+        _HF_CACHE[key] = torch.log_softmax(logits, -1).numpy()
+    return _HF_CACHE[key]
 
 
 def reference_beam_search(model, prompt: list[int], width: int, max_tokens: int, eos: int,  # noqa: ANN001
@@ -156,6 +162,56 @@ def test_batched_with_other_requests_and_under_preemption(hf_dir, llm) -> None: 
         assert small.engine.block_manager.num_free_blocks == 10
     finally:
         small.close()
+
+
+def _near_tie(model, prompt: list[int], width: int, steps: int) -> bool:  # noqa: ANN001
+    """Does the no-EOS search meet a choice between candidates closer than float noise between ONNX Runtime
+    and torch could decide (the width-th and next best within 1e-3)? Such draws are not comparable."""
+    live = [(list(prompt), 0.0)]
+    for _ in range(steps):
+        cands = sorted(((toks + [int(t)], cum + lp[t]) for toks, cum in live
+                        for lp in [hf_logprobs(model, toks)] for t in np.argsort(-lp)[:2 * width + 1]),
+                       key=lambda c: -c[1])
+        if len(cands) > width and cands[width - 1][1] - cands[width][1] < 1e-3:
+            return True
+        live = cands[:width]
+    return False
+
+
+def test_random_searches_equal_the_reference(hf_dir, hf) -> None:  # noqa: ANN001
+    """Property: random prompts, widths, lengths, penalties and pool sizes (small pools preempt and recompute
+    beams; block size 4 makes many partial-block forks): the engine's beams == the reference's."""
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import strategies as st
+
+    engines: dict[int, LLM] = {}
+
+    def engine(num_blocks: int) -> LLM:
+        if num_blocks not in engines:
+            engines[num_blocks] = LLM(str(exported(hf_dir)), num_blocks=num_blocks, block_size=4, num_threads=1,
+                                      max_num_seqs=8)
+        return engines[num_blocks]
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(prompt=st.lists(st.integers(5, 380), min_size=1, max_size=30), width=st.integers(1, 4),
+           steps=st.integers(1, 7), length_penalty=st.sampled_from([0.0, 1.0, 2.0]),
+           num_blocks=st.sampled_from([24, 200]))
+    def check(prompt: list[int], width: int, steps: int, length_penalty: float, num_blocks: int) -> None:
+        assume(not _near_tie(hf, prompt, width, steps))
+        llm = engine(num_blocks)
+        assume(len(prompt) + steps <= 4 * num_blocks)
+        eos = llm.get_tokenizer().eos_token_ids[0]
+        want = reference_beam_search(hf, prompt, width, steps, eos, True, length_penalty)
+        got = llm.beam_search(prompt, BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True,
+                                                       length_penalty=length_penalty))[0].sequences
+        assert [s.tokens for s in got] == [t for t, _, _ in want]
+        assert llm.engine.block_manager.num_free_blocks == num_blocks
+
+    try:
+        check()
+    finally:
+        for e in engines.values():
+            e.close()
 
 
 # ------------------------------------------------------------------------------------------------

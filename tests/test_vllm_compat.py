@@ -517,3 +517,12 @@ def test_stream_and_whole_agree_on_random_requests(url) -> None:  # noqa: ANN001
         assert streamed == whole
 
     check()
+
+
+def test_offline_chat_options_match_the_server(client, llm) -> None:  # noqa: ANN001
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    r = client.chat.completions.create(model=NAME, messages=conv, max_tokens=4, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True, "return_token_ids": True})
+    assert r.prompt_token_ids == out.prompt_token_ids and r.choices[0].message.content == out.outputs[0].text

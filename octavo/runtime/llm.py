@@ -73,18 +73,23 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, *, special_tokens_in_content: bool = False,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate. Special-token strings inside
+             add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             special_tokens_in_content: bool = False, tools: list[dict[str, Any]] | None = None
+             ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template (or CHAT_TEMPLATE, sandboxed alike), then
+        generate. continue_final_message: continue the last (assistant) message instead of closing it;
+        chat_template_kwargs: extra template variables (vLLM's LLM.chat options). Special-token strings inside
         the messages stay plain text unless SPECIAL_TOKENS_IN_CONTENT (see Tokenizer.encode_chat). TOOLS (OpenAI's
         [{"type": "function", "function": {...}}]) reach the template as in transformers' apply_chat_template."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt=False")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        extra = {"tools": tools} if tools else {}
-        prompts: list[Prompt] = [
-            {"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, special_tokens_in_content=special_tokens_in_content,
-                                                 **extra)}
-            for c in convs]
+        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts: list[Prompt] = [{"prompt_token_ids": tok.encode_chat(
+            c, add_generation_prompt, chat_template=chat_template, continue_final_message=continue_final_message,
+            special_tokens_in_content=special_tokens_in_content, **extra)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
