@@ -101,10 +101,6 @@ class BeamSearch:
     reported: dict[Request, dict[int, float]] = field(default_factory=dict)
     steps: int = 0
 
-    @property
-    def num_logprobs(self) -> int:
-        return 2 * self.params.beam_width
-
     def report(self, req: Request, logprobs: dict[int, float]) -> bool:
         """A live beam's next-token logprobs of this step; True once every live beam has reported."""
         self.reported[req] = logprobs
