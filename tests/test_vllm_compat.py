@@ -332,6 +332,38 @@ def test_use_beam_search_returns_the_n_best_beams(client, url, llm) -> None:  # 
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def _metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_client_leaving_a_beam_search_aborts_it_and_frees_every_beam(url) -> None:  # noqa: ANN001
+    """A beam search answers only when it ends; a client that leaves before must not keep its beams alive."""
+    import socket
+
+    body = json.dumps({"model": NAME, "prompt": "Once upon a time", "max_tokens": 900, "n": 3,
+                       "use_beam_search": True, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    aborts = _metric(url, "octavo:request_success_total", finished_reason="abort")
+    lengths = _metric(url, "octavo:request_success_total", finished_reason="length")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 60
+    while _metric(url, "octavo:kv_cache_usage_perc") == 0:  # its beams hold blocks: it runs
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    while _metric(url, "octavo:num_requests_running") or _metric(url, "octavo:kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "the abandoned beam search kept running"
+        time.sleep(0.01)
+    assert _metric(url, "octavo:request_success_total", finished_reason="abort") == aborts + 1
+    assert _metric(url, "octavo:request_success_total", finished_reason="length") == lengths
+
+
 # ------------------------------------------------------------------------------------------------
 # per-request timing
 
