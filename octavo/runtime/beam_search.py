@@ -254,8 +254,7 @@ class BeamSearchManager:
         for parent, cands in by_parent.items():
             for c in cands[1:]:  # children first: they fork the parent's state before it takes its own token
                 child = self._child(search, parent)
-                self.block_manager.fork(parent, child)
-                pair = self.block_manager.copy_partial_block(parent, child)
+                pair = self.block_manager.fork(parent, child, copy_partial=True)
                 if pair is not None:
                     copies.append(pair)
                 self._extend(search, child, c, live)

@@ -10,8 +10,8 @@
   `promised` (hash -> that request) until filled (`cache_full_blocks`) or let go (`release`).
 - The one writer of a request's KV state: block_table, num_computed_tokens (`admit`: the cached
   prefix, `commit`: a step's tokens, `release`: 0), block hashes; it counts its own cache hits.
-- `fork`: a new request shares another's full computed blocks (beam search, n > 1); `copy_partial_block`
-  then gives it its own copy of the partially filled last block (copy on write: both will write into it).
+- `fork`: a new request shares another's full computed blocks (beam search, n > 1); for beam search also its
+  own copy of the partially filled last block (copy on write: both will write into it).
 - Invariant (checked by `check`): free + in use == total; a block is free iff its refcount is 0.
 """
 from __future__ import annotations
@@ -158,10 +158,12 @@ class BlockManager:
         req.num_computed_tokens += num_tokens
         self.cache_full_blocks(req)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Request, child: Request, copy_partial: bool = False) -> tuple[int, int] | None:
         """Give child (no blocks yet) parent's full computed blocks, shared by reference count. The
         partial last block is not shared (a write would change the parent's copy): the child computes
-        those tokens itself. child's tokens must start with parent's first num_computed_tokens."""
+        those tokens itself, or with COPY_PARTIAL (beam search) gets its own copy if a block is free — then
+        (parent's block, the copy) is returned for the backend's copy_blocks. child's tokens must start with
+        parent's first num_computed_tokens."""
         assert not child.block_table, "fork into a request that already holds blocks"
         n_full = parent.num_computed_tokens // self.block_size
         for b in parent.block_table[:n_full]:
@@ -170,19 +172,11 @@ class BlockManager:
         child.block_hashes = parent.block_hashes[:n_full]
         child.num_computed_tokens = n_full * self.block_size
         child.num_registered_blocks = min(n_full, parent.num_registered_blocks)
-
-    def copy_partial_block(self, parent: Request, child: Request) -> tuple[int, int] | None:
-        """After `fork`: give child its own copy of parent's partially filled last block (copy on write, for
-        beam search, where both go on writing into it). Returns (source, copy) for the backend to copy the
-        K/V, or None: no partial block, or no free block (the child then recomputes those few tokens)."""
-        n_full = len(child.block_table)
-        if parent.num_computed_tokens == n_full * self.block_size or not self.free_lru:
-            return None
-        src = parent.block_table[n_full]
-        if not self.allocate(child, parent.num_computed_tokens - child.num_computed_tokens):
+        partial = parent.num_computed_tokens - child.num_computed_tokens
+        if not copy_partial or not partial or not self.allocate(child, partial):
             return None
         child.num_computed_tokens = parent.num_computed_tokens
-        return src, child.block_table[n_full]
+        return parent.block_table[n_full], child.block_table[n_full]
 
     def release(self, req: Request) -> None:
         """Drop req's references, last block first; unreferenced blocks join the free list. Its
