@@ -286,7 +286,8 @@ class BeamSearchManager:
 
     def _finish(self, search: _Search, chosen: list[Candidate]) -> RequestOutput:
         p = search.group.children[0].params
-        best = search.beams.result(chosen, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens))
+        best = search.beams.result(
+            chosen, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens))
         for req in search.beams.live:
             self._drop(req, "stop")
         del self.searches[search.group.request_id]
