@@ -167,7 +167,6 @@ def test_pydantic_parse_and_streaming(client, server, ws_bias) -> None:  # noqa:
     ("chat", {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ("chat", {"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ("chat", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
 ])
