@@ -377,13 +377,17 @@ def test_missing_headers_name_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+@pytest.mark.parametrize("arch", ["x86-64", "haswell", "x86-64-v3", "x86-64-v4"])
 def test_portable_builds_match_reference(arch: str, tmp_path) -> None:  # noqa: ANN001
-    """The SIMD code at 4 and 8 lanes (the default build uses the host's widest vectors)."""
+    """The SIMD code at 4, 8 and 16 lanes (the default build uses the host's widest vectors); x86-64-v3/v4 are
+    the wheel's builds (docs/install.md)."""
     import platform
 
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 -march variants only")
+    flags = oplib.cpu_flags()
+    if arch == "x86-64-v4" and (flags is None or oplib.X86_64_V4.missing(flags)):
+        pytest.skip("this CPU has no AVX-512")
     library = str(build_op.build_library(native=False, extra_flags=(f"-march={arch}",),
                                          output=tmp_path / "liboctavo_ort.so"))
     for name in sorted(CASES):
