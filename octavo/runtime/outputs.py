@@ -14,6 +14,7 @@ class Logprob:
     token_id: int
     logprob: float
     decoded: str = ""
+    rank: int | None = None  # 1 = the most likely token at its position (prompt logprobs carry it, as vLLM's)
 
 
 @dataclass(slots=True)
@@ -52,3 +53,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt position, None first (no context), then {token_id: Logprob}
+    # holding the top-k and the prompt's own token (vLLM's shape); None when not asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -29,6 +29,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen one)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0 = only the prompt's own token)
     skip_special_tokens: bool = True
     # what each output holds (vLLM's RequestOutputKind; see runtime/output_processor.py): "delta" (the
     # engine's native form: what is new since the previous output; the server and Triton stream these),
@@ -88,6 +89,10 @@ class SamplingParams:
             raise bad(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a non-empty string or a list of non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
