@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +29,7 @@ from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.serving.openapi import add_openapi_route, server_schema
 from octavo.serving.protocol import ChatRequest, CompletionRequest, Limits, check_model, parse_chat, parse_completion
+from octavo.serving.tokenize_routes import add_tokenize_routes
 from octavo.serving.tool_output import ToolStream, tool_message, whole_message
 from octavo.serving.tools import template_messages
 
@@ -97,6 +98,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/invocations", invocations)
+    add_tokenize_routes(app, STATE)  # /tokenize, /detokenize, /tokenizer_info (vLLM's)
     add_openapi_route(app, lambda: server_schema(state))
     return app
 
@@ -272,8 +274,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _completions(request: web.Request, st: ServerState, engine: AsyncEngine,
                        req: CompletionRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported", "echo")
     rid = R.new_id("cmpl")
     gen = Generation(engine, st.metrics, req.prompts, req.params, rid, req.options.priority)
     return await _run(request, st, gen, _CompletionShape(st, req, gen, rid))
@@ -387,7 +387,9 @@ class _Shape:
 
 
 class _CompletionShape(_Shape):
-    """/v1/completions."""
+    """/v1/completions. With prompt logprobs asked for (echo + logprobs, or vLLM's prompt_logprobs) the echo goes
+    out with each choice's first chunk, once the engine has scored the prompt; otherwise before any token.
+    Score only (echo, max_tokens 0): the one token the engine sampled is not shown nor counted."""
 
     envelope = staticmethod(R.completion)
     req: CompletionRequest
@@ -395,15 +397,36 @@ class _CompletionShape(_Shape):
     def __init__(self, st: ServerState, req: CompletionRequest, gen: Generation, rid: str) -> None:
         super().__init__(st, req, gen, rid)
         self.offsets: dict[int, int] = {}
+        self.started: set[int] = set()  # choices whose first chunk went out (lazy echo)
+        self.lazy_echo = req.params.prompt_logprobs is not None
 
-    def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
-        if self.req.logprobs is None or u.logprobs is None:
+    def _usage(self) -> dict[str, Any]:
+        completion = 0 if self.req.score_only else self.gen.completion_tokens
+        return R.usage(self.gen.prompt_tokens, completion, self.gen.cached_tokens)
+
+    def _logprobs(self, index: int, ids: list[int], entries: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+        if self.req.logprobs is None or entries is None:
             return None
-        off = self.offsets.get(u.index, 0)
-        lp = R.completion_logprobs(u.logprobs, u.token_ids, self.req.logprobs, _decoder(self.st), off,
+        off = self.offsets.get(index, 0)
+        lp = R.completion_logprobs(entries, ids, self.req.logprobs, _decoder(self.st), off,
                                    as_ids=self.opts.tokens_as_ids)
-        self.offsets[u.index] = off + R.text_length(u.logprobs, u.token_ids, _decoder(self.st))
+        self.offsets[index] = off + R.text_length(entries, ids, _decoder(self.st))
         return lp
+
+    def _prompt_part(self, index: int) -> tuple[dict[str, Any] | None, list[dict[str, Any] | None] | None]:
+        """(legacy logprobs of the echoed prompt, vLLM's prompt_logprobs) of choice INDEX, as far as asked for."""
+        scores = self.gen.prompt_scores(index) if self.lazy_echo else None
+        if scores is None:
+            return None, None
+        ids, entries = scores
+        legacy = None
+        if self.req.echo and self.req.logprobs is not None:
+            legacy, self.offsets[index] = R.echo_logprobs(ids, entries, self.req.logprobs, _decoder(self.st),
+                                                          as_ids=self.opts.tokens_as_ids)
+        vllm = None
+        if self.req.prompt_logprobs is not None:
+            vllm = R.prompt_logprobs_json(ids, entries, self.req.prompt_logprobs)
+        return legacy, vllm
 
     def _echo(self, index: int) -> str:
         if not self.req.echo:
@@ -412,10 +435,11 @@ class _CompletionShape(_Shape):
         return p if isinstance(p, str) else self.st.tokenizer.decode(p)
 
     def _stream_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None,
-                       token_ids: list[int]) -> dict[str, Any]:
+                       token_ids: list[int], prompt_logprobs: list[dict[str, Any] | None] | None = None
+                       ) -> dict[str, Any]:
         """A chunk's choice; with return_token_ids its new token ids, and its prompt's ids the first time
         they are known."""
-        choice = R.completion_choice(index, text, finish_reason, logprobs)
+        choice = R.completion_choice(index, text, finish_reason, logprobs, prompt_logprobs)
         if self.opts.return_token_ids:
             ids = self.gen.prompt_token_ids(index)
             if ids is not None and index not in self.prompt_ids_sent:
@@ -425,27 +449,39 @@ class _CompletionShape(_Shape):
         return choice
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        if not self.req.echo:
+        if not self.req.echo or self.lazy_echo:
             return []
         return [self._chunk([self._stream_choice(i, self._echo(i), None, None, [])])
                 for i in range(self.gen.num_choices)]
 
     def chunk(self, u: ChoiceUpdate) -> dict[str, Any] | None:
+        if self.req.score_only:
+            u = replace(u, text="", token_ids=[], logprobs=[] if u.logprobs is not None else None)
         self._counted(u)
-        if not self._wants_chunk(u, self.req.logprobs is not None):
+        first = self.lazy_echo and u.index not in self.started
+        self.started.add(u.index)
+        if not first and not self._wants_chunk(u, self.req.logprobs is not None):
             return None
-        return self._chunk([self._stream_choice(u.index, u.text, u.finish_reason, self._logprobs(u), u.token_ids)])
+        legacy, prompt_lp = self._prompt_part(u.index) if first else (None, None)
+        lp = self._logprobs(u.index, u.token_ids, u.logprobs)
+        if legacy is not None:
+            lp = R.joined_logprobs(legacy, lp) if lp is not None else legacy
+        text = (self._echo(u.index) if first else "") + u.text
+        return self._chunk([self._stream_choice(u.index, text, u.finish_reason, lp, u.token_ids, prompt_lp)])
 
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
         choices = []
         for i in range(self.gen.num_choices):
             ids, entries = self._joined(updates.get(i, []))
-            lp = None
-            if self.req.logprobs is not None:
-                lp = R.completion_logprobs(entries, ids, self.req.logprobs, _decoder(self.st),
-                                           as_ids=self.opts.tokens_as_ids)
-            choice = R.completion_choice(i, self._echo(i) + "".join(texts.get(i, [])), reasons.get(i), lp)
+            text = "".join(texts.get(i, []))
+            if self.req.score_only:
+                ids, entries, text = [], [], ""
+            legacy, prompt_lp = self._prompt_part(i)
+            lp = self._logprobs(i, ids, entries)
+            if legacy is not None:
+                lp = R.joined_logprobs(legacy, lp) if lp is not None else legacy
+            choice = R.completion_choice(i, self._echo(i) + text, reasons.get(i), lp, prompt_lp)
             if self.opts.return_token_ids:
                 choice["prompt_token_ids"] = self.gen.prompt_token_ids(i)
                 choice["token_ids"] = ids

@@ -60,6 +60,7 @@ class _Sub:
     prompt_token_ids: list[int] | None = None  # known once the engine has tokenized the prompt
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: Any = None  # the engine's RequestMetrics of the latest output
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once the engine has scored the prompt
 
 
 _END = object()
@@ -103,6 +104,12 @@ class Generation:
         m = self._subs[0].metrics
         return request_metrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time,
                                self.completion_tokens)
+    def prompt_scores(self, choice: int) -> tuple[list[int], list[dict[int, Logprob] | None]] | None:
+        """The prompt token ids and prompt logprobs of CHOICE's prompt, once the engine has returned them."""
+        sub = self._subs[choice // self._params.n]
+        if sub.prompt_logprobs is None or sub.prompt_token_ids is None:
+            return None
+        return sub.prompt_token_ids, sub.prompt_logprobs
 
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
         """Yields the updates of each engine output as it arrives; aborts what is left when closed early."""
@@ -171,6 +178,8 @@ class Generation:
         sub.prompt_token_ids = out.prompt_token_ids
         sub.cached_tokens = out.num_cached_tokens
         sub.metrics = out.metrics
+        if out.prompt_logprobs is not None and sub.prompt_logprobs is None:
+            sub.prompt_logprobs = out.prompt_logprobs
         updates = []
         for o in out.outputs:  # deltas: each holds only what is new for its choice
             st = sub.choices.setdefault(o.index, _Choice())

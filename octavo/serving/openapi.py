@@ -149,7 +149,11 @@ def _completion_request(cap: int | None, max_n: int, vocab: int | None) -> dict[
             {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "array", "minItems": 1, "items": token}},
         ]},
         "logprobs": _int(0, MAX_LOGPROBS, nullable=True),
-        "echo": {"type": "boolean", "nullable": True},
+        "echo": {"type": "boolean", "nullable": True, "description": "prepend the prompt (with logprobs: its "
+                 "tokens' logprobs too, the first null)"},
+        "max_tokens": _int(0, cap, nullable=True, description="0 only with echo: score the prompt, generate nothing"),
+        "prompt_logprobs": _int(0, MAX_LOGPROBS, nullable=True,
+                                description="vLLM's: top-k logprobs of every prompt token, in choices[].prompt_logprobs"),
     })
     return {"type": "object", "required": ["prompt"], "properties": props}
 
@@ -200,6 +204,9 @@ _METRICS = {"type": "object", "nullable": True, "description": "with include_met
                                  "tokens_per_second")}}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": "with return_token_ids"}
 _FINISH = {"type": "string", "nullable": True, "enum": ["stop", "length", "tool_calls", "abort", "error", None]}
+_PROMPT_LOGPROBS = {"type": "array", "nullable": True, "description": "null first, then {token id: {logprob, rank, "
+                    "decoded_token}} per prompt token", "items": {"type": "object", "nullable": True,
+                                                                 "additionalProperties": {"type": "object"}}}
 
 
 def _responses_schemas() -> dict[str, Any]:
@@ -217,6 +224,7 @@ def _responses_schemas() -> dict[str, Any]:
                                "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
                                "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
                                               "logprobs": {"type": "object", "nullable": True},
+                                              "prompt_logprobs": _PROMPT_LOGPROBS,
                                               "finish_reason": _FINISH, "token_ids": _TOKEN_IDS,
                                               "prompt_token_ids": _TOKEN_IDS}}},
                            "usage": _ref("Usage"), "metrics": _METRICS}},
@@ -235,6 +243,14 @@ def _responses_schemas() -> dict[str, Any]:
                                        "logprobs": {"type": "object", "nullable": True},
                                        "finish_reason": _FINISH, "token_ids": _TOKEN_IDS}}},
                                "usage": _ref("Usage"), "metrics": _METRICS, "prompt_token_ids": _TOKEN_IDS}},
+        "Tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+            "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer", "nullable": True},
+            "tokens": {"type": "array", "items": {"type": "integer"}},
+            "token_strs": {"type": "array", "nullable": True, "items": {"type": "string"}}}},
+        "Detokenize": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        "TokenizerInfo": {"type": "object", "required": ["eos_token", "chat_template"], "properties": {
+            "tokenizer_class": {"type": "string"}, "bos_token": _NULLABLE_STR, "eos_token": _NULLABLE_STR,
+            "chat_template": _NULLABLE_STR, "model_max_length": {"type": "integer", "nullable": True}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"type": "string", "enum": ["list"]},
             "data": {"type": "array", "items": {"type": "object", "required": ["id", "object", "created", "owned_by"],
@@ -284,6 +300,31 @@ def _get_op(summary: str, content: dict[str, Any], *, auth: bool = True) -> dict
     return op
 
 
+def _tokenize_requests(vocab: int | None) -> dict[str, Any]:
+    chat = _chat_request(None, 1, vocab)["properties"]["messages"]
+    flag = {"type": "boolean", "nullable": True}
+    return {
+        "TokenizeRequest": {"type": "object", "description": "exactly one of prompt and messages", "properties": {
+            "model": {"type": "string", "nullable": True}, "prompt": {"type": "string"}, "messages": chat,
+            "add_special_tokens": {**flag, "description": "default: true for prompt, false for messages"},
+            "add_generation_prompt": flag, "continue_final_message": flag, "return_token_strs": flag}},
+        "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+            "model": {"type": "string", "nullable": True},
+            "tokens": {"type": "array", "items": _int(0, vocab - 1 if vocab else None)}}},
+    }
+
+
+def _tokenizer_op(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {_JSON: {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "ok", "content": {_JSON: {"schema": _ref(response)}}},
+                      "400": _error("the body is not valid JSON or a parameter is invalid (the error names it)"),
+                      "404": _error("the request names a model this server does not serve"),
+                      "413": _error("the body is larger than --max-body-bytes"), **_COMMON_ERRORS},
+    }
+
+
 def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int | None = None, max_n: int = 16,
                    vocab_size: int | None = None, version: str = "0") -> dict[str, Any]:
     """The OpenAPI 3.0.3 document of this server, with its limits filled in."""
@@ -292,6 +333,7 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
     schemas["ChatCompletionRequest"] = _chat_request(max_tokens_cap, max_n, vocab_size)
     schemas["InvocationRequest"] = {"oneOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]}
     schemas["Invocation"] = {"oneOf": [_ref("ChatCompletion"), _ref("Completion")]}
+    schemas.update(_tokenize_requests(vocab_size))
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
         "openapi": "3.0.3",
@@ -307,6 +349,12 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
             "/invocations": {"post": {**_generate_op(
                 "SageMaker-style: a chat completion when the body has 'messages', else a completion ('prompt')",
                 "InvocationRequest", "Invocation")}},
+            "/tokenize": {"post": _tokenizer_op("token ids of a prompt or a templated chat (vLLM's shape)",
+                                                "TokenizeRequest", "Tokenize")},
+            "/detokenize": {"post": _tokenizer_op("the text of token ids (special tokens kept)",
+                                                  "DetokenizeRequest", "Detokenize")},
+            "/tokenizer_info": {"get": _get_op("the tokenizer's special tokens, chat template and context length",
+                                               {_JSON: {"schema": _ref("TokenizerInfo")}})},
             "/v1/models": {"get": _get_op("the served model names", {_JSON: {"schema": _ref("ModelList")}})},
             "/health": {"get": _get_op("200 once the model is loaded (no API key needed)", {}, auth=False)},
             "/version": {"get": _get_op("octavo's version", {_JSON: {"schema": {

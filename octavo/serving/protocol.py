@@ -87,6 +87,8 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None  # top-k per token, None = off
     options: OutputOptions = field(default_factory=OutputOptions)
+    prompt_logprobs: int | None = None  # vLLM's field: top-k per prompt token, returned as choices[].prompt_logprobs
+    score_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) only, nothing generated
 
 
 @dataclass(slots=True)
@@ -312,15 +314,13 @@ def _output_options(b: _Body, continuous: bool, logprobs_on: bool) -> OutputOpti
     )
 
 
-def _prompt_logprobs(b: _Body) -> None:
-    """vLLM's prompt_logprobs (top-k logprobs of every prompt token): validated, not implemented yet."""
+def _prompt_logprobs(b: _Body) -> int | None:
+    """vLLM's prompt_logprobs: top-k logprobs of every prompt token (None: not asked)."""
     v = b.integer("prompt_logprobs", None)
-    if v is None:
-        return
-    if not 0 <= v <= MAX_LOGPROBS:
+    if v is not None and not 0 <= v <= MAX_LOGPROBS:
         raise bad_request(f"'prompt_logprobs' must be an integer between 0 and {MAX_LOGPROBS}, got {v}",
                           "prompt_logprobs")
-    raise bad_request("'prompt_logprobs' is not supported by this server yet", "prompt_logprobs")
+    return v
 
 
 def _beam(b: _Body, n: int) -> bool:
@@ -445,19 +445,31 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     if b.present("suffix"):
         raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
     logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    echo = b.boolean("echo", False)
+    prompt_logprobs = _prompt_logprobs(b)
     stream, include_usage, continuous = _stream(b)
-    max_tokens = _max_tokens(b, ("max_tokens",), 16, limits)
+    # echo with max_tokens 0 scores the prompt only (OpenAI's and vLLM's legacy use, lm-eval's loglikelihood):
+    # the engine samples one token (its prefill yields the prompt's logprobs), the response drops it
+    score_only = echo and b.integer("max_tokens", None, lo=0) == 0
+    if score_only and b.integer("min_tokens", 0, lo=0):
+        raise bad_request("'min_tokens' must be 0 when 'max_tokens' is 0 (echo: score the prompt only)", "min_tokens")
+    max_tokens = 1 if score_only else _max_tokens(b, ("max_tokens",), 16, limits)
     prompts = _prompts(b, limits)
     structured, _ = parse_constraint(b.d)
     params = _sampling(b, limits, max_tokens, logprobs, structured)
-    _prompt_logprobs(b)
+    # the prompt's logprobs: asked for directly (vLLM), or echoed with logprobs (OpenAI's legacy shape)
+    wanted = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
+    if wanted:
+        params.prompt_logprobs = max(wanted)
+        params.validate()
     if len(prompts) * params.n > limits.max_choices:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} is more than {limits.max_choices} choices "
                           "in one request", "n")
     return CompletionRequest(
         model=_model(b), prompts=prompts, params=params,
-        stream=stream, include_usage=include_usage, echo=b.boolean("echo", False), logprobs=logprobs,
+        stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
         options=_output_options(b, continuous, logprobs is not None),
+        prompt_logprobs=prompt_logprobs, score_only=score_only,
     )
 
 
@@ -553,7 +565,10 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     max_tokens = _max_tokens(b, ("max_completion_tokens", "max_tokens"), None, limits)
     messages = _messages(b)
     params = _sampling(b, limits, max_tokens, top if logprobs else None, forced or structured)
-    _prompt_logprobs(b)
+    if _prompt_logprobs(b) is not None:
+        raise bad_request("'prompt_logprobs' is not supported on /v1/chat/completions yet: send the chat's token ids "
+                          "(POST /tokenize with these messages) to /v1/completions with prompt_logprobs",
+                          "prompt_logprobs")
     return ChatRequest(
         model=_model(b), messages=messages, params=params,
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,

@@ -64,8 +64,12 @@ def completion(rid: str, created: int, model: str, choices: list[dict[str, Any]]
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None,
-                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                      logprobs: dict[str, Any] | None = None,
+                      prompt_logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:  # vLLM's field, present when the request asked for it
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
 
 
 def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int,
@@ -80,7 +84,9 @@ def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequen
     for tid, entry in zip(token_ids, entries):
         tokens.append(shown(tid, entry))
         token_logprobs.append(_lp(entry[tid].logprob) if tid in entry else _MIN_LOGPROB)
-        best = {shown(t, entry): _lp(lp.logprob) for t, lp in _top(entry, top_k, tid)}
+        best: dict[str, float] = {}
+        for t, lp in _top(entry, top_k, tid):  # tokens that read the same (byte pieces: "\ufffd") keep the likeliest
+            best.setdefault(shown(t, entry), _lp(lp.logprob))
         top.append(best)
         offsets.append(text_offset)
         text_offset += len(_token_text(tid, entry, decode))
@@ -90,6 +96,34 @@ def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequen
 def text_length(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], decode: Decode) -> int:
     """Characters of these tokens' text (where the next text_offset starts)."""
     return sum(len(_token_text(tid, entry, decode)) for tid, entry in zip(token_ids, entries))
+def echo_logprobs(prompt_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], top_k: int,
+                  decode: Decode, as_ids: bool = False) -> tuple[dict[str, Any], int]:
+    """The prompt's part of legacy logprobs under echo: like completion_logprobs, but the first token has no
+    context, so its token_logprobs and top_logprobs entries are null (OpenAI's and vLLM's shape). Returns it
+    and the text_offset where the text after the prompt starts."""
+    rest_entries = [e or {} for e in entries[1:]]
+    if not prompt_ids:
+        return completion_logprobs([], [], top_k, decode), 0
+    first_entry = entries[0] or {}
+    first_len = len(_token_text(prompt_ids[0], first_entry, decode))
+    rest = completion_logprobs(rest_entries, prompt_ids[1:], top_k, decode, first_len, as_ids)
+    head = {"tokens": [_token_id_or_text(decode, as_ids)(prompt_ids[0], first_entry), *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]], "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]]}
+    return head, first_len + text_length(rest_entries, prompt_ids[1:], decode)
+
+
+def joined_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects back to back (the echoed prompt's, then the generated tokens')."""
+    return {k: [*head[k], *tail[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def prompt_logprobs_json(prompt_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None],
+                         top_k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt position null (the first) or {token id: {logprob, rank, decoded_token}}
+    holding the TOP_K most likely tokens there and the prompt's own token."""
+    return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded}
+                                    for t, lp in _top(e, top_k, tid)} for tid, e in zip(prompt_ids, entries)]
 
 
 # ---------------------------------------------------------------------------------------------------
