@@ -49,3 +49,17 @@ gpu-check: setup
 
 clean:
 	rm -rf build dist octavo/_lib .pytest_cache
+
+# lm-evaluation-harness, pinned, in its own venv: the same local tasks against `octavo serve` and against
+# lm-eval's own hf backend on the same GGUF, one accuracy (docs/evaluation.md). Slow; not part of `make test`.
+EVAL_VENV ?= .venv-eval
+.PHONY: eval-smoke
+
+$(EVAL_VENV)/.installed: scripts/eval/requirements.txt
+	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(EVAL_VENV)/bin/python -m pip install -q -r scripts/eval/requirements.txt
+	touch $@
+
+eval-smoke: setup $(EVAL_VENV)/.installed
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(EVAL_VENV)/bin/python scripts/eval/smoke.py --octavo-python $(abspath $(PY))
