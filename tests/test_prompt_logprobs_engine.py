@@ -132,3 +132,62 @@ def test_llm_generate_n_and_short_prompts(hf_model_dir) -> None:  # noqa: ANN001
 def test_bad_prompt_logprobs_refused(bad) -> None:  # noqa: ANN001
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+@pytest.mark.parametrize("kind", ["delta", "cumulative"])
+def test_output_kinds_and_a_request_that_ends_on_its_first_token(hf_model_dir, kind: str) -> None:  # noqa: ANN001
+    """delta: the prompt logprobs come once, on the first output; cumulative: on every output. A request
+    with max_tokens 1 (score only) ends in the step that completes its prompt and still carries them."""
+    src = hf_model_dir("llama")
+    ids = list(range(5, 47))
+    engine = _engine(exported(src), max_num_batched_tokens=16)
+    try:
+        engine.add_request("long", ids, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1,
+                                                       output_kind=kind))
+        engine.add_request("one", ids, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1,
+                                                      output_kind=kind))
+        seen: dict[str, list] = {"long": [], "one": []}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id].append(out.prompt_logprobs)
+    finally:
+        engine.close()
+    ref = _hf_log_softmax(src, ids)
+    assert len(seen["one"]) == 1
+    check_against_hf(seen["one"][0], ids, ref, k=1)
+    assert len(seen["long"]) == 4
+    if kind == "delta":
+        assert seen["long"][0] is not None and seen["long"][1:] == [None] * 3
+    else:
+        assert all(p is seen["long"][0] for p in seen["long"])
+    check_against_hf(seen["long"][0], ids, ref, k=1)
+
+
+def test_rows_per_step_are_capped(hf_model_dir) -> None:  # noqa: ANN001
+    """The scheduler shortens chunks so that one step never asks for more prompt-logprob rows than its cap
+    (bounded logits memory; a TensorRT engine's max_num_logits); the result is unchanged."""
+    src = hf_model_dir("llama")
+    rng = random.Random(5)
+    a, b = [rng.randrange(5, 384) for _ in range(60)], [rng.randrange(5, 384) for _ in range(45)]
+    engine = _engine(exported(src), max_num_batched_tokens=64)
+    engine.scheduler.max_prompt_logprob_rows = 7
+    rows: list[int] = []
+    score = engine.outputs.score_prompts
+
+    def counting(plan, logits):  # noqa: ANN001, ANN202 - the real reduction, each step's rows noted
+        rows.append(logits.shape[0])
+        assert logits.shape[0] == sum(c for _, c in plan.values())
+        return score(plan, logits)
+
+    engine.outputs.score_prompts = counting
+    try:
+        engine.add_request("a", a, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3))
+        engine.add_request("b", b, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3))
+        engine.add_request("g", b[:20], greedy(8))
+        got = _run(engine)
+    finally:
+        engine.close()
+    assert max(rows) <= 7 and sum(r > 0 for r in rows) >= (59 + 44) // 7
+    check_against_hf(got["plp"]["a"], a, _hf_log_softmax(src, a), k=3)
+    check_against_hf(got["plp"]["b"], b, _hf_log_softmax(src, b), k=3)
+    assert list(got["last"]["g"].outputs[0].token_ids) == hf_reference(src, b[:20], 8)
