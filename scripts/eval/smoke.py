@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     ap.add_argument("--num-concurrent", type=int, default=4, help="lm-eval's concurrent requests to octavo")
     ap.add_argument("--skip-hf", action="store_true", help="reuse --out's previous hf run")
+    ap.add_argument("--report-only", action="store_true", help="compare --out's previous runs, run nothing")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,8 @@ def main() -> int:
     if args.limit:
         common += ["--limit", str(args.limit)]
 
+    if args.report_only:
+        return _report(out, args.tie, gguf, json.loads((out / "results.json").read_text())["seconds"])
     t0 = time.monotonic()
     with _octavo_server(args.octavo_python, gguf, out / "octavo-serve.log", env) as url:
         _lm_eval(["--model", "local-completions", "--model_args",
@@ -67,9 +70,12 @@ def main() -> int:
                   "--device", "cpu", "--batch_size", "8", "--output_path", str(out / "hf"), *common],
                  env, out / "lm-eval-hf.log")
     t_hf = time.monotonic() - t0
+    return _report(out, args.tie, gguf, {"octavo": round(t_octavo, 1), "hf": round(t_hf, 1)})
 
-    report = compare(out / "octavo", out / "hf", args.tie)
-    report["seconds"] = {"octavo": round(t_octavo, 1), "hf": round(t_hf, 1)}
+
+def _report(out: Path, tie: float, gguf: Path, seconds: dict[str, float]) -> int:
+    report = compare(out / "octavo", out / "hf", tie)
+    report["seconds"] = seconds
     report["gguf"] = gguf.name
     (out / "results.json").write_text(json.dumps(report, indent=1))
     md = summary_markdown(report)
@@ -187,6 +193,11 @@ def compare(octavo_dir: Path, hf_dir: Path, tie: float) -> dict:
             item["margin_hf"] = abs(llb[pa] - llb[pb])
             item["near_tie"] = item["margin_octavo"] <= tie and item["margin_hf"] <= tie
         items.append(item)
+    def gap(ll: list[float]) -> float:
+        top = sorted(ll, reverse=True)
+        return top[0] - top[1]
+
+    closest = min(items, key=lambda i: gap(i["ll_octavo"]))
     ra, rb = _results(octavo_dir), _results(hf_dir)
     acc_a, acc_b = ra[MC]["acc,none"], rb[MC]["acc,none"]
     differing = [i for i in items if i["pick_octavo"] != i["pick_hf"]]
@@ -197,7 +208,9 @@ def compare(octavo_dir: Path, hf_dir: Path, tie: float) -> dict:
         "ok": acc_a == acc_b and all(i["near_tie"] for i in differing),
         "mc": {"items": len(items), "acc_octavo": acc_a, "acc_hf": acc_b, "acc_norm_octavo": ra[MC]["acc_norm,none"],
                "acc_norm_hf": rb[MC]["acc_norm,none"], "max_abs_loglikelihood_diff": max_diff,
-               "differing_items": [i["doc_id"] for i in differing], "tie": tie, "per_item": items},
+               "differing_items": [i["doc_id"] for i in differing], "tie": tie,
+               "closest": {"doc_id": closest["doc_id"], "gap_octavo": gap(closest["ll_octavo"]),
+                           "gap_hf": gap(closest["ll_hf"])}, "per_item": items},
         "gen": {"items": len(gens), "exact_match_octavo": ra[GEN]["exact_match,strip"],
                 "exact_match_hf": rb[GEN]["exact_match,strip"],
                 "identical_generations": sum(g["octavo"] == g["hf"] for g in gens), "per_item": gens},
@@ -216,6 +229,8 @@ def summary_markdown(r: dict) -> str:
         f"| {GEN} ({gen['items']} items) | exact_match | {gen['exact_match_octavo']:.4f} | {gen['exact_match_hf']:.4f} |",
         "",
         f"- largest |loglikelihood difference| over all {mc['items']} x choices: {mc['max_abs_loglikelihood_diff']:.2e}",
+        f"- closest item (smallest gap between its two likeliest choices, octavo / hf): doc {mc['closest']['doc_id']}, "
+        f"{mc['closest']['gap_octavo']:.2e} / {mc['closest']['gap_hf']:.2e}",
         f"- items whose pick differs: {len(mc['differing_items'])}"
         + "".join(f"\n  - doc {i['doc_id']}: octavo picks {i['pick_octavo']}, hf picks {i['pick_hf']}; margins "
                   f"{i['margin_octavo']:.2e} / {i['margin_hf']:.2e} ({'near tie' if i['near_tie'] else 'NOT a tie'})"
