@@ -114,7 +114,7 @@ def test_tokenizer_info(http, hf_tok, server) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("body, param", [
     ({}, None), ({"prompt": "x", "messages": CHAT}, "prompt"), ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"), ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"), ({"prompt": "x", "return_token_strs": 1}, None),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"), ({"prompt": "x", "return_token_strs": 1}, None),
     ({"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
 ])
 def test_tokenize_errors_are_400_naming_the_parameter(http, body: dict, param: str | None) -> None:  # noqa: ANN001
