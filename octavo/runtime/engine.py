@@ -22,6 +22,7 @@ from octavo.runtime.input_processor import InputProcessor, Prompt
 from octavo.runtime.model_setup import load_model
 from octavo.runtime.output_processor import OutputProcessor, RequestGroup
 from octavo.runtime.outputs import RequestOutput
+from octavo.runtime.prompt_logprobs import max_prompt_logprob_rows, prompt_rows
 from octavo.runtime.runner import ModelRunner
 from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
@@ -44,9 +45,11 @@ class LLMEngine:
         self.max_model_len, self.backend = model.max_model_len, model.backend
         self.block_size, self.num_blocks, self.vocab_size = args.block_size, self.backend.num_blocks, self.manifest.vocab_size
         self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching)
+        self.prompt_logprob_rows = max_prompt_logprob_rows(self.backend, args.max_num_seqs, self.vocab_size)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    long_prefill_token_threshold=args.long_prefill_token_threshold,
-                                   eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len)
+                                   eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
+                                   max_prompt_logprob_rows=self.prompt_logprob_rows)
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
@@ -70,6 +73,11 @@ class LLMEngine:
         """Queue a request made by InputProcessor.make_group (which is safe from any thread)."""
         if group.request_id in self.outputs.groups or self.beams.has(group.request_id):
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+        p = group.children[0].params
+        if p.prompt_logprobs is not None and (self.prompt_logprob_rows < 1 or p.use_beam_search):
+            raise InvalidRequestError("prompt_logprobs is not supported with use_beam_search" if p.use_beam_search else
+                                      "prompt_logprobs needs logits rows beyond one per sequence, and this backend "
+                                      "returns no more (a TensorRT engine: rebuild it with a larger max_num_logits)")
         if group.children[0].params.use_beam_search:  # its beams are the beam search's, its output too
             self.scheduler.add(self.beams.add(group))
             self._arrived.append(group.children[0].request_id)
@@ -114,7 +122,8 @@ class LLMEngine:
             return outputs
         self.step_count += 1
         rec.lap("schedule")
-        inputs, to_sample = self.runner.prepare(sched.scheduled)
+        scored = prompt_rows(sched.scheduled)  # prompt-logprob rows, returned after the rows to sample
+        inputs, to_sample = self.runner.prepare(sched.scheduled, scored)
         rec.capture(sched.scheduled)
         rec.lap("pack")
         constrained = self.structured.any_constrained(to_sample)
@@ -122,11 +131,12 @@ class LLMEngine:
             if constrained:  # the masks depend on committed tokens only: computed while the backend runs
                 self.structured.start_bitmask(to_sample)
             logits = self.backend.run(inputs)
-            if logits.shape[0] != len(to_sample):
-                raise StepFailedError(f"backend returned {logits.shape[0]} logits rows, expected {len(to_sample)}")
+            if logits.shape[0] != len(inputs.logits_indices):
+                raise StepFailedError(f"backend returned {logits.shape[0]} logits rows, expected "
+                                      f"{len(inputs.logits_indices)}")
             rec.lap("backend")
             bitmask = self.structured.bitmask(to_sample) if constrained else None
-            sampled = self.sampler(logits, to_sample, bitmask)
+            sampled = self.sampler(logits[: len(to_sample)], to_sample, bitmask)
             rec.lap("sample")
         except Exception as exc:  # noqa: BLE001 - any backend failure ends only this step's requests
             self.structured.discard()  # (its worker reads the matchers the failure is about to free)
@@ -143,6 +153,8 @@ class LLMEngine:
             self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
             outputs += self.beams.advance(beam_rows)
             rec.lap("commit")
+            for req, error in self.outputs.score_prompts(scored, logits[len(sampled.token_ids):]):
+                self.scheduler.finish(req, "error", error=error)
             stopped, failed = self.outputs.detokenize(to_sample, logprobs)
             for req, stop in stopped:
                 self.scheduler.finish(req, "stop", stop_reason=stop)

@@ -37,6 +37,7 @@ class OutputMailbox:
         self._lock = threading.Lock()
         self._ready = asyncio.Event()
         self._latest: RequestOutput | None = None  # the newest output (its request-level fields)
+        self._prompt_logprobs: list | None = None  # an unread output's prompt logprobs (they come once)
         self._parts: dict[int, _Pending] = {}
         self._entries = 0
         self._max_entries = max_entries
@@ -52,6 +53,8 @@ class OutputMailbox:
         with self._lock:
             was_empty = self._latest is None
             self._latest = out
+            if out.prompt_logprobs is not None:
+                self._prompt_logprobs = out.prompt_logprobs
             if delta:
                 for c in out.outputs:
                     part = self._parts.get(c.index)
@@ -81,9 +84,12 @@ class OutputMailbox:
                 self._ready.clear()
                 out, self._latest = self._latest, None
                 parts, self._parts = self._parts, {}
+                prompt_lps, self._prompt_logprobs = self._prompt_logprobs, None
                 self._entries = 0
             if out is None:
                 continue  # a wake-up for an output already read
+            if prompt_lps is not None:
+                out.prompt_logprobs = prompt_lps
             if not parts:
                 return out
             comps = [CompletionOutput(index=p.index, text="".join(p.text), token_ids=p.token_ids,
@@ -92,4 +98,4 @@ class OutputMailbox:
                      for p in sorted(parts.values(), key=lambda p: p.index) if p.last is not None]
             return RequestOutput(request_id=out.request_id, prompt=out.prompt, prompt_token_ids=out.prompt_token_ids,
                                  outputs=comps, finished=out.finished, metrics=out.metrics,
-                                 num_cached_tokens=out.num_cached_tokens)
+                                 num_cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs)

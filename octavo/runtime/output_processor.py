@@ -17,8 +17,11 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from octavo.runtime.prompt_logprobs import logprob_dicts, reduce_logprob_rows
 from octavo.runtime.request import Request
 from octavo.runtime.tokenizer import Tokenizer
 
@@ -41,12 +44,20 @@ class RequestGroup:
     sent_final: list[bool] = field(default_factory=list)  # per child: its finish reason was emitted
     # per child: logprob entries not emitted yet ("delta") or all of them (other kinds); None if not asked
     logprobs: list[list[dict[int, Logprob]]] | None = None
+    # SamplingParams.prompt_logprobs: None first, then one entry per scored prompt token (child 0 scores them)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.children)
         self.sent_tokens, self.sent_chars, self.sent_final = [0] * n, [0] * n, [False] * n
         if self.children[0].params.logprobs is not None:
             self.logprobs = [[] for _ in range(n)]
+        if self.children[0].params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    def prompt_scored(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -81,6 +92,31 @@ class OutputProcessor:
             if stop is not None:
                 stopped.append((req, stop))
         return stopped, failed
+
+    def score_prompts(self, rows: dict[Request, tuple[int, int]], logits: np.ndarray) -> list[tuple[Request, str]]:
+        """Reduce this step's prompt-logprob rows (LOGITS, in the order of ROWS: per request, COUNT rows from
+        position FIRST) into the requests' prompt logprobs. Returns the requests that failed, with the error."""
+        failed, at = [], 0
+        for req, (first, count) in rows.items():
+            chunk, at = logits[at:at + count], at + count
+            group = self.groups.get(req.parent_id)
+            if group is None or group.prompt_logprobs is None:  # (it may have finished in this step: still scored)
+                continue
+            try:
+                if first != req.prompt_logprobs_next:  # positions are scored once, in order
+                    raise RuntimeError(f"prompt logprobs of {req.request_id}: rows from position {first}, "
+                                       f"expected {req.prompt_logprobs_next}")
+                reduced = reduce_logprob_rows(chunk, req.prompt_token_ids[first + 1:first + 1 + count],
+                                              req.params.prompt_logprobs or 0)
+                group.prompt_logprobs.extend(logprob_dicts(reduced, self._decode_one))
+                req.prompt_logprobs_next = first + count
+            except Exception as exc:  # noqa: BLE001 - end only this request
+                logger.exception("prompt logprobs of %s failed", req.request_id)
+                failed.append((req, f"{type(exc).__name__}: {exc}"))
+        return failed
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @staticmethod
     def _add_token(req: Request, detok: IncrementalDetokenizer, eos_token_ids: list[int]) -> str | None:
@@ -140,9 +176,13 @@ class OutputProcessor:
                 comps.append(comp)
         if not comps and not finished:
             return None
+        prompt_lps = None  # once the whole prompt is scored: in every output, or the first one only ("delta")
+        if group.prompt_scored() and not (group.output_kind == "delta" and group.sent_prompt_logprobs):
+            prompt_lps, group.sent_prompt_logprobs = group.prompt_logprobs, True
         return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                              outputs=comps, finished=finished, metrics=_merged_metrics(group, finished),
-                             num_cached_tokens=group.children[0].metrics.num_cached_tokens)
+                             num_cached_tokens=group.children[0].metrics.num_cached_tokens,
+                             prompt_logprobs=prompt_lps)
 
     def _completion(self, group: RequestGroup, c: Request, end_error: str | None) -> CompletionOutput | None:
         i, detok = c.index, group.detokenizers[c.index]

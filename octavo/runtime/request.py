@@ -49,6 +49,7 @@ class Request:
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     admitted: bool = False  # admitted at least once (num_cached_tokens is set then)
+    prompt_logprobs_next: int = 0  # first prompt position whose logits row prompt_logprobs has not scored yet
     # requests the scheduler queues once this one has computed its prompt (or finished): the other n-1
     # children of an n > 1 request, which then find the prompt's full blocks in the prefix cache
     followers: list[Request] = field(default_factory=list)

@@ -22,12 +22,15 @@ class ModelRunner:
         self._slots = np.zeros(t, np.int64)
         self._cu = np.zeros(b + 1, np.int32)
         self._past = np.zeros(b, np.int32)
-        self._logits_indices = np.zeros(b, np.int64)
+        self._logits_indices = np.zeros(b + t, np.int64)  # a row to sample per sequence, prompt-logprob rows
         self._table = np.zeros(b * max_blocks_per_seq, np.int32)  # viewed as [B, max_blocks of this step]
 
-    def prepare(self, scheduled: dict[Request, int]) -> tuple[StepInputs, list[Request]]:
+    def prepare(self, scheduled: dict[Request, int], prompt_rows: dict[Request, tuple[int, int]] | None = None
+                ) -> tuple[StepInputs, list[Request]]:
         """Pack the step; return the inputs and the requests that get a logits row (in row order). Values go
-        into Python lists (a decode row is a few ints), then one numpy assignment per array."""
+        into Python lists (a decode row is a few ints), then one numpy assignment per array.
+        PROMPT_ROWS (prompt logprobs): per request, (first position, count) of more rows to return, after
+        the rows to sample, in the order given."""
         bs = self.block_size
         b = len(scheduled)
         width = max(len(r.block_table) for r in scheduled)
@@ -41,8 +44,12 @@ class ModelRunner:
         cu: list[int] = []
         rows: list[list[int]] = []
         t = 0
+        extra: list[int] = []
         for req, n in scheduled.items():
             start = req.num_computed_tokens
+            if prompt_rows and req in prompt_rows:
+                first, count = prompt_rows[req]
+                extra.extend(range(t + first - start, t + first - start + count))
             blocks = req.block_table
             rows.append(blocks + [0] * (width - len(blocks)) if len(blocks) < width else blocks)
             past.append(start)
@@ -65,12 +72,13 @@ class ModelRunner:
         self._slots[:t] = slots
         self._past[:b] = past
         self._cu[: b + 1] = cu
-        self._logits_indices[: len(sampled)] = logit_rows
+        logit_rows += extra
+        self._logits_indices[: len(logit_rows)] = logit_rows
         table[...] = rows
         inputs = StepInputs(
             input_ids=self._input_ids[:t], position_ids=self._positions[:t],
             cumulative_sequence_length=self._cu[: b + 1], past_seqlens=self._past[:b],
             block_table=table, slot_mapping=self._slots[:t],
-            logits_indices=self._logits_indices[: len(sampled)],
+            logits_indices=self._logits_indices[: len(logit_rows)],
         )
         return inputs, sampled

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.runtime.block_manager import BlockManager
+from octavo.runtime.prompt_logprobs import capped_chunk, rows_needed, usable_cached_blocks
 from octavo.runtime.request import Request, RequestStatus
 from octavo.structured.manager import commit_token, release_grammar
 
@@ -36,8 +37,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
                  long_prefill_token_threshold: int = 0, eos_token_ids: Iterable[int] = (),
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, max_prompt_logprob_rows: int | None = None) -> None:
         self.block_manager = block_manager
+        self.max_prompt_logprob_rows = max_prompt_logprob_rows  # per step (None: no cap); see prompt_logprobs.py
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill = long_prefill_token_threshold  # see _chunk
@@ -66,6 +68,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget, long_left, deferred = self.max_num_batched_tokens, self.long_prefill, 0
+        rows = self.max_prompt_logprob_rows if self.max_prompt_logprob_rows is not None else budget
         running, self.running = self.running, []
         while running:
             req = running.pop(0)
@@ -73,6 +76,10 @@ class Scheduler:
             # n == 0 also for a beam that has its logprobs and waits for its siblings'; and forked beams can
             # outnumber the seats of a step (max_num_seqs)
             if n == 0 or len(out.scheduled) == self.max_num_seqs:
+                self.running.append(req)
+                continue
+            n = capped_chunk(req, req.num_computed_tokens, n, rows)
+            if n == 0:  # its prompt-logprob rows do not fit this step
                 self.running.append(req)
                 continue
             while not self.block_manager.allocate(req, n):
@@ -83,24 +90,27 @@ class Scheduler:
             else:
                 out.scheduled[req] = n
                 budget, long_left = budget - n, new_long_left
+                rows -= rows_needed(req, req.num_computed_tokens, n)
                 self.running.append(req)
         if out.preempted:
             return out  # under memory pressure: admit nobody this step
         i = 0  # waiting[:i] are held this step
         while i < len(self.waiting) and budget and len(self.running) + len(out.held) + deferred < self.max_num_seqs:
             req = self.waiting[i]
-            cached = self.block_manager.find_cached(req)
-            if self.block_manager.producer_of_next(req, len(cached)) is not None:
+            found = self.block_manager.find_cached(req)
+            cached = usable_cached_blocks(req, found, self.block_manager.block_size)  # prompt logprobs: compute
+            if len(cached) == len(found) and self.block_manager.producer_of_next(req, len(cached)) is not None:
                 out.held.append(req)
                 i += 1
                 continue
-            n, new_long_left = self._chunk(req.num_tokens - len(cached) * self.block_manager.block_size, budget,
-                                           long_left)
+            start = len(cached) * self.block_manager.block_size
+            n, new_long_left = self._chunk(req.num_tokens - start, budget, long_left)
             if n == 0:  # a long prompt while others take the long-prefill share: it keeps its place and seat
                 deferred += 1
                 i += 1
                 continue
-            if not self.block_manager.can_admit(req, cached, n):
+            n = capped_chunk(req, start, n, rows)
+            if n == 0 or not self.block_manager.can_admit(req, cached, n):
                 break  # FCFS: nobody overtakes the first request that is not held
             self.waiting.pop(i)
             self.block_manager.admit(req, cached)
@@ -115,6 +125,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             out.scheduled[req] = n
             budget, long_left = budget - n, new_long_left
+            rows -= rows_needed(req, start, n)
             self.running.append(req)
         return out
 
