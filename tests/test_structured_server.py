@@ -167,7 +167,7 @@ def test_pydantic_parse_and_streaming(client, server, ws_bias) -> None:  # noqa:
     ("chat", {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ("chat", {"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ("chat", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),  # (served on completions)
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_constraints_are_400_naming_the_field(server, route: str, fields: dict, param: str) -> None:  # noqa: ANN001
