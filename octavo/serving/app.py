@@ -263,12 +263,18 @@ def _engine_error(exc: BaseException) -> ApiError:
     return api
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def _generation_body(request: web.Request) -> tuple[ServerState, AsyncEngine, Any]:
+    """The server state, its engine (a 503 while it cannot take requests, before the body is read) and the
+    request's JSON body, for the routes that generate."""
     st = request.app[STATE]
     engine = st.ready_engine()
     assert st.limits is not None
-    req = parse_completion(await _read_json(request), st.limits)
-    return await _completions(request, st, engine, req)
+    return st, engine, await _read_json(request)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    st, engine, body = await _generation_body(request)
+    return await _completions(request, st, engine, parse_completion(body, st.limits))
 
 
 async def _completions(request: web.Request, st: ServerState, engine: AsyncEngine,
@@ -280,11 +286,8 @@ async def _completions(request: web.Request, st: ServerState, engine: AsyncEngin
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    engine = st.ready_engine()
-    assert st.limits is not None
-    req = parse_chat(await _read_json(request), st.limits)
-    return await _chat(request, st, engine, req)
+    st, engine, body = await _generation_body(request)
+    return await _chat(request, st, engine, parse_chat(body, st.limits))
 
 
 async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req: ChatRequest) -> web.StreamResponse:
@@ -308,10 +311,7 @@ async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req:
 async def invocations(request: web.Request) -> web.StreamResponse:
     """SageMaker's POST /invocations (as vLLM routes it): a body with 'messages' is a chat completion, one
     with 'prompt' a completion."""
-    st = request.app[STATE]
-    engine = st.ready_engine()
-    assert st.limits is not None
-    body = await _read_json(request)
+    st, engine, body = await _generation_body(request)
     if isinstance(body, dict) and "messages" in body:
         return await _chat(request, st, engine, parse_chat(body, st.limits))
     if isinstance(body, dict) and "prompt" in body:
@@ -378,6 +378,15 @@ class _Shape:
 
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
+        """The non-streamed response: every choice's text, finish reason, token ids and logprob entries."""
+        choices = []
+        for i in range(self.gen.num_choices):
+            ids, entries = self._joined(updates.get(i, []))
+            choices.append(self._whole_choice(i, "".join(texts.get(i, [])), reasons.get(i), ids, entries))
+        return self._response(choices)
+
+    def _whole_choice(self, i: int, text: str, reason: str | None, ids: list[int],
+                      entries: list[dict[int, Logprob]]) -> dict[str, Any]:
         raise NotImplementedError
 
     @staticmethod
@@ -469,24 +478,19 @@ class _CompletionShape(_Shape):
         text = (self._echo(u.index) if first else "") + u.text
         return self._chunk([self._stream_choice(u.index, text, u.finish_reason, lp, u.token_ids, prompt_lp)])
 
-    def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
-              reasons: dict[int, str | None]) -> dict[str, Any]:
-        choices = []
-        for i in range(self.gen.num_choices):
-            ids, entries = self._joined(updates.get(i, []))
-            text = "".join(texts.get(i, []))
-            if self.req.score_only:
-                ids, entries, text = [], [], ""
-            legacy, prompt_lp = self._prompt_part(i)
-            lp = self._logprobs(i, ids, entries)
-            if legacy is not None:
-                lp = R.joined_logprobs(legacy, lp) if lp is not None else legacy
-            choice = R.completion_choice(i, self._echo(i) + text, reasons.get(i), lp, prompt_lp)
-            if self.opts.return_token_ids:
-                choice["prompt_token_ids"] = self.gen.prompt_token_ids(i)
-                choice["token_ids"] = ids
-            choices.append(choice)
-        return self._response(choices)
+    def _whole_choice(self, i: int, text: str, reason: str | None, ids: list[int],
+                      entries: list[dict[int, Logprob]]) -> dict[str, Any]:
+        if self.req.score_only:
+            ids, entries, text = [], [], ""
+        legacy, prompt_lp = self._prompt_part(i)
+        lp = self._logprobs(i, ids, entries)
+        if legacy is not None:
+            lp = R.joined_logprobs(legacy, lp) if lp is not None else legacy
+        choice = R.completion_choice(i, self._echo(i) + text, reason, lp, prompt_lp)
+        if self.opts.return_token_ids:
+            choice["prompt_token_ids"] = self.gen.prompt_token_ids(i)
+            choice["token_ids"] = ids
+        return choice
 
 
 class _ChatShape(_Shape):
@@ -561,26 +565,26 @@ class _ChatShape(_Shape):
                 delta.setdefault("tool_calls", []).append(item)
         return delta, reason
 
+    def _whole_choice(self, i: int, text: str, reason: str | None, ids: list[int],
+                      entries: list[dict[int, Logprob]]) -> dict[str, Any]:
+        lp = None
+        if self.req.logprobs:
+            lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st),
+                                 as_ids=self.opts.tokens_as_ids)
+        text = self._echo + text
+        choice = R.chat_choice(i, text, reason, lp)
+        if self.req.tools is not None and self.req.tool_choice.mode != "none":
+            m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, text, reason,
+                              self.req.parallel_tool_calls)
+            choice["message"] = tool_message(m.content, m.tool_calls)
+            choice["finish_reason"] = m.finish_reason
+        if self.opts.return_token_ids:
+            choice["token_ids"] = ids
+        return choice
+
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
-        choices = []
-        for i in range(self.gen.num_choices):
-            ids, entries = self._joined(updates.get(i, []))
-            lp = None
-            if self.req.logprobs:
-                lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st),
-                                     as_ids=self.opts.tokens_as_ids)
-            text, reason = self._echo + "".join(texts.get(i, [])), reasons.get(i)
-            choice = R.chat_choice(i, text, reason, lp)
-            if self.req.tools is not None and self.req.tool_choice.mode != "none":
-                m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, text, reason,
-                                  self.req.parallel_tool_calls)
-                choice["message"] = tool_message(m.content, m.tool_calls)
-                choice["finish_reason"] = m.finish_reason
-            if self.opts.return_token_ids:
-                choice["token_ids"] = ids
-            choices.append(choice)
-        out = self._response(choices)
+        out = super().whole(texts, updates, reasons)
         if self.opts.return_token_ids:
             out["prompt_token_ids"] = self.gen.prompt_token_ids(0)
         return out
@@ -589,6 +593,12 @@ class _ChatShape(_Shape):
 def _decoder(st: ServerState) -> Any:
     tok = st.tokenizer
     return lambda tid: tok.decode([tid])
+
+
+def _step_failed(u: ChoiceUpdate) -> ApiError:
+    """The error of a choice the engine finished with "error" (a failed step): a 500 before any header
+    went out, an in-band error event after."""
+    return ApiError(500, f"generation failed: {u.error or 'the engine step failed'}", code="step_failed")
 
 
 async def _run(request: web.Request, st: ServerState, gen: Generation,
@@ -601,7 +611,7 @@ async def _run(request: web.Request, st: ServerState, gen: Generation,
             raise _engine_error(exc) from None
         failed = next((u for u in first or () if u.finish_reason == "error"), None)
         if failed is not None:  # nothing sent yet: a plain 500 rather than an event stream
-            raise ApiError(500, f"generation failed: {failed.error or 'the engine step failed'}", code="step_failed")
+            raise _step_failed(failed)
         if shape.req.stream:
             return await _stream(request, shape, first, it)
         return await _whole(shape, first, it)
@@ -620,8 +630,7 @@ async def _whole(shape: _Shape, first: list[ChoiceUpdate] | None,
             if u.finish_reason is not None:
                 reasons[u.index] = u.finish_reason
                 if u.finish_reason == "error":
-                    raise ApiError(500, f"generation failed: {u.error or 'the engine step failed'}",
-                                   code="step_failed")
+                    raise _step_failed(u)
 
     if first is not None:
         take(first)
@@ -649,9 +658,7 @@ async def _stream(request: web.Request, shape: _Shape, first: list[ChoiceUpdate]
         while batch is not None:
             for u in batch:
                 if u.finish_reason == "error":
-                    err = ApiError(500, f"generation failed: {u.error or 'the engine step failed'}",
-                                   code="step_failed")
-                    await resp.write(sse.event(err.body()))
+                    await resp.write(sse.event(_step_failed(u).body()))
                     await resp.write(sse.DONE)
                     return resp
                 chunk = shape.chunk(u)
