@@ -34,6 +34,15 @@ def logits_rows(n: int, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((n, V)) * 3).astype(np.float32)
 
 
+def distribution(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
+    """The full [N, vocab] sampling distribution Sampler.candidates keeps (what the sampler draws from)."""
+    probs = np.zeros(logits.shape, np.float64)
+    for i, r in enumerate(reqs):
+        ids, w = Sampler.candidates(logits[i], r)
+        probs[i, ids] = w / w.sum(dtype=np.float64)
+    return probs
+
+
 def test_greedy_is_argmax() -> None:
     lg = logits_rows(4)
     out = Sampler([EOS])(lg, [req(temperature=0.0) for _ in range(4)])
@@ -46,7 +55,7 @@ def test_greedy_is_argmax() -> None:
 def test_filtered_distribution_matches_transformers(seed, temperature, top_k, top_p, min_p) -> None:  # noqa: ANN001
     lg = logits_rows(1, seed)
     r = req(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    probs = Sampler.distribution(lg.copy(), [r])[0]
+    probs = distribution(lg.copy(), [r])[0]
     probs = probs / probs.sum()
     x = torch.tensor(lg, dtype=torch.float64)
     ids = torch.zeros((1, 1), dtype=torch.long)
@@ -171,7 +180,7 @@ def test_extreme_repetition_penalty_is_warning_free_and_keeps_the_order(seed, pe
         out = Sampler([EOS])(lg[None].copy(), [r])
         processed = lg[None].copy()
         Sampler._apply_penalties(processed, [r])
-        probs = Sampler.distribution(processed, [r])[0] if temperature else None  # after the penalty, as __call__
+        probs = distribution(processed, [r])[0] if temperature else None  # after the penalty, as __call__
     assert np.isfinite(processed).all()
     assert all(np.isfinite(v) for v in out.logprobs[0].values())
     if temperature == 0.0:

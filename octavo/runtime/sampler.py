@@ -65,6 +65,17 @@ def _masked_rows(bitmask: np.ndarray | None) -> np.ndarray:
     return np.flatnonzero((bitmask != -1).any(axis=1))
 
 
+def _finite_argmax(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
+    """Each row's argmax, after checking the row is usable: a broken backend step (NaN/inf logits) fails
+    rather than samples garbage."""
+    tokens = np.argmax(logits, axis=-1)
+    best = logits[np.arange(len(tokens)), tokens]  # NaN if the row holds a NaN (argmax picks it), else its max
+    if not np.isfinite(best).all():
+        bad = [reqs[i].request_id for i in np.flatnonzero(~np.isfinite(best))]
+        raise FloatingPointError(f"the backend returned non-finite logits (NaN/inf) for {', '.join(bad)}")
+    return tokens
+
+
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
     """logits[rows, t] = -inf where bit t of bitmask[rows] is 0, in place (tokens past the mask's width too).
     One gather from a byte -> 8 additive values table and one add (6x faster than unpacking the bits and
@@ -138,11 +149,7 @@ class Sampler:
         logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         lp = log_softmax(logits[logprob_rows]) if logprob_rows else None
 
-        tokens = np.argmax(logits, axis=-1)  # greedy rows keep this
-        best = logits[np.arange(len(tokens)), tokens]  # NaN if the row holds a NaN (argmax picks it), else its max
-        if not np.isfinite(best).all():  # a broken backend step: fail it rather than sample garbage
-            bad = [reqs[i].request_id for i in np.flatnonzero(~np.isfinite(best))]
-            raise FloatingPointError(f"the backend returned non-finite logits (NaN/inf) for {', '.join(bad)}")
+        tokens = _finite_argmax(logits, reqs)  # greedy rows keep this
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
             tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand])
@@ -159,11 +166,7 @@ class Sampler:
 
     @staticmethod
     def _plain_argmax(logits: np.ndarray, reqs: list[Request]) -> SamplerOutput:
-        tokens = np.argmax(logits, axis=-1)
-        best = logits[np.arange(len(tokens)), tokens]
-        if not np.isfinite(best).all():  # same check as the general path
-            bad = [reqs[i].request_id for i in np.flatnonzero(~np.isfinite(best))]
-            raise FloatingPointError(f"the backend returned non-finite logits (NaN/inf) for {', '.join(bad)}")
+        tokens = _finite_argmax(logits, reqs)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(reqs))
 
     # -- logits processors --------------------------------------------------------------------------
@@ -252,12 +255,3 @@ class Sampler:
             keep = w >= p.min_p * w.max()
             ids, w = ids[keep], w[keep]
         return ids, w
-
-    @classmethod
-    def distribution(cls, logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
-        """The full [N, vocab] sampling distribution (for tests and inspection)."""
-        probs = np.zeros(logits.shape, np.float64)
-        for i, r in enumerate(reqs):
-            ids, w = cls.candidates(logits[i], r)
-            probs[i, ids] = w / w.sum(dtype=np.float64)
-        return probs
