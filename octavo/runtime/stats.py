@@ -17,3 +17,35 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded, recomputes included)
     generation_tokens_total: int  # tokens sampled
     step_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatMetric:
+    """How one EngineStats field is exported: the server's Prometheus name (vLLM's, under `octavo:`) and
+    the Triton model's gauge name (under `octavo_`), None where that exporter leaves it out."""
+
+    field: str
+    prometheus: str | None
+    triton: str | None
+    counter: bool  # only grows (a Prometheus counter); else a gauge
+    doc: str
+
+
+# the one table of exported engine metrics (serving/metrics.py and model_repo/octavo/1/model.py read it)
+ENGINE_METRICS = (
+    StatMetric("num_running", "num_requests_running", "num_running", False, "Requests in the running batch."),
+    StatMetric("num_waiting", "num_requests_waiting", "num_waiting", False, "Requests waiting to be scheduled."),
+    StatMetric("num_free_blocks", None, "free_blocks", False,
+               "KV-cache blocks free (including cached-but-unreferenced ones)."),
+    StatMetric("num_total_blocks", None, "total_blocks", False, "KV-cache blocks in the pool."),
+    StatMetric("kv_cache_usage", "kv_cache_usage_perc", "kv_cache_usage", False,
+               "Fraction of KV-cache blocks in use (0..1)."),
+    StatMetric("prefix_cache_queries", "prefix_cache_queries", None, True,
+               "Prompt tokens looked up in the prefix cache."),
+    StatMetric("prefix_cache_hits", "prefix_cache_hits", None, True, "Prompt tokens found in the prefix cache."),
+    StatMetric("num_preemptions", "num_preemptions", "num_preemptions", True,
+               "Requests preempted (blocks freed, recomputed later)."),
+    StatMetric("prompt_tokens_total", "prompt_tokens", None, True, "Prompt tokens processed."),
+    StatMetric("generation_tokens_total", "generation_tokens", "generation_tokens_total", True, "Tokens generated."),
+    StatMetric("step_count", None, "step_count", True, "Engine steps run."),
+)

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from octavo.runtime.stats import ENGINE_METRICS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # bucket edges in seconds (vLLM's, extended downwards for small CPU models)
@@ -51,24 +53,13 @@ class _EngineCollector(Collector):
                               labels=labels)
         g.add_metric([self._model], float(in_flight))
         yield g
-        for name, doc, field in (
-            ("octavo:num_requests_running", "Requests in the running batch.", "num_running"),
-            ("octavo:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
-            ("octavo:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self._model], get(field))
-            yield g
-        for name, doc, field in (
-            ("octavo:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
-            ("octavo:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-            ("octavo:num_preemptions", "Requests preempted (blocks freed, recomputed later).", "num_preemptions"),
-            ("octavo:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
-            ("octavo:generation_tokens", "Tokens generated.", "generation_tokens_total"),
-        ):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self._model], get(field))
-            yield c
+        for m in ENGINE_METRICS:
+            if m.prometheus is None:
+                continue
+            family = (CounterMetricFamily if m.counter else GaugeMetricFamily)(f"octavo:{m.prometheus}", m.doc,
+                                                                              labels=labels)
+            family.add_metric([self._model], get(m.field))
+            yield family
 
 
 class ServerMetrics:

@@ -26,6 +26,7 @@ from octavo.errors import InvalidRequestError, OctavoError
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
+from octavo.runtime.stats import ENGINE_METRICS
 from octavo.serving.engine_params import engine_args_from_strings
 from octavo.serving.constraints import from_request_parameters
 
@@ -157,17 +158,9 @@ def _response(text: str, num_input: int, num_output: int, finish_reason: str | N
 class EngineMetrics:
     """Triton custom metrics (gauges) mirroring the engine's counters; absent on servers without the API."""
 
-    NAMES = {
-        "num_running": "requests the engine is running",
-        "num_waiting": "requests waiting to be scheduled",
-        "free_blocks": "KV-cache blocks free (including cached-but-unreferenced ones)",
-        "total_blocks": "KV-cache blocks in the pool",
-        "kv_cache_usage": "fraction of KV-cache blocks referenced by live requests",
-        "max_batch_size": "largest number of sequences scheduled in one engine step so far",
-        "step_count": "engine steps run",
-        "generation_tokens_total": "tokens generated",
-        "num_preemptions": "requests preempted (recomputed later) for lack of blocks",
-    }
+    # the engine's counters by Triton name (octavo.runtime.stats owns the table), plus the largest batch
+    NAMES = {m.triton: m.doc for m in ENGINE_METRICS if m.triton is not None}
+    NAMES["max_batch_size"] = "Largest number of sequences scheduled in one engine step so far."
 
     def __init__(self, model_name: str, instance_name: str) -> None:
         self.families: list[Any] = []  # must outlive their Metric objects
@@ -353,13 +346,8 @@ class TritonPythonModel:
             stats = self.engine.stats()
         except OctavoError:
             return
-        self.metrics.publish({
-            "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-            "free_blocks": stats.num_free_blocks, "total_blocks": stats.num_total_blocks,
-            "kv_cache_usage": stats.kv_cache_usage, "max_batch_size": self.max_batch_size,
-            "step_count": stats.step_count, "generation_tokens_total": stats.generation_tokens_total,
-            "num_preemptions": stats.num_preemptions,
-        })
+        values = {m.triton: getattr(stats, m.field) for m in ENGINE_METRICS if m.triton is not None}
+        self.metrics.publish({**values, "max_batch_size": self.max_batch_size})
 
     def finalize(self) -> None:
         self.stopping.set()
