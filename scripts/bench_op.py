@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from op_cases import paged_attention_model, random_step  # noqa: E402
 
 from octavo.runtime.backends.oplib import library_path  # noqa: E402
-from octavo.runtime.kv_cache import set_cache_dtype  # noqa: E402
+from octavo.runtime.backends.ort_kv_pools import set_cache_dtype  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
 # what a call's time is measured with: wall time, or with --cpu-time (one thread) this thread's CPU time, which

@@ -11,7 +11,7 @@ from op_cases import paged_attention_model, random_case, random_step
 from octavo.kernels.reference import paged_attention_ref
 from octavo.build import op as build_op
 from octavo.runtime.backends import oplib
-from octavo.runtime.kv_cache import set_cache_dtype
+from octavo.runtime.backends.ort_kv_pools import set_cache_dtype
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +294,7 @@ def test_float16_pools_inside_a_graph_are_written_in_place(library: str) -> None
     inserted Cast, pools written in place, output as the oracle's."""
     from onnx import TensorProto, helper
 
-    from octavo.runtime.kv_cache import expose_pool_outputs
+    from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs
 
     heads, kv_heads, head_dim = 4, 2, 16
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.25)

@@ -16,6 +16,7 @@ from typing import Any
 
 from octavo.errors import InvalidRequestError
 from octavo.runtime.engine_args import EngineArgs
+from octavo.runtime.kv_dtype import KV_CACHE_DTYPES
 from octavo.serving.engine_params import convert_value, engine_parameter_names
 
 HELP: dict[str, str] = {
@@ -52,7 +53,7 @@ METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES"}
 CHOICES: dict[str, tuple[str, ...]] = {
     "backend": ("onnxruntime", "tensorrt"),
     "weights": ("fp32", "int8", "int4"),
-    "kv_cache_dtype": ("auto", "float16"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 ALIASES: dict[str, tuple[str, ...]] = {  # earlier spellings, still accepted
     "trace_path": ("--trace",),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from octavo.demo.profiles import SEED_PROFILES, Profile, prompt_ids
 from octavo.errors import InvalidRequestError
-from octavo.runtime.kv_cache import resolve_kv_cache_dtype
+from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 from octavo.runtime.outputs import RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.step_record import StepRecord

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.errors import InvalidRequestError
+from octavo.runtime.kv_dtype import check_kv_cache_dtype
 
 
 @dataclass(slots=True)
@@ -43,9 +44,7 @@ class EngineArgs:
                                       f"{self.long_prefill_token_threshold!r}")
         if self.weights not in (None, "fp32", "int8", "int4"):
             raise InvalidRequestError(f"weights must be 'fp32', 'int8' or 'int4', got {self.weights!r}")
-        if self.kv_cache_dtype not in ("auto", "float16"):
-            raise InvalidRequestError(f"kv_cache_dtype must be 'auto' (the model's dtype) or 'float16', "
-                                      f"got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.quant_block_size is not None and (self.quant_block_size < 16
                                                   or self.quant_block_size & (self.quant_block_size - 1)):
             raise InvalidRequestError(f"quant_block_size must be a power of two >= 16, got {self.quant_block_size}")

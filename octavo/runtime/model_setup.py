@@ -12,7 +12,7 @@ from octavo.errors import InvalidRequestError
 from octavo.export.manifest import MANIFEST_NAME, Manifest
 from octavo.runtime.backends.base import Backend
 from octavo.runtime.engine_args import EngineArgs
-from octavo.runtime.kv_cache import resolve_kv_cache_dtype
+from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 from octavo.runtime.tokenizer import Tokenizer
 
 DEFAULT_POOL_CONTEXT = 4096  # default pool: max_num_seqs sequences of min(max_model_len, this) tokens

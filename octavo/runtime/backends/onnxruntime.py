@@ -5,7 +5,7 @@ value pool per layer, float32 (the export's dtype) or, with kv_cache_dtype="floa
 loaded graph's pool declarations are switched to float16 in memory before the session is created (the
 export on disk is unchanged) and the op rounds new K/V to fp16 on write and widens them on read. The
 float16 graph also lists the pool outputs as graph outputs, bound to the pools themselves (see
-kv_cache.expose_pool_outputs for why). They are bound ONCE through IOBinding as OrtValues that wrap the numpy
+ort_kv_pools.expose_pool_outputs for why). They are bound ONCE through IOBinding as OrtValues that wrap the numpy
 memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
 inputs and the logits output are bound.
 
@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from octavo.errors import InvalidRequestError, ModelFormatError
+from octavo.errors import ModelFormatError
 from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.oplib import library_path
 from octavo.runtime.backends.ort_fusions import fuse_rotary
-from octavo.runtime.kv_cache import NUMPY_KV_DTYPE, expose_pool_outputs, resolve_kv_cache_dtype, set_cache_dtype
+from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, set_cache_dtype
+from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,7 @@ class OnnxRuntimeBackend:
         self.block_size = block_size
         self.vocab_size = manifest.vocab_size
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, manifest)
-        if self.kv_cache_dtype not in NUMPY_KV_DTYPE:
-            raise InvalidRequestError(f"the onnxruntime backend keeps KV pools in float32 or float16, not "
-                                      f"{self.kv_cache_dtype!r}")
+        pool_type = pool_dtype(self.kv_cache_dtype)  # fails early for a dtype these pools cannot hold
 
         options = ort.SessionOptions()
         if num_threads is not None:
@@ -89,9 +88,8 @@ class OnnxRuntimeBackend:
         self._input_dtypes = self._validate()
 
         pool_shape = (num_blocks, block_size, manifest.num_kv_heads, manifest.head_dim)
-        pool_dtype = NUMPY_KV_DTYPE[self.kv_cache_dtype]
-        self.key_caches = [np.zeros(pool_shape, pool_dtype) for _ in range(manifest.num_layers)]
-        self.value_caches = [np.zeros(pool_shape, pool_dtype) for _ in range(manifest.num_layers)]
+        self.key_caches = [np.zeros(pool_shape, pool_type) for _ in range(manifest.num_layers)]
+        self.value_caches = [np.zeros(pool_shape, pool_type) for _ in range(manifest.num_layers)]
         self._binding = self.session.io_binding()
         self._pool_values: list[ort.OrtValue] = []  # keep the wrappers alive as long as the binding
         pools = [p for pair in zip(self.key_caches, self.value_caches) for p in pair]

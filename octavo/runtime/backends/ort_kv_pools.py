@@ -1,9 +1,6 @@
-"""KV cache element types: which dtype a pool holds, how many bytes a block takes, and how an exported
-graph is switched to a float16 pool in memory (no re-export). Bytes per block: Manifest.kv_bytes_per_block.
-
-`EngineArgs.kv_cache_dtype` is "auto" (the pool holds what the manifest says: float32 for every
-onnxruntime export) or "float16" (half the bytes per block; the activations stay float32 and the op
-converts K/V on write and on read).
+"""The onnxruntime backend's KV pools in another dtype than the export's: which numpy dtype a pool holds,
+and how an exported graph is switched to float16 pools in memory (no re-export). Which dtype the engine
+asks for: kv_dtype.py.
 """
 from __future__ import annotations
 
@@ -12,37 +9,28 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from octavo.errors import InvalidRequestError
-from octavo.export.manifest import KV_ITEMSIZE
 
 if TYPE_CHECKING:
     from onnx import ModelProto
 
-    from octavo.export.manifest import Manifest
-
-KV_CACHE_DTYPES = ("auto", "float16")  # what EngineArgs.kv_cache_dtype accepts
 NUMPY_KV_DTYPE: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16}
 PAGED_ATTENTION = ("octavo", "PagedAttention")  # (domain, op_type) of the node whose pools are switched
 
 
-def resolve_kv_cache_dtype(requested: str, manifest: Manifest) -> str:
-    """The pool's element type for REQUESTED: "auto" = the manifest's dtype; a concrete dtype name
-    (what a backend is handed once the engine resolved "auto") stands for itself."""
-    if requested == "auto":
-        return manifest.dtype
-    if requested not in KV_ITEMSIZE:
-        raise InvalidRequestError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {requested!r}")
-    return requested
+def pool_dtype(dtype: str) -> type[np.generic]:
+    """The numpy element type of an onnxruntime pool of DTYPE (a resolved kv cache dtype)."""
+    if dtype not in NUMPY_KV_DTYPE:
+        raise InvalidRequestError(f"the onnxruntime backend keeps KV pools in float32 or float16, not {dtype!r}")
+    return NUMPY_KV_DTYPE[dtype]
 
 
 def set_cache_dtype(model: ModelProto, dtype: str) -> int:
     """Declare every octavo.PagedAttention pool (its key_cache/value_cache inputs and their aliased
     outputs, wherever the graph names their type: inputs, outputs, value_info) as DTYPE, in place.
     Returns how many tensor declarations changed; the op accepts float32 and float16 pools."""
-    from onnx import TensorProto
+    from onnx import helper
 
-    elem_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}.get(dtype)
-    if elem_type is None:
-        raise InvalidRequestError(f"the onnxruntime backend keeps KV pools in float32 or float16, not {dtype!r}")
+    elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(pool_dtype(dtype)))
     graph = model.graph
     pool_names: set[str] = set()
     for node in graph.node:
