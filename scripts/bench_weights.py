@@ -104,7 +104,8 @@ def all_logits(model_dir: Path, ids: list[int], threads: int) -> np.ndarray:
     """Next-token logits at every position of IDS (one prefill step through the backend)."""
     from octavo.export.manifest import Manifest
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
-    from octavo.runtime.step_inputs import prefill
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from step_inputs import prefill
 
     backend = OnnxRuntimeBackend(model_dir, Manifest.load(model_dir), -(-len(ids) // 16), 16, num_threads=threads)
     try:

@@ -104,7 +104,7 @@ def prefill_logits(folder: Path, ids: list[int], block_size: int = 16) -> "np.nd
 
     from octavo.export.manifest import Manifest
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
-    from octavo.runtime.step_inputs import one_sequence
+    from step_inputs import one_sequence
 
     blocks = -(-len(ids) // block_size)
     backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=blocks, block_size=block_size, num_threads=1)

@@ -22,7 +22,7 @@ from octavo.export.manifest import Manifest
 from octavo.export.rope import inv_freq
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.backends.ort_fusions import fuse_rotary
-from octavo.runtime.step_inputs import one_sequence
+from step_inputs import one_sequence
 
 ATOL = 1e-4
 BLOCK = 4

@@ -12,7 +12,7 @@ import pytest
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.oplib import library_path
 from octavo.runtime.backends.ort_fusions import MAX_TABLE_BYTES, fuse_rotary
-from octavo.runtime.step_inputs import one_sequence
+from step_inputs import one_sequence
 from tests.engine_helpers import exported
 
 

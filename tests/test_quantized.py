@@ -31,7 +31,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from octavo.export.quantize import MS_DOMAIN, QuantConfig, dequantize, pack_codes, quantize, unpack_codes
-from octavo.runtime.step_inputs import prefill
+from step_inputs import prefill
 from octavo.runtime.sampling_params import SamplingParams
 
 PROMPTS = [

@@ -122,7 +122,7 @@ def hf_logits(model: Any, ids: list[int]) -> np.ndarray:
 def run_chunks(folder: Path, manifest: Manifest, ids: list[int], bounds: list[int]) -> np.ndarray:
     """The prompt IDS prefilled in chunks (bounds), every logits row, over a reversed block table."""
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
-    from octavo.runtime.step_inputs import one_sequence
+    from step_inputs import one_sequence
 
     block_size, num_blocks = 16, -(-len(ids) // 16)
     table = np.arange(num_blocks, dtype=np.int32)[::-1].copy()

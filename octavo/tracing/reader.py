@@ -42,26 +42,27 @@ OPTIONAL_REQUEST_FIELDS: dict[str, Any] = {"output_len": 0, "cached": 0}
 PHASES = ("prefill", "decode")
 
 
+def _check_fields(obj: dict[str, Any], fields: dict[str, Any], where: str) -> None:
+    """Every one of FIELDS ({name: accepted types}) is in OBJ with one of its types (a bool is no number)."""
+    for name, types in fields.items():
+        if name not in obj:
+            raise TraceFormatError(f"{where}: field {name!r} is missing")
+        if not isinstance(obj[name], types) or isinstance(obj[name], bool):
+            raise TraceFormatError(f"{where}: field {name!r} has the wrong type ({obj[name]!r})")
+
+
 def check_row(row: Any, where: str = "trace row") -> dict[str, Any]:
     """Validate one trace row and return it with the optional fields filled in (a new dict)."""
     if not isinstance(row, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    for name, types in ROW_FIELDS.items():
-        if name not in row:
-            raise TraceFormatError(f"{where}: field {name!r} is missing")
-        if not isinstance(row[name], types) or isinstance(row[name], bool):
-            raise TraceFormatError(f"{where}: field {name!r} has the wrong type ({row[name]!r})")
+    _check_fields(row, ROW_FIELDS, where)
     out = {**{k: (list(v) if isinstance(v, list) else v) for k, v in OPTIONAL_ROW_FIELDS.items()}, **row}
     requests = []
     for i, req in enumerate(row["requests"]):
         rwhere = f"{where}, requests[{i}]"
         if not isinstance(req, dict):
             raise TraceFormatError(f"{rwhere}: expected a JSON object")
-        for name, types in REQUEST_FIELDS.items():
-            if name not in req:
-                raise TraceFormatError(f"{rwhere}: field {name!r} is missing")
-            if not isinstance(req[name], types) or isinstance(req[name], bool):
-                raise TraceFormatError(f"{rwhere}: field {name!r} has the wrong type ({req[name]!r})")
+        _check_fields(req, REQUEST_FIELDS, rwhere)
         if req["phase"] not in PHASES:
             raise TraceFormatError(f"{rwhere}: phase must be one of {PHASES}, got {req['phase']!r}")
         requests.append({**OPTIONAL_REQUEST_FIELDS, **req})
