@@ -110,11 +110,11 @@ def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa
         def __init__(self) -> None:
             self.inner = OnnxRuntimeBackend(folder, Manifest.load(folder), 64, 16)
             self.num_blocks, self.block_size, self.vocab_size = 64, 16, self.inner.vocab_size
-            self.running = threading.Event()
+            self.running, self.release = threading.Event(), threading.Event()
 
-        def run(self, inputs):  # noqa: ANN001, ANN201
+        def run(self, inputs):  # noqa: ANN001, ANN201 - the first step is held until the test releases it
             self.running.set()
-            time.sleep(0.5)
+            assert self.release.wait(60)
             return self.inner.run(inputs)
 
         def close(self) -> None:
@@ -133,10 +133,15 @@ def test_submit_and_abort_do_not_wait_for_a_running_step(model) -> None:  # noqa
 
     eng.submit({"prompt_token_ids": [5, 6, 7]}, greedy(3), "a", cb)
     assert backend.running.wait(10)
-    t0 = time.perf_counter()
-    eng.submit({"prompt_token_ids": [8, 9]}, greedy(2), "b", cb)
-    eng.abort_nowait("a")
-    assert time.perf_counter() - t0 < 0.25  # a step takes 0.5 s here
+    # a state, not a duration: both calls return while the step is still held (if either waited for the step
+    # it could not return before the release below, and the join's deadline fails the test)
+    calls = threading.Thread(target=lambda: (eng.submit({"prompt_token_ids": [8, 9]}, greedy(2), "b", cb),
+                                             eng.abort_nowait("a")))
+    calls.start()
+    calls.join(60)
+    returned_during_the_step = not calls.is_alive()
+    backend.release.set()
+    assert returned_during_the_step, "submit/abort_nowait waited for the running step"
     assert done.wait(30)
     assert finals["a"].outputs[0].finish_reason == "abort"
     assert finals["b"].outputs[0].token_ids == hf_reference(hf, [8, 9], 2)
