@@ -11,6 +11,7 @@ from engine_helpers import exported
 
 from octavo import LLM, BeamSearchParams, SamplingParams
 from octavo.runtime.beam_search import beam_score
+from pool_check import check_pool
 
 BLOCK = 16
 
@@ -248,7 +249,7 @@ def test_beams_share_blocks_by_refcount_copy_only_the_partial_block_and_leak_not
                 if out.request_id == "beams" and out.finished:
                     final = out
             live = engine.beams.searches["beams"].beams.live if engine.beams.has("beams") else []
-            bm.check([r.block_table for r in engine.scheduler.running])  # refcounts == references
+            check_pool(bm, [r.block_table for r in engine.scheduler.running])  # refcounts == references
             if len(live) == width and all(r.num_computed_tokens >= len(prompt) for r in live):
                 seen_sharing = True
                 for b in live[0].block_table[:2]:  # the prompt's full blocks: one copy, read by every beam

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.request import Request
 from octavo.runtime.sampling_params import SamplingParams
+from pool_check import check_pool
 
 
 def req(tokens: list[int], rid: str = "r") -> Request:
@@ -30,10 +31,10 @@ def test_grow_on_demand_and_release() -> None:
     assert bm.allocate(r, 2) and len(r.block_table) == 2  # crosses into the second block
     r.num_computed_tokens = 5
     assert not bm.allocate(r, 100) and len(r.block_table) == 2  # refused: nothing changed
-    bm.check([r.block_table])
+    check_pool(bm, [r.block_table])
     bm.release(r)
     assert bm.num_free_blocks == 4 and r.block_table == []
-    bm.check([])
+    check_pool(bm, [])
 
 
 def test_prefix_hit_shares_blocks_and_never_covers_the_last_token() -> None:
@@ -48,7 +49,7 @@ def test_prefix_hit_shares_blocks_and_never_covers_the_last_token() -> None:
     assert b.num_computed_tokens == 8
     assert bm.allocate(b, 4)
     assert bm.ref_count[cached[0]] == 2
-    bm.check([a.block_table, b.block_table])
+    check_pool(bm, [a.block_table, b.block_table])
     c = req(list(range(8)) + [99, 98, 97, 96, 95], "c")  # diverges in block 3
     assert bm.find_cached(c) == a.block_table[:2]
     d = req([1] + list(range(1, 12)), "d")  # differs in the first token: no hit at all
@@ -73,7 +74,7 @@ def test_freed_blocks_stay_cached_and_tail_is_evicted_first() -> None:
     other = req([50, 51], "o")
     assert bm.allocate(other, 2)  # takes the last free block (the old partial one)
     assert other.block_table == [table[3]]
-    bm.check([b.block_table, other.block_table])
+    check_pool(bm, [b.block_table, other.block_table])
 
 
 def test_eviction_drops_the_hash() -> None:
@@ -120,7 +121,7 @@ def test_promises_are_filled_or_withdrawn() -> None:
     assert bm.find_cached(b) == a.block_table[:2] and bm.producer_of_next(b, 2) is None  # b's block 2 differs
     c = req([1, 2, 3, 4, 5, 6, 7, 8, 0], "c")
     assert bm.find_cached(c) == a.block_table[:2] and bm.producer_of_next(c, 2) is a
-    bm.check([a.block_table])
+    check_pool(bm, [a.block_table])
     bm.release(a)  # preempted or aborted before filling block 2
     assert bm.promised == {} and bm.producer_of_next(c, 2) is None
     assert len(bm.find_cached(c)) == 2  # what a filled stays cached
@@ -183,12 +184,12 @@ def test_property_random_workload(num_blocks: int, block_size: int, ops: list, c
                 assert r.block_table == before
         elif op == "free" and live:
             bm.release(live.pop(x % len(live)))
-        bm.check([r.block_table for r in live])
+        check_pool(bm, [r.block_table for r in live])
         assert sum(1 for c in bm.ref_count if c) + bm.num_free_blocks == num_blocks
         assert all(any(p is r for r in live) for p in bm.promised.values()), "a promise outlived its request"
     for r in live:
         bm.release(r)
-    bm.check([])
+    check_pool(bm, [])
     assert bm.promised == {}
     assert bm.num_free_blocks == num_blocks
 
@@ -204,9 +205,9 @@ def test_fork_shares_the_full_computed_blocks_and_releases_cleanly() -> None:
     assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
     assert [bm.ref_count[b] for b in parent.block_table] == [2, 2, 1]
     assert bm.allocate(child, 3) and len(child.block_table) == 3 and child.block_table[2] != parent.block_table[2]
-    bm.check([parent.block_table, child.block_table])
+    check_pool(bm, [parent.block_table, child.block_table])
     bm.release(parent)
-    bm.check([child.block_table])
+    check_pool(bm, [child.block_table])
     bm.release(child)
     assert bm.num_free_blocks == 8
-    bm.check([])
+    check_pool(bm, [])

@@ -26,6 +26,7 @@ from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.sampling_params import SamplingParams
+from pool_check import check_pool
 
 VOCAB = 384
 CANARY = [17, 42, 99, 5, 250, 3]
@@ -210,7 +211,7 @@ def check_workload(folder, reqs, block_size, pool_tokens, budget, max_seqs, cach
             if o.finished:
                 assert o.request_id not in finals, f"{o.request_id} finished twice"
                 finals[o.request_id] = o
-        eng.block_manager.check([r.block_table for g in eng.outputs.groups.values() for r in g.children])
+        check_pool(eng.block_manager, [r.block_table for g in eng.outputs.groups.values() for r in g.children])
         step += 1
         if step > 8 and not eng.has_unfinished_requests():
             break

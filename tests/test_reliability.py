@@ -31,6 +31,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.serving.app import ServerConfig
 from octavo.serving.background import ServerThread
 from octavo.serving.server import OpenAIServer
+from pool_check import check_pool
 
 VOCAB = 384
 
@@ -282,7 +283,7 @@ def test_five_times_the_pool_completes_identically_without_starvation(folder, pr
                 assert o.request_id not in finished_at
                 finished_at[o.request_id] = step
                 outputs[o.request_id] = list(o.outputs[0].token_ids)
-        eng.block_manager.check([q.block_table for g in eng.outputs.groups.values() for q in g.children])
+        check_pool(eng.block_manager, [q.block_table for g in eng.outputs.groups.values() for q in g.children])
         step += 1
         assert step <= max(bound.values()) + 1, f"no progress by step {step} (deadlock?): {len(finished_at)} done"
     stats = eng.stats()

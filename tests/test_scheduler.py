@@ -16,6 +16,7 @@ from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.request import Request
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler, SchedulerOutput
+from pool_check import check_pool
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +106,9 @@ def test_requests_sharing_a_cold_prefix_wait_for_its_producer() -> None:
     assert bm.promised == {}  # a filled its 3 prefix blocks (and 1 of its own), u its one
     out = s.schedule()
     assert _ids(out) == [("a", 1), ("u", 1), ("b", 2), ("c", 2)] and out.held == []
-    assert b.num_cached_tokens == c.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    assert b.metrics.num_cached_tokens == c.metrics.num_cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
     assert bm.prefix_hits == 24
-    bm.check([r.block_table for r in (a, b, c, u)])
+    check_pool(bm, [r.block_table for r in (a, b, c, u)])
 
 
 def test_a_chunked_producer_releases_its_waiters_after_the_last_shared_block() -> None:
@@ -124,7 +125,7 @@ def test_a_chunked_producer_releases_its_waiters_after_the_last_shared_block() -
     # a's chunks fill blocks 0..2 in steps 1..3 (b is not looked at while a takes the whole budget);
     # in step 3 b is held on block 2, which a is filling; in step 4 b finds all 3 blocks cached
     assert steps == [([("a", 5)], []), ([("a", 5)], []), ([("a", 4)], ["b"]), ([("a", 1), ("b", 1)], [])]
-    assert b.num_cached_tokens == 12
+    assert b.metrics.num_cached_tokens == 12
 
 
 def test_an_aborted_producer_hands_its_prefix_to_the_next_one() -> None:
@@ -139,14 +140,14 @@ def test_an_aborted_producer_hands_its_prefix_to_the_next_one() -> None:
     s.finish(a, "abort")
     assert bm.promised == {}
     out = s.schedule()  # b takes over from block 1 (block 0 stayed cached)
-    assert _ids(out) == [("b", 6)] and b.num_cached_tokens == 4
+    assert _ids(out) == [("b", 6)] and b.metrics.num_cached_tokens == 4
     assert set(bm.promised.values()) == {b}
     _computed(s, out)
     out = s.schedule()
     assert _ids(out) == [("b", 3)] and out.held == [c]
     _computed(s, out)
     out = s.schedule()
-    assert _ids(out) == [("b", 1), ("c", 1)] and c.num_cached_tokens == 12
+    assert _ids(out) == [("b", 1), ("c", 1)] and c.metrics.num_cached_tokens == 12
 
 
 def test_a_producer_preempted_mid_prefix_withdraws_its_promises(toy_dir) -> None:  # noqa: ANN001
@@ -166,7 +167,7 @@ def test_a_producer_preempted_mid_prefix_withdraws_its_promises(toy_dir) -> None
         for o in eng.step():
             outs[o.request_id] = o
         bm = eng.block_manager
-        bm.check([r.block_table for g in eng.outputs.groups.values() for r in g.children])
+        check_pool(bm, [r.block_table for g in eng.outputs.groups.values() for r in g.children])
         assert all(p.status.value == "running" for p in bm.promised.values())
     a_rows = {r["step"]: q for r in rows for q in r["requests"] if q["id"] == "a"}
     preempted = [r["step"] for r in rows if "a" in r["preempted"]]
@@ -277,7 +278,7 @@ def check_random_workload(toy_dir, reqs, num_blocks, block_size, budget, max_seq
             if out.finished:
                 finals.setdefault(out.request_id, []).append(out)
         live = [r.block_table for g in eng.outputs.groups.values() for r in g.children]
-        eng.block_manager.check(live)
+        check_pool(eng.block_manager, live)
         if len(rows) > n_rows:
             row = rows[-1]
             assert row["num_tokens"] <= budget and row["batch_size"] <= max_seqs

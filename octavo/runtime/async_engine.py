@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 
 from octavo.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
-from octavo.runtime.engine import LLMEngine, StepListener
+from octavo.runtime.engine import LLMEngine
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.input_processor import Prompt
 from octavo.runtime.output_mailbox import DEFAULT_MAX_ENTRIES, OutputMailbox
@@ -38,6 +38,7 @@ from octavo.runtime.output_processor import RequestGroup
 from octavo.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
+from octavo.runtime.step_record import StepListener
 from octavo.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

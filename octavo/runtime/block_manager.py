@@ -12,12 +12,12 @@
   prefix, `commit`: a step's tokens, `release`: 0), block hashes; it counts its own cache hits.
 - `fork`: a new request shares another's full computed blocks (beam search, n > 1); for beam search also its
   own copy of the partially filled last block (copy on write: both will write into it).
-- Invariant (checked by `check`): free + in use == total; a block is free iff its refcount is 0.
+- Invariant (tests/pool_check.py checks it): free + in use == total; a block is free iff its refcount is 0.
 """
 from __future__ import annotations
 
 import hashlib
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import numpy as np
 
@@ -84,8 +84,7 @@ class BlockManager:
             if self.hash_of[b] is None and h not in self.hash_to_block:
                 self.hash_of[b] = h
                 self.hash_to_block[h] = b
-            if self.promised:
-                self.promised.pop(h, None)  # filled (by req or by whoever got there first): now in hash_to_block
+            self.promised.pop(h, None)  # filled (by req or by whoever got there first): now in hash_to_block
         req.num_registered_blocks = max(req.num_registered_blocks, n_full)
 
     # -- promises (cold shared prefixes) ------------------------------------------------------------
@@ -109,13 +108,6 @@ class BlockManager:
             return None
         return self.promised.get(req.block_hashes[num_cached_blocks])
 
-    def _drop_promises(self, req: Request) -> None:
-        for i in range(req.num_registered_blocks, req.num_promised_blocks):
-            h = req.block_hashes[i]
-            if self.promised.get(h) is req:
-                del self.promised[h]
-        req.num_promised_blocks = 0
-
     # -- allocation ---------------------------------------------------------------------------------
     def can_admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
         """Would admitting req (with its cached prefix blocks) plus num_new_tokens fit right now?"""
@@ -126,7 +118,7 @@ class BlockManager:
     def admit(self, req: Request, cached: list[int]) -> None:
         """Give req its cached prefix blocks (touching them out of the free list); on its first admission
         count the prompt's lookup in the prefix-cache statistics."""
-        if not req.admitted:
+        if req.metrics.first_scheduled_time is None:
             self.prefix_queries += req.num_prompt_tokens
             self.prefix_hits += len(cached) * self.block_size
         for b in cached:
@@ -181,8 +173,10 @@ class BlockManager:
     def release(self, req: Request) -> None:
         """Drop req's references, last block first; unreferenced blocks join the free list. Its
         unfilled promises are withdrawn (requests held on them compute the blocks themselves)."""
-        if req.num_promised_blocks:
-            self._drop_promises(req)
+        for h in req.block_hashes[req.num_registered_blocks:req.num_promised_blocks]:
+            if self.promised.get(h) is req:
+                del self.promised[h]
+        req.num_promised_blocks = 0
         for b in reversed(req.block_table):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
@@ -192,13 +186,3 @@ class BlockManager:
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
-
-    def check(self, tables: list[list[int]]) -> None:
-        """Assert the pool's invariants given every live block table (used by tests)."""
-        counts = Counter(b for table in tables for b in table)
-        assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, "refcounts disagree with the block tables"
-        assert len(counts) + len(self.free_lru) == self.num_blocks, "free + used != total"
-        assert all(self.ref_count[b] == 0 for b in self.free_lru), "a referenced block is in the free list"
-        assert all(self.hash_of[b] == h for h, b in self.hash_to_block.items()), "hash map out of sync"
-        assert all(req.block_table for req in self.promised.values()), "a promise held by a request without blocks"
-        assert not self.promised.keys() & self.hash_to_block.keys(), "a filled block is still promised"

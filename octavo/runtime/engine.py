@@ -11,7 +11,6 @@ requests end with "error" (their blocks are freed) and the engine keeps serving 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from octavo.errors import InvalidRequestError, StepFailedError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
@@ -26,14 +25,13 @@ from octavo.runtime.prompt_logprobs import max_prompt_logprob_rows, prompt_rows
 from octavo.runtime.runner import ModelRunner
 from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
-from octavo.runtime.scheduler import Scheduler, SchedulerOutput
-from octavo.runtime.stats import EngineStats
-from octavo.runtime.step_record import StepRecord
+from octavo.runtime.scheduler import Scheduler
+from octavo.runtime.stats import EngineStats, engine_stats
+from octavo.runtime.step_record import StepListener, StepRecord, notify
 from octavo.structured.manager import StructuredOutputManager
 from octavo.tracing.jsonl import JsonlTraceWriter
 
 logger = logging.getLogger(__name__)
-StepListener = Callable[[StepRecord], None]
 
 
 class LLMEngine:
@@ -45,18 +43,19 @@ class LLMEngine:
         self.max_model_len, self.backend = model.max_model_len, model.backend
         self.block_size, self.num_blocks, self.vocab_size = args.block_size, self.backend.num_blocks, self.manifest.vocab_size
         self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching)
-        self.prompt_logprob_rows = max_prompt_logprob_rows(self.backend, args.max_num_seqs, self.vocab_size)
+        prompt_logprob_rows = max_prompt_logprob_rows(self.backend, args.max_num_seqs, self.vocab_size)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    long_prefill_token_threshold=args.long_prefill_token_threshold,
                                    eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
-                                   max_prompt_logprob_rows=self.prompt_logprob_rows)
+                                   max_prompt_logprob_rows=prompt_logprob_rows)
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size)  # grammars, masks
         self.beams = BeamSearchManager(self.scheduler, self.block_manager, self.backend, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
-                                     self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal)
+                                     self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal,
+                                     prompt_logprob_rows=prompt_logprob_rows)
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []
@@ -70,14 +69,9 @@ class LLMEngine:
         self.add_group(self.inputs.make_group(request_id, prompt, params, arrival_time=arrival_time, priority=priority))
 
     def add_group(self, group: RequestGroup) -> None:
-        """Queue a request made by InputProcessor.make_group (which is safe from any thread)."""
+        """Queue a request made by InputProcessor.make_group (which validated it, safe from any thread)."""
         if group.request_id in self.outputs.groups or self.beams.has(group.request_id):
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
-        p = group.children[0].params
-        if p.prompt_logprobs is not None and (self.prompt_logprob_rows < 1 or p.use_beam_search):
-            raise InvalidRequestError("prompt_logprobs is not supported with use_beam_search" if p.use_beam_search else
-                                      "prompt_logprobs needs logits rows beyond one per sequence, and this backend "
-                                      "returns no more (a TensorRT engine: rebuild it with a larger max_num_logits)")
         if group.children[0].params.use_beam_search:  # its beams are the beam search's, its output too
             self.scheduler.add(self.beams.add(group))
             self._arrived.append(group.children[0].request_id)
@@ -163,31 +157,13 @@ class LLMEngine:
             touched = to_sample
         outputs += self.outputs.make_outputs(touched)
         rec.lap("detokenize")
-        self._record(rec, sched)
+        rec.end(sched, self._arrived, self.scheduler.take_finished(), len(self.scheduler.waiting), self.block_manager)
+        self._arrived = []
+        notify(self._listeners, rec)
         return outputs
 
-    def _record(self, rec: StepRecord, sched: SchedulerOutput) -> None:
-        rec.scheduled, rec.preempted, rec.held = sched.scheduled, sched.preempted, sched.held
-        rec.arrived, self._arrived = self._arrived, []
-        rec.finished = self.scheduler.take_finished()
-        rec.num_waiting, rec.free_blocks = len(self.scheduler.waiting), self.block_manager.num_free_blocks
-        rec.total_blocks, rec.block_size = self.num_blocks, self.block_size
-        for fn in self._listeners:
-            try:
-                fn(rec)
-            except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
-                logger.exception("step listener %r failed", fn)
-
     def stats(self) -> EngineStats:
-        bm, s = self.block_manager, self.scheduler
-        return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
-            num_free_blocks=bm.num_free_blocks, num_total_blocks=self.num_blocks,
-            kv_cache_usage=1.0 - bm.num_free_blocks / self.num_blocks,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
-            num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
-            generation_tokens_total=s.generation_tokens_total, step_count=self.step_count,
-        )
+        return engine_stats(self.scheduler, self.block_manager, self.step_count)
 
     def close(self) -> None:
         self.structured.close()

@@ -38,11 +38,13 @@ def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int,
                  block_size: int, seed: int, structured: StructuredOutputManager | None = None,
-                 beam_search_refusal: str | None = None) -> None:
-        """beam_search_refusal: why this engine cannot run beam search (None: it can)."""
+                 beam_search_refusal: str | None = None, prompt_logprob_rows: int = 1) -> None:
+        """beam_search_refusal: why this engine cannot run beam search (None: it can). prompt_logprob_rows:
+        the logits rows a step can return beyond one per sequence (0: prompt_logprobs is refused)."""
         self.tokenizer = tokenizer
         self.structured = structured  # compiles output constraints (None: a request with one is refused)
         self.beam_search_refusal = beam_search_refusal
+        self.prompt_logprob_rows = prompt_logprob_rows
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -66,6 +68,11 @@ class InputProcessor:
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         if params.use_beam_search and self.beam_search_refusal is not None:
             raise InvalidRequestError(self.beam_search_refusal)
+        if params.prompt_logprobs is not None and (self.prompt_logprob_rows < 1 or params.use_beam_search):
+            raise InvalidRequestError("prompt_logprobs is not supported with use_beam_search" if params.use_beam_search
+                                      else "prompt_logprobs needs logits rows beyond one per sequence, and this "
+                                      "backend returns no more (a TensorRT engine: rebuild it with a larger "
+                                      "max_num_logits)")
         now = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):

@@ -39,7 +39,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash of each FULL block so far
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
@@ -47,8 +46,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
+    # first_scheduled_time is set on its first admission (num_cached_tokens too: the prefix-cache hits)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
-    admitted: bool = False  # admitted at least once (num_cached_tokens is set then)
     prompt_logprobs_next: int = 0  # first prompt position whose logits row prompt_logprobs has not scored yet
     # requests the scheduler queues once this one has computed its prompt (or finished): the other n-1
     # children of an n > 1 request, which then find the prompt's full blocks in the prefix cache
@@ -80,6 +79,4 @@ class Request:
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(start - n, 0):end - n]

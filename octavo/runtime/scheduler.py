@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.prompt_logprobs import capped_chunk, rows_needed, usable_cached_blocks
 from octavo.runtime.request import Request, RequestStatus
+from octavo.runtime.stop_check import check_stop
 from octavo.structured.manager import commit_token, release_grammar
 
 
@@ -73,13 +74,10 @@ class Scheduler:
         while running:
             req = running.pop(0)
             n, new_long_left = self._chunk(req.num_tokens - req.num_computed_tokens, budget, long_left)
-            # n == 0 also for a beam that has its logprobs and waits for its siblings'; and forked beams can
-            # outnumber the seats of a step (max_num_seqs)
-            if n == 0 or len(out.scheduled) == self.max_num_seqs:
-                self.running.append(req)
-                continue
             n = capped_chunk(req, req.num_computed_tokens, n, rows)
-            if n == 0:  # its prompt-logprob rows do not fit this step
+            # n == 0 also for a beam that has its logprobs and waits for its siblings', and when its
+            # prompt-logprob rows do not fit this step; forked beams can outnumber the seats (max_num_seqs)
+            if n == 0 or len(out.scheduled) == self.max_num_seqs:
                 self.running.append(req)
                 continue
             while not self.block_manager.allocate(req, n):
@@ -117,9 +115,7 @@ class Scheduler:
             if not self.block_manager.allocate(req, n):  # can_admit said yes; this cannot happen
                 raise RuntimeError("block manager refused an allocation it had accepted")
             self.block_manager.promise(req)
-            if not req.admitted:
-                req.admitted = True
-                req.num_cached_tokens = req.num_computed_tokens
+            if req.metrics.first_scheduled_time is None:  # its first admission
                 req.metrics.num_cached_tokens = req.num_computed_tokens
                 req.metrics.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
@@ -149,7 +145,6 @@ class Scheduler:
             self._append_token(req, tok, now)
 
     def _append_token(self, req: Request, tok: int, now: float) -> None:
-        p = req.params
         req.output_token_ids.append(tok)
         self.generation_tokens_total += 1
         if req.metrics.first_token_time is None:
@@ -163,17 +158,9 @@ class Scheduler:
                 self.finish(req, "error", error=res.error)
                 return
             grammar_done = res.terminated
-        min_done = req.num_output_tokens >= p.min_tokens
-        if min_done and tok in p.stop_token_ids:
-            req.stop_reason = tok
-            self.finish(req, "stop")
-        elif min_done and not p.ignore_eos and tok in self.eos_token_ids:
-            self.finish(req, "stop")
-        elif grammar_done:  # the output is complete: nothing but EOS could follow
-            self.finish(req, "stop")
-        elif req.num_output_tokens >= req.max_tokens or (self.max_model_len is not None
-                                                         and req.num_tokens >= self.max_model_len):
-            self.finish(req, "length")
+        reason, stop_token = check_stop(req, tok, self.eos_token_ids, self.max_model_len, grammar_done)
+        if reason is not None:
+            self.finish(req, reason, stop_reason=stop_token)
 
     def _release_followers(self, req: Request) -> None:
         followers, req.followers = req.followers, []

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from octavo.runtime.block_manager import BlockManager
+    from octavo.runtime.scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -17,6 +22,18 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded, recomputes included)
     generation_tokens_total: int  # tokens sampled
     step_count: int
+
+
+def engine_stats(s: Scheduler, bm: BlockManager, step_count: int) -> EngineStats:
+    """The counters of an engine's scheduler and block manager now."""
+    return EngineStats(
+        num_running=len(s.running), num_waiting=len(s.waiting),
+        num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+        kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+        prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+        num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
+        generation_tokens_total=s.generation_tokens_total, step_count=step_count,
+    )
 
 
 @dataclass(frozen=True, slots=True)

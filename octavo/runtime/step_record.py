@@ -7,12 +7,20 @@ for it (`trace_row`, which reads the requests' current state: call it inside the
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 from time import time as wall_clock
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from octavo.runtime.request import Request
+
+if TYPE_CHECKING:
+    from octavo.runtime.block_manager import BlockManager
+    from octavo.runtime.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 # the step's phases, in order: the scheduler's decision, packing the inputs (ModelRunner.prepare), the
 # backend, sampling, the commit (Scheduler.update_from_output) and detokenization + outputs
@@ -44,6 +52,13 @@ class StepRecord:
         self.starts = [r.num_computed_tokens for r in scheduled]
         self.blocks = [len(r.block_table) for r in scheduled]
 
+    def end(self, sched: SchedulerOutput, arrived: list[str], finished: list[Request], num_waiting: int,
+            bm: BlockManager) -> None:
+        """After the step: what the scheduler decided, who arrived and finished, the queue and the pool."""
+        self.scheduled, self.preempted, self.held = sched.scheduled, sched.preempted, sched.held
+        self.arrived, self.finished, self.num_waiting = arrived, finished, num_waiting
+        self.free_blocks, self.total_blocks, self.block_size = bm.num_free_blocks, bm.num_blocks, bm.block_size
+
     def lap(self, phase: str) -> None:
         """Charge the time since the previous lap (or the start) to PHASE."""
         now = perf_counter()
@@ -63,7 +78,7 @@ class StepRecord:
         """The step as one JSON-able trace row (the format octavo/tracing reads)."""
         reqs = [{"id": r.request_id, "phase": "decode" if n == 1 and start >= r.num_prompt_tokens else "prefill",
                  "tokens": n, "prompt_len": r.num_prompt_tokens, "total_len": start + n,
-                 "output_len": r.num_output_tokens, "blocks": blocks, "cached": r.num_cached_tokens}
+                 "output_len": r.num_output_tokens, "blocks": blocks, "cached": r.metrics.num_cached_tokens}
                 for (r, n), start, blocks in zip(self.scheduled.items(), self.starts, self.blocks)]
         return {
             "step": self.step, "time": self.time, "duration_s": self.duration_s, "batch_size": self.batch_size,
@@ -72,3 +87,15 @@ class StepRecord:
             "arrived": self.arrived, "finished": [{"id": r.request_id, "reason": r.finish_reason} for r in self.finished],
             "preempted": [r.request_id for r in self.preempted], "held": [r.request_id for r in self.held],
         }
+
+
+StepListener = Callable[[StepRecord], None]
+
+
+def notify(listeners: list[StepListener], rec: StepRecord) -> None:
+    """Hand REC to every listener (on the engine's thread); a broken listener must not stop the engine."""
+    for fn in listeners:
+        try:
+            fn(rec)
+        except Exception:  # noqa: BLE001
+            logger.exception("step listener %r failed", fn)
