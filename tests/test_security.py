@@ -73,6 +73,7 @@ def test_api_key_on_every_route_but_health(server) -> None:  # noqa: ANN001
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         for method, path in sorted(routes):
             body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            body = {"/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}}.get(path, body)
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                             {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"},
                             {"X-API-Key": KEY}):
