@@ -333,6 +333,22 @@ def test_the_story_names_chunked_prefills(model_dir):
         assert step == done[rid] + GEN[rid] - 1
 
 
+def test_the_story_names_the_long_prefill_cap_when_it_chunked_a_prompt(model_dir):
+    """A prompt longer than long_prefill_token_threshold is chunked although the step budget has room: the
+    sentence must name the cap, not only the budget (issue 20.1: the text says what the run did)."""
+    from octavo.tracing.story import describe_run
+
+    cap = 8
+    run = run_demo(DemoConfig(model=str(model_dir), block_size=BLOCK,
+                              engine_extra={"long_prefill_token_threshold": cap}), PROFILES)
+    chunked = [s for s in run.report.spans if s.prefill_steps > 1]
+    assert chunked  # the premise: the budget (2048) fits every prompt, the cap does not
+    per_step = [q["tokens"] for r in run.rows for q in r["requests"] if q["phase"] == "prefill"]
+    assert max(per_step) <= cap
+    text = "\n".join(describe_run(run.rows, run.report.spans, 2048, cap))
+    assert f"(the step budget of 2048 is shared, and a prompt gets at most {cap} tokens a step)" in text
+
+
 def test_float16_kv_cache_halves_the_reported_bytes(model_dir, together):
     """--kv-cache-dtype float16 reaches the engine: the memory report prices a slot at half the bytes, and
     the run keeps the same schedule (the same requests finish at the same steps)."""

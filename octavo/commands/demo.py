@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         f"arrivals {config.arrivals}" + (f" (one every {config.stagger_every} steps)" if config.arrivals == "staggered" else ""),
         "Greedy, ignore_eos=True and max_tokens = each profile's generation length: every length is exact, "
         "so the finishing steps are predictable. What this run did, read from its trace:",
-        *describe_run(report.rows, report.spans, config.max_num_batched_tokens),
+        *describe_run(report.rows, report.spans, config.max_num_batched_tokens, _chunk_cap(config)),
     ]
     print(format_terminal(report, step_log=not args.no_log))
     for path in write_outputs(report, png=args.png, html=args.html):
@@ -76,3 +76,10 @@ def run(args: argparse.Namespace) -> int:
     if args.trace_path:
         print(f"wrote {args.trace_path} (draw it again: octavo trace {args.trace_path} --png OUT.png --html OUT.html)")
     return 0
+
+
+def _chunk_cap(config) -> int:  # noqa: ANN001 - a DemoConfig
+    """The long-prefill cap the demo's engine ran with (a --long-prefill-token-threshold flag, else the default)."""
+    from octavo.runtime.engine_args import EngineArgs
+
+    return config.engine_extra.get("long_prefill_token_threshold", EngineArgs.long_prefill_token_threshold)

@@ -37,8 +37,10 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def describe_run(rows: list[dict[str, Any]], spans: list[RequestSpan], budget: int | None = None) -> list[str]:
-    """Sentences about RUN (validated rows, their spans); BUDGET: max_num_batched_tokens when known."""
+def describe_run(rows: list[dict[str, Any]], spans: list[RequestSpan], budget: int | None = None,
+                 chunk_cap: int | None = None) -> list[str]:
+    """Sentences about RUN (validated rows, their spans); BUDGET: max_num_batched_tokens when known; CHUNK_CAP: the
+    engine's long_prefill_token_threshold when known (0 or None: no per-prompt cap)."""
     if not rows or not spans:
         return []
     done = {s.id: prompt_done_step(s) for s in spans}
@@ -64,7 +66,8 @@ def describe_run(rows: list[dict[str, Any]], spans: list[RequestSpan], budget: i
     lines += _why_waited(rows, spans, done, budget)
     chunked = [s for s in spans if s.prefill_steps > 1 and not s.preemptions]
     if chunked:
-        lines.append(f"Prefilled in chunks (the step budget{f' of {budget}' if budget else ''} is shared): "
+        cap = f", and a prompt gets at most {chunk_cap} tokens a step" if chunk_cap else ""
+        lines.append(f"Prefilled in chunks (the step budget{f' of {budget}' if budget else ''} is shared{cap}): "
                      + "; ".join(f"{label_of(s.id)} in {s.prefill_steps} steps" for s in chunked[:4])
                      + ("; …" if len(chunked) > 4 else "") + ".")
     lines.append(_finish_rule(spans, done))
