@@ -5,40 +5,24 @@ its response, and the process exits 0 within the bound: timeout + EXIT_SLACK sec
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import serve_process
 from engine_helpers import exported
 
 EXIT_SLACK = 10.0  # seconds beyond --shutdown-timeout for the engine to stop and the process to exit
 
 
 def start_serve(folder: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "octavo", "serve", str(folder), "--port", "0", "--num-threads", "1",
-         "--served-model-name", "tiny", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    line = proc.stdout.readline()
-    m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-    assert m, line
-    url = m.group(1)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
-        time.sleep(0.05)
+    return serve_process.start_serve([str(folder), "--port", "0", "--num-threads", "1",
+                                      "--served-model-name", "tiny", *extra])
 
 
 def in_engine(url: str) -> float:

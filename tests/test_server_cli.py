@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from engine_helpers import exported
+from serve_process import serving, start_serve
 
 
 
@@ -21,19 +19,9 @@ def model_dir(hf_model_dir):  # noqa: ANN001, ANN201
 
 
 def test_serve_sigterm_finishes_in_flight_stream_then_exits(model_dir) -> None:  # noqa: ANN001
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "octavo", "serve", str(model_dir), "--port", "0", "--num-blocks", "64",
-         "--num-threads", "1", "--served-model-name", "tiny", "--shutdown-timeout", "20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = start_serve([str(model_dir), "--port", "0", "--num-blocks", "64", "--num-threads", "1",
+                             "--served-model-name", "tiny", "--shutdown-timeout", "20"])
     try:
-        line = proc.stdout.readline()
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert m, line
-        url = m.group(1)
-        deadline = time.monotonic() + 60
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         events = []
@@ -75,24 +63,12 @@ def test_serve_with_no_model_serves_the_embedded_model_by_name(tmp_path) -> None
     (exported once into $OCTAVO_CACHE; the cache of a session that ran the demo is reused)."""
     from octavo.demo.model import EMBEDDED_NAME
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "octavo", "serve", "--port", "0", "--num-threads", "1", "--max-model-len", "512"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        line = proc.stdout.readline()
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert m, line
-        url = m.group(1)
-        deadline = time.monotonic() + 600  # a first export of the 135M model takes a while on a loaded machine
-        while httpx.get(url + "/health").status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.2)
+    # a first export of the 135M model takes a while on a loaded machine
+    with serving(["--port", "0", "--num-threads", "1", "--max-model-len", "512"], ready_s=600) as (_, url):
         assert [d["id"] for d in httpx.get(url + "/v1/models").json()["data"]] == [EMBEDDED_NAME]
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": EMBEDDED_NAME, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200 and r.json()["model"] == EMBEDDED_NAME, r.text
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
-    finally:
-        proc.terminate()
-        proc.wait(60)
+

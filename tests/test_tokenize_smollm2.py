@@ -3,15 +3,11 @@ transformers' own tokenizer of the same GGUF file, and against what the generati
 usage.prompt_tokens (the official `openai` client)."""
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
+from serve_process import serving
 
 TEXTS = ["The capital of France is", "Héllo wörld — naïve café, 日本語 テスト 😀", "def f(x):\n\treturn x ** 2  # square",
          "  two leading spaces and trailing  ", "<|im_start|>user\nHi<|im_end|>\n"]
@@ -32,26 +28,9 @@ def gguf():  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def url(gguf):  # noqa: ANN001, ANN201
-    proc = subprocess.Popen([sys.executable, "-m", "octavo", "serve", str(gguf), "--port", "0", "--num-threads", "1",
-                             "--served-model-name", "smollm2", "--num-blocks", "64", "--max-model-len", "2048"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        line = proc.stdout.readline()
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert m, line
-        deadline = time.monotonic() + 300
-        while httpx.get(m.group(1) + "/health").status_code != 200:
-            assert proc.poll() is None and time.monotonic() < deadline, "octavo serve did not become ready"
-            time.sleep(0.1)
-        yield m.group(1)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serving([str(gguf), "--port", "0", "--num-threads", "1", "--served-model-name", "smollm2",
+                  "--num-blocks", "64", "--max-model-len", "2048"], ready_s=300) as (_, base):
+        yield base
 
 
 @pytest.fixture(scope="module")

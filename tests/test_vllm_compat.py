@@ -4,16 +4,14 @@ tokens), transformers' tokenizer (chat templates), the tokenizer itself (token i
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 from engine_helpers import exported
+from serve_process import serving
 
 from octavo import LLM, SamplingParams
 
@@ -34,27 +32,9 @@ def model_dir(hf_dir):  # noqa: ANN001, ANN201
 @pytest.fixture(scope="module")
 def url(model_dir):  # noqa: ANN001, ANN201
     """`octavo serve` in its own process on a free port; its base URL once /health says ready."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "octavo", "serve", str(model_dir), "--port", "0", "--num-blocks", "256",
-         "--block-size", str(BLOCK), "--num-threads", "1", "--served-model-name", NAME, "--shutdown-timeout", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        line = proc.stdout.readline()
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert m, line
-        base = m.group(1)
-        deadline = time.monotonic() + 120
-        while httpx.get(base + "/health").status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not become ready"
-            time.sleep(0.05)
+    with serving([str(model_dir), "--port", "0", "--num-blocks", "256", "--block-size", str(BLOCK),
+                  "--num-threads", "1", "--served-model-name", NAME, "--shutdown-timeout", "5"]) as (_, base):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture()
