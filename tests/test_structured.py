@@ -68,7 +68,12 @@ def lark_parser() -> lark.Lark:
 
 def lark_prefix_ok(text: str) -> bool:
     """TEXT is a prefix of some sentence of the grammar (what a cut-off output must be)."""
-    ip = lark_parser().parse_interactive(text)
+    return prefix_ok(lark_parser(), text)
+
+
+def prefix_ok(parser: lark.Lark, text: str) -> bool:
+    """TEXT is a prefix of some sentence of PARSER's (LALR) grammar."""
+    ip = parser.parse_interactive(text)
     try:
         for _ in ip.iter_parse():
             pass

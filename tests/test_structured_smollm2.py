@@ -126,15 +126,9 @@ def lark_parser_arith():  # noqa: ANN201
 
 
 def arith_prefix_ok(text: str) -> bool:
-    import lark
+    from test_structured import prefix_ok
 
-    ip = lark_parser_arith().parse_interactive(text)
-    try:
-        for _ in ip.iter_parse():
-            pass
-    except lark.exceptions.UnexpectedInput:
-        return False
-    return True
+    return prefix_ok(lark_parser_arith(), text)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -14,14 +14,10 @@ import jsonschema
 import openai
 import pytest
 from engine_helpers import exported
+from test_structured_server import server  # noqa: F401 - the fixture
 
-from octavo.runtime.async_engine import AsyncEngine
-from octavo.runtime.engine_args import EngineArgs
 from octavo.serving.api_error import ApiError
-from octavo.serving.app import ServerConfig
-from octavo.serving.background import ServerThread
 from octavo.serving.protocol import Limits, parse_chat
-from octavo.serving.server import OpenAIServer
 from octavo.serving.tool_parsers import HermesParser, Llama3JsonParser
 
 NAME = "tiny"
@@ -160,14 +156,7 @@ def test_tools_reach_the_template_as_transformers_renders_them(hf_model_dir) -> 
 # the server
 
 
-@pytest.fixture(scope="module")
-def server(hf_model_dir):  # noqa: ANN001, ANN201
-    ea = EngineArgs(model=str(exported(hf_model_dir("llama"))), num_blocks=512, block_size=16, max_num_seqs=64,
-                    num_threads=1)
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), max_n=N, tool_call_parser="hermes"),
-                       lambda: AsyncEngine(ea), shutdown_timeout=5)
-    with ServerThread(srv) as s:
-        yield s
+# the same module-scoped server as the structured-output tests (hermes tool-call parser)
 
 
 @pytest.fixture()
