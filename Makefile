@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup op demo test test-slow perf perf-llama llama-server gpu-check clean
+.PHONY: setup op demo test test-slow perf perf-llama perf-slo llama-server gpu-check clean
 
 setup: $(VENV)/.installed op
 
@@ -43,6 +43,13 @@ llama-server: setup
 
 perf-llama: setup
 	$(PY) scripts/compare_peers.py --repeat 2 --variants --llama-np 16,32,64 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
+
+# users served within an SLO (p99 TTFT <= 2 s, p99 TPOT <= 150 ms) by octavo, llama-server, vLLM CPU (when
+# .venv-vllm exists) and HF naive serving, on the embedded SmolLM2 GGUF (docs/performance.md, "SLO capacity").
+# Builds llama-server once (~12 min). `make perf-slo SLO_ARGS=--quick`: every engine in about 15 minutes.
+SLO_ARGS ?=
+perf-slo: setup
+	$(PY) scripts/slo_capacity.py --llama-server "$$(scripts/build_llama_server.sh | tail -1)" $(SLO_ARGS)
 
 gpu-check: setup
 	$(PY) scripts/gpu_check.py
