@@ -10,7 +10,7 @@ users at the SLO by Little's law, p50/p99 TTFT and TPOT there, ratio to HF naive
 
 Engines: octavo serve (its defaults), llama.cpp llama-server on the same GGUF (with --llama-server PATH,
 $LLAMA_SERVER, or the build of scripts/build_llama_server.sh when present), vLLM CPU (when .venv-vllm
-exists; `make perf-vllm`), HF naive (transformers, one request at a time). The logic is in
+exists; `make vllm`), HF naive (transformers, one request at a time). The logic is in
 octavo/bench/slo/ (docs/performance.md, "SLO capacity").
 """
 from __future__ import annotations
@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=os.environ.get("LLAMA_SERVER") or (str(LLAMA_BUILD) if LLAMA_BUILD.is_file() else None),
                    help="llama-server binary (default $LLAMA_SERVER, or scripts/build_llama_server.sh's build)")
     p.add_argument("--llama-np", type=int, default=16, help="llama-server -np slots (default 16)")
-    p.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm", help="vLLM's venv (default .venv-vllm)")
+    p.add_argument("--vllm-python", default=None,
+                   help="the interpreter that has vLLM (default .venv-vllm/bin/python; `make vllm` makes it)")
     p.add_argument("--octavo-args", default="", help="extra `octavo serve` flags (one string)")
     p.add_argument("--workdir", type=Path,
                    default=Path(os.environ.get("OCTAVO_PERF_DIR", Path.home() / ".cache/octavo/perf")),
@@ -113,10 +114,16 @@ def factories(args: argparse.Namespace, model: str, notes: list[str]) -> list[tu
             out.append((name, partial(eng.llama_engine, args.llama_server, model, threads=args.threads,
                                       slots=args.llama_np, ctx_per_slot=ctx)))
         elif name == eng.VLLM:
-            if not (args.vllm_venv / "bin" / "python").is_file():
-                notes.append(f"vLLM not run: no venv at {args.vllm_venv} (`make perf-vllm` makes it)")
+            try:
+                from octavo.bench.peers.vllm import missing_reason
+            except ImportError as exc:  # a checkout without the vLLM peer
+                notes.append(f"vLLM not run: {exc}")
                 continue
-            out.append((name, partial(_vllm, model, args.workdir, threads=args.threads)))
+            why = missing_reason(args.vllm_python)
+            if why is not None:
+                notes.append(f"vLLM not run: {why}")
+                continue
+            out.append((name, partial(_vllm, model, args.workdir, threads=args.threads, python=args.vllm_python)))
         elif name == eng.NAIVE:
             out.append((name, partial(eng.naive_engine, model, threads=args.threads)))
         else:
@@ -124,11 +131,23 @@ def factories(args: argparse.Namespace, model: str, notes: list[str]) -> list[tu
     return out
 
 
-def _vllm(model: str, workdir: Path, port: int, threads: int) -> eng.EngineSpec:
-    from octavo.bench.peers.vllm import gguf_to_hf_folder
+def _vllm(model: str, workdir: Path, port: int, threads: int, python: str | None) -> eng.EngineSpec:
+    """vLLM cannot read this GGUF: it serves transformers' reading of it, saved once as an HF folder (cached;
+    the embedded model's folder is the one scripts/compare_peers.py makes)."""
+    from octavo.bench.peers.real_model import hf_folder_from_gguf, prepare_smollm2
+    from octavo.demo.model import default_model_path
 
-    hf_dir = gguf_to_hf_folder(Path(model), workdir / f"hf-{Path(model).stem}")
-    return eng.vllm_engine(str(hf_dir), port, threads)
+    gguf = Path(model)
+    if gguf == default_model_path():
+        real = prepare_smollm2(workdir)
+        if real.hf_dir is None:
+            raise RuntimeError(real.hf_error)
+        hf_dir = real.hf_dir
+    else:
+        hf_dir = workdir / f"{gguf.stem}-{gguf.stat().st_size}-hf"
+        if not (hf_dir / "config.json").is_file():
+            hf_folder_from_gguf(gguf, hf_dir)
+    return eng.vllm_engine(str(hf_dir), port, threads, python)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[EngineResult] = []
     for name, make in todo:
         print(f"--- {name}", flush=True)
-        r = run_engine(make, shape, ids, slo, opts, one_at_a_time=name == eng.NAIVE)
+        r = run_engine(name, make, shape, ids, slo, opts, one_at_a_time=name == eng.NAIVE)
         results.append(r)
         print(f"{r.engine}: {row_of(r).how} ({r.wall_s:.0f} s)", flush=True)
     naive = next((r.engine for r in results if r.command and "hf_naive_server" in r.command), None)

@@ -205,7 +205,7 @@ def test_script_runs_end_to_end(model: str, tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "slo_capacity.py"), "--model", model,
            "--engines", "octavo,hf-naive,vllm",
            "--requests", "4", "--prompt-len", "8,16", "--output-len", "4,8", "--max-points", "2", "--start-rate", "20",
-           "--slo-ttft-ms", "120000", "--slo-tpot-ms", "30000", "--vllm-venv", str(tmp_path / "no-venv"),
+           "--slo-ttft-ms", "120000", "--slo-tpot-ms", "30000", "--vllm-python", str(tmp_path / "no-venv" / "python"),
            "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -50,12 +50,14 @@ def llama_engine(binary: str, gguf: str, port: int, threads: int, *, slots: int,
                       ("llamacpp:requests_processing", "llamacpp:requests_deferred"))
 
 
-def vllm_engine(hf_dir: str, port: int, threads: int) -> EngineSpec:
-    from octavo.bench.peers.vllm import vllm_server_command
+def vllm_engine(hf_dir: str, port: int, threads: int, python: str | None = None) -> EngineSpec:
+    from octavo.bench.peers.vllm import START_TIMEOUT_S, vllm_server_command
 
-    argv, env = vllm_server_command(Path(hf_dir), port, threads)
-    return EngineSpec("vLLM CPU", list(argv), {**thread_env(threads), **env},
-                      ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    argv, env = vllm_server_command(Path(hf_dir), port, threads, python=python)
+    # vLLM's own interpreter and site-packages: octavo's PYTHONPATH must not shadow its pins
+    env = {**thread_env(threads), **env, "PYTHONPATH": "", "PYTHONNOUSERSITE": "1"}
+    return EngineSpec("vLLM CPU", list(argv), env, ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+                      ready_timeout_s=START_TIMEOUT_S)
 
 
 def naive_engine(model: str, port: int, threads: int) -> EngineSpec:

@@ -65,21 +65,22 @@ def _warm_up(ids: list[int]) -> list[BenchRequest]:
     return [BenchRequest(ids[:8], 4, True, "warm-up"), BenchRequest(ids[8:40], 8, True, "warm-up")]
 
 
-def run_engine(make: EngineFactory, shape: ChatShape, ids: list[int], slo: Slo, opts: RunOptions, *,
+def run_engine(name: str, make: EngineFactory, shape: ChatShape, ids: list[int], slo: Slo, opts: RunOptions, *,
                one_at_a_time: bool = False) -> EngineResult:
     """Start the engine's server, measure it (measure_server), stop it; an engine that fails says why."""
     t_start = time.perf_counter()
     port = free_port()
-    spec = make(port)
-    res = EngineResult(spec.name, " ".join(spec.argv))
     url = f"http://127.0.0.1:{port}"
+    res = EngineResult(name)
     try:
+        spec = make(port)  # may convert the model first (vLLM's HF folder)
+        res.engine, res.command = spec.name, " ".join(spec.argv)
         with server_process(spec.argv, url, timeout_s=spec.ready_timeout_s, env=spec.env):
             res.load_s = time.perf_counter() - t_start
             server = Server(url, asyncio.run(_model_id(url)), spec.busy_gauges)
             measure_server(res, server, shape, ids, slo, opts, one_at_a_time=one_at_a_time)
     except Exception as exc:  # noqa: BLE001 - one engine failing must not lose the others' results
-        log.exception("%s failed", spec.name)
+        log.exception("%s failed", res.engine)
         res.error = f"{type(exc).__name__}: {exc}"[:800]
     res.wall_s = time.perf_counter() - t_start
     return res
