@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"longest a point's arrivals may span; rates below requests / this are not tried "
                         f"(default {FULL[4]:.0f}, quick {QUICK[4]:.0f})")
     p.add_argument("--start-rate", type=float, default=None,
-                   help="first rate (req/s) for every engine (default: 1 / one mean request's latency alone)")
+                   help="first rate (req/s) for every engine (default: 2 / the latency of one mean-sized request "
+                        "alone on that engine, i.e. twice the rate at which one-at-a-time serving saturates)")
     p.add_argument("--factor", type=float, default=2.0, help="geometric step before bisection (default 2)")
     p.add_argument("--precision", type=float, default=0.15,
                    help="bisect until the lowest miss / highest pass <= 1 + this (default 0.15)")

@@ -52,9 +52,11 @@ async def busy(session: aiohttp.ClientSession, server: Server) -> float:
         text = await resp.text()
     total = 0.0
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.split("{")[0] in server.busy_gauges:
-            total += float(value.split()[0])
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{")[0].split(" ")[0]
+        if name in server.busy_gauges:
+            total += float(line.rsplit("}", 1)[-1].split()[0])  # the value after the labels (if any)
     return total
 
 

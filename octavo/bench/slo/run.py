@@ -1,9 +1,9 @@
 """One engine's capacity: start its server, calibrate, search the rate, stop it.
 
 Calibration: after two warm-up requests, one request of the workload's mean lengths alone on the idle
-server; 1 / its latency is the start rate (the rate at which one-at-a-time serving is saturated: a
-batching engine meets the SLO there and the search goes up, a naive one misses it and the search goes
-down). The k-th point of every engine gets the same requests (workload.point_requests(k)) and the same
+server; 1 / its latency is the rate at which one-at-a-time serving saturates, and the search starts at
+`start_load` (2) times that: a batching engine usually meets the SLO there and the search goes up, a
+naive one misses it and the search goes down (quickly: a missed point stops early). The k-th point of every engine gets the same requests (workload.point_requests(k)) and the same
 arrival pattern. For the one-at-a-time engine (hf-naive) the workload is also run alone, request after
 request, and its capacity below the measurable range is estimated by fifo_replay (marked as such).
 """
@@ -33,7 +33,8 @@ ALONE_POINT = 10_000  # point index of the requests run alone for the replay (id
 class RunOptions:
     max_points: int = 6
     max_point_s: float = 600.0  # a point's arrivals span about N / rate seconds: rates below N / this are not tried
-    start_rate: float | None = None  # None: 1 / the calibration request's latency
+    start_rate: float | None = None  # None: start_load / the calibration request's latency
+    start_load: float = 2.0
     factor: float = 2.0
     precision: float = 0.15
     stop_early: bool = True
@@ -93,7 +94,7 @@ def measure_server(res: EngineResult, server: Server, shape: ChatShape, ids: lis
     asyncio.run(measure_alone(server, _warm_up(ids)))
     (cal,) = asyncio.run(measure_alone(server, [mean_request(shape, ids)]))
     res.alone_ttft_s, res.alone_e2e_s = cal.ttft, cal.latency
-    res.start_rate = opts.start_rate or 1.0 / cal.latency
+    res.start_rate = opts.start_rate or opts.start_load / cal.latency
     counter = iter(range(ALONE_POINT))
 
     def measure(rate: float) -> PointResult:
