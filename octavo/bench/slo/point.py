@@ -56,7 +56,8 @@ async def busy(session: aiohttp.ClientSession, server: Server) -> float:
             continue
         name = line.split("{")[0].split(" ")[0]
         if name in server.busy_gauges:
-            total += float(line.rsplit("}", 1)[-1].split()[0])  # the value after the labels (if any)
+            rest = line[line.rindex("}") + 1:] if "}" in line else line[len(name):]
+            total += float(rest.split()[0])  # the value after the name and labels (a timestamp may follow)
     return total
 
 
