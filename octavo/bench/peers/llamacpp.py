@@ -3,8 +3,10 @@ own writer. Only runs when a binary path is given (LLAMA_SERVER or --llama-serve
 or downloads llama.cpp.
 
 Offline: every request is sent at once to /completion (token-id prompt, n_predict, temperature 0 =
-greedy, ignore_eos) and the wall clock of the whole workload is the elapsed time. Online: the same
-Poisson client as for `octavo serve`, against llama-server's /v1/completions.
+greedy, ignore_eos) and the wall clock of the whole workload is the elapsed time; with stream=True each
+request streams (one token id per event), so a one-request workload also gets TTFT and decode tok/s from
+the client's clock (streamed.py). Online: the same Poisson client as for `octavo serve`, against
+llama-server's /v1/completions.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 from octavo.bench.peers.online import free_port, poisson_run, server_process
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
+from octavo.bench.peers.streamed import run_streamed
 
 NAME = "llama.cpp llama-server"
 
@@ -52,8 +55,17 @@ async def _offline(base: str, workload: IdWorkload) -> tuple[list[list[int]], fl
         return list(outs), time.perf_counter() - t0
 
 
+def _stream_payload(prompt: list[int], n: int) -> dict[str, Any]:
+    return {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "return_tokens": True,
+            "stream": True}
+
+
+def _stream_tokens(obj: dict[str, Any]) -> list[int]:
+    return list(obj.get("tokens") or [])  # one per partial event; the final (stop) event carries none
+
+
 def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, slots: int,
-                extra_args: list[str] | None = None, name: str = NAME) -> PeerResult:
+                extra_args: list[str] | None = None, name: str = NAME, stream: bool = False) -> PeerResult:
     port = free_port()
     slots = min(slots, len(workload.requests))
     cmd = server_command(binary, gguf, port, slots=slots, ctx_per_slot=ctx_per_slot(workload), threads=threads,
@@ -62,6 +74,10 @@ def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, 
     t0 = time.perf_counter()
     with server_process(cmd, base):
         load_s = time.perf_counter() - t0  # process start to /health answering 200
+        if stream:
+            res = run_streamed(name, workload, f"{base}/completion", _stream_payload, _stream_tokens)
+            res.extra.update(slots=slots, command=" ".join(cmd), load_s=load_s)
+            return res
         outputs, elapsed = asyncio.run(_offline(base, workload))
     res = PeerResult(name, workload.name, len(outputs), workload.prompt_tokens, elapsed_s=elapsed)
     res.outputs = [o if all(t >= 0 for t in o) else [] for o in outputs]

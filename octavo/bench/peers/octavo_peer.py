@@ -4,7 +4,11 @@
 A workload with a shared prefix runs COLD, like every other peer's: nothing of the prefix is cached
 before the timed run. Requests arriving together still compute it once: the scheduler holds a request
 whose next prefix block another request is computing (docs/engine.md, "Cold shared prefixes"); the hit
-count is in `extra`."""
+count is in `extra`.
+
+The model may be an export folder or a .gguf (octavo exports it into its cache with its own default for
+GGUFs unless `weights` names one). A one-request workload also reports TTFT and decode tok/s from the
+request's own metrics (first and last token times), like the HTTP peers' streamed clocks."""
 from __future__ import annotations
 
 import sys
@@ -14,6 +18,7 @@ from pathlib import Path
 from octavo.bench.peers.online import free_port, poisson_run, server_process
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
+from octavo.bench.peers.streamed import decode_stats
 
 BLOCK_SIZE = 16
 
@@ -25,13 +30,15 @@ def pool_blocks(workload: IdWorkload, block_size: int = BLOCK_SIZE) -> int:
 
 def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_caching: bool = True,
                 max_num_seqs: int = 64, name: str = "octavo", profile: bool = False,
-                kv_cache_dtype: str = "auto") -> PeerResult:
+                kv_cache_dtype: str = "auto", weights: str | None = None) -> PeerResult:
     t_load = time.perf_counter()  # imports included (the first workload's load is the cold start)
     from octavo.runtime.llm import LLM
     from octavo.runtime.sampling_params import SamplingParams
 
+    chosen = {"weights": weights} if weights else {}  # None: octavo's own default for this model
     llm = LLM(str(octavo_dir), num_threads=threads, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE,
-              num_blocks=pool_blocks(workload), enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype)
+              num_blocks=pool_blocks(workload), enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
+              **chosen)
     load_s = time.perf_counter() - t_load
     try:
         warm = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
@@ -45,7 +52,7 @@ def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_
         prompts = [{"prompt_token_ids": r.prompt} for r in workload.requests]
         params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload.requests]
         steps0 = llm.engine.step_count
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.time()  # RequestMetrics stamps tokens with time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         stats = llm.engine.stats()
@@ -57,6 +64,11 @@ def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_
     res.extra = {"prefix_caching": prefix_caching, "kv_cache_dtype": kv_cache_dtype, "load_s": load_s,
                  "steps": stats.step_count - steps0,
                  "prefix_cache_hit_tokens": stats.prefix_cache_hits - hits0, "max_num_seqs": max_num_seqs}
+    if weights:
+        res.extra["weights"] = weights
+    if len(outs) == 1:
+        m = outs[0].metrics
+        res.extra.update(decode_stats(len(res.outputs[0]), t0_wall, m.first_token_time, m.last_token_time))
     if prof is not None:
         res.extra["profile"] = prof.to_dict()
     return res

@@ -80,3 +80,28 @@ def shared_prefix(vocab_size: int, num: int = 32, prefix_len: int = 512, suffix_
     return IdWorkload("shared-prefix", reqs,
                       f"{num} requests sharing a {prefix_len}-token prefix, {suffix_len}-token suffixes, {output_len} out",
                       prefix_len)
+
+
+# -- the real model's workloads (issue 18): token-id prompts drawn from FIRST_ID and up of the real vocabulary
+
+def batch(vocab_size: int, num: int = 48, prompt: tuple[int, int] = (32, 400), output: tuple[int, int] = (16, 160),
+          seed: int = 0) -> IdWorkload:
+    """NUM requests sent at once: throughput under load (output tok/s)."""
+    w = random_uniform(vocab_size, num, prompt, output, seed)
+    return IdWorkload(f"batch{num}", w.requests,
+                      f"{num} requests at once, prompts {prompt[0]}-{prompt[1]}, outputs {output[0]}-{output[1]}: "
+                      "output tok/s")
+
+
+def single_decode(vocab_size: int, prompt_len: int = 64, output_len: int = 128, seed: int = 0) -> IdWorkload:
+    """One request alone: single-user decode speed (decode tok/s, the first token left out)."""
+    rng = random.Random(seed)
+    return IdWorkload(f"decode{prompt_len}+{output_len}", [IdRequest(_ids(rng, prompt_len, vocab_size), output_len)],
+                      f"one request, {prompt_len}-token prompt, {output_len} tokens: decode tok/s (first token left out)")
+
+
+def long_prefill(vocab_size: int, prompt_len: int = 6000, output_len: int = 16, seed: int = 0) -> IdWorkload:
+    """One long prompt, a few tokens out: prefill speed (seconds for the whole request)."""
+    rng = random.Random(seed)
+    return IdWorkload(f"prefill{prompt_len}", [IdRequest(_ids(rng, prompt_len, vocab_size), output_len)],
+                      f"one {prompt_len}-token prompt, {output_len} tokens: seconds")

@@ -19,7 +19,7 @@ from typing import Any
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
 
-PEERS = ("hf", "hf-margins", "genai", "octavo", "llamacpp", "octavo-online", "llamacpp-online")
+PEERS = ("hf", "hf-margins", "genai", "octavo", "llamacpp", "vllm", "octavo-online", "llamacpp-online")
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -58,8 +58,9 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         seq = opts.get("sequential", True)  # True, False or the names of the workloads to run it on
         seq_workloads = [w for w in workloads if seq is True or (isinstance(seq, list) and w.name in seq)]
         out += _each("hf-sequential", seq_workloads, lambda w: hf.run_sequential(model, w))
-        out += _each("hf-static-batch", workloads,
-                     lambda w: hf.run_static(model, w, opts.get("batch") or len(w.requests)))
+        if opts.get("static", True):
+            out += _each("hf-static-batch", workloads,
+                         lambda w: hf.run_static(model, w, opts.get("batch") or len(w.requests)))
         for r in out:
             r.extra.setdefault("load_s", load_s)
         return out
@@ -89,7 +90,8 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         name = opts.get("name") or ("octavo" if caching else "octavo (no prefix cache)")
         return _each(name, workloads, lambda w: octavo_peer.run_offline(
             Path(paths["octavo"]), w, threads=threads, prefix_caching=caching, name=name,
-            max_num_seqs=opts.get("max_num_seqs", 64), profile=bool(opts.get("profile")), kv_cache_dtype=kv))
+            max_num_seqs=opts.get("max_num_seqs", 64), profile=bool(opts.get("profile")), kv_cache_dtype=kv,
+            weights=opts.get("weights")))
     if peer == "octavo-online":
         from octavo.bench.peers import octavo_peer
 
@@ -103,9 +105,20 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         if peer == "llamacpp":
             name = opts.get("name") or (f"{llamacpp.NAME} -np {slots}" if opts.get("label_slots") else llamacpp.NAME)
             return _each(name, workloads, lambda w: llamacpp.run_offline(
-                binary, gguf, w, threads=threads, slots=slots, extra_args=extra, name=name))
+                binary, gguf, w, threads=threads, slots=slots, extra_args=extra, name=name,
+                stream=bool(opts.get("stream"))))
         return _each(llamacpp.NAME, workloads, lambda w: llamacpp.run_online(
             binary, gguf, w, threads=threads, slots=slots, rate=float(opts["rate"]), extra_args=extra))
+    if peer == "vllm":  # one server for all the workloads (it is slow to start)
+        from octavo.bench.peers import vllm
+
+        name = opts.get("name") or vllm.NAME
+        try:
+            return vllm.run_workloads(Path(paths["vllm_model"]), workloads, threads=threads, python=paths.get("vllm_python"),
+                                      name=name, dtype=str(opts.get("dtype", "float32")))
+        except Exception as exc:  # noqa: BLE001 - the server did not start: every workload says why
+            traceback.print_exc()
+            return [_failed(name, w, exc) for w in workloads]
     raise ValueError(f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
 
 
