@@ -214,3 +214,29 @@ def test_script_runs_end_to_end(model: str, tmp_path: Path) -> None:
     assert all(e["error"] is None and e["capacity"]["rate"] == 40.0 for e in report["engines"])
     assert any("vLLM not run" in n for n in report["notes"])
     assert "| octavo serve | >=40 |" in proc.stdout and "p99 of each point is over its 4 requests" in proc.stdout
+
+
+def test_table_ratios_keep_bounds_and_estimates() -> None:
+    from octavo.bench.slo.search import Capacity
+    from octavo.bench.slo.target import PointResult
+
+    def engine(name: str, rate: float | None, miss: float | None, est: float | None = None) -> EngineResult:
+        met = PointResult(rate or 1.0, 8, completed=8, sent=8, meets_slo=rate is not None, e2e_mean=2.0,
+                          ttft_p50=0.1, ttft_p99=0.2, tpot_p50=0.01, tpot_p99=0.02)
+        missed = PointResult(miss, 8, sent=2, stopped_early=True) if miss else None
+        cap = Capacity([p for p in (met if rate else None, missed) if p], met if rate else None, miss)
+        res = EngineResult(name, capacity=cap)
+        if est is not None:
+            e = PointResult(est, 8, completed=8, sent=8, meets_slo=True, e2e_mean=1.0, estimated=True)
+            res.estimate = Capacity([e], e, est * 1.01)
+        return res
+
+    naive_measured = engine("naive", 0.5, 1.0)
+    table = format_table([engine("a", 2.0, 2.2), engine("b", 4.0, None), engine("c", None, 0.25), naive_measured],
+                         "naive")
+    assert "| a | 2 | 4.00 | 100 / 200 | 10 / 20 | 4.00x |" in table  # users = 2 req/s x 2 s
+    assert "| b | >=4 |" in table and ">= 8.00x" in table
+    assert "| c | <0.25 | - | - | - | < 0.50x |" in table
+    assert "| naive | 0.5 | 1.00 | 100 / 200 | 10 / 20 | 1.00x |" in table
+    est = format_table([engine("a", 2.0, 2.2), engine("naive", None, 0.25, est=0.02)], "naive")
+    assert "| naive | ~0.02 | ~0.02 |" in est and "~100.00x" in est
