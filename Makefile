@@ -44,11 +44,11 @@ llama-server: setup
 perf-llama: setup
 	$(PY) scripts/compare_peers.py --repeat 2 --variants --llama-np 16,32,64 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
 
-# users served within an SLO (p99 TTFT <= 2 s, p99 TPOT <= 150 ms) by octavo, llama-server, vLLM CPU (when
-# .venv-vllm exists) and HF naive serving, on the embedded SmolLM2 GGUF (docs/performance.md, "SLO capacity").
-# Builds llama-server once (~12 min). `make perf-slo SLO_ARGS=--quick`: every engine in about 15 minutes.
+# users served within an SLO (p99 TTFT <= 2 s, p99 TPOT <= 150 ms) by octavo, llama-server, vLLM CPU and HF
+# naive serving, on the embedded SmolLM2 GGUF (docs/performance.md, "SLO capacity"). Makes .venv-vllm and
+# builds llama-server once (~12 min) if missing. `make perf-slo SLO_ARGS=--quick`: every engine in ~15 min.
 SLO_ARGS ?=
-perf-slo: setup
+perf-slo: setup vllm
 	$(PY) scripts/slo_capacity.py --llama-server "$$(scripts/build_llama_server.sh | tail -1)" $(SLO_ARGS)
 
 gpu-check: setup

@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--octavo-args", default="", help="extra `octavo serve` flags (one string)")
     p.add_argument("--workdir", type=Path,
                    default=Path(os.environ.get("OCTAVO_PERF_DIR", Path.home() / ".cache/octavo/perf")),
-                   help="where model conversions (vLLM's HF folder) are kept")
+                   help="where model conversions (the HF folder vLLM and HF naive serve) are kept")
     p.add_argument("--json", type=Path, default=None, help="save the result here (default: slo-<date>.json in workdir)")
     args = p.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -115,30 +115,30 @@ def factories(args: argparse.Namespace, model: str, notes: list[str]) -> list[tu
             out.append((name, partial(eng.llama_engine, args.llama_server, model, threads=args.threads,
                                       slots=args.llama_np, ctx_per_slot=ctx)))
         elif name == eng.VLLM:
-            try:
-                from octavo.bench.peers.vllm import missing_reason
-            except ImportError as exc:  # a checkout without the vLLM peer
-                notes.append(f"vLLM not run: {exc}")
-                continue
+            from octavo.bench.peers.vllm import missing_reason
+
             why = missing_reason(args.vllm_python)
             if why is not None:
                 notes.append(f"vLLM not run: {why}")
                 continue
             out.append((name, partial(_vllm, model, args.workdir, threads=args.threads, python=args.vllm_python)))
         elif name == eng.NAIVE:
-            out.append((name, partial(eng.naive_engine, model, threads=args.threads)))
+            out.append((name, partial(_naive, model, args.workdir, threads=args.threads)))
         else:
             raise SystemExit(f"unknown engine {name!r}: use {', '.join(eng.ENGINES)}")
     return out
 
 
-def _vllm(model: str, workdir: Path, port: int, threads: int, python: str | None) -> eng.EngineSpec:
-    """vLLM cannot read this GGUF: it serves transformers' reading of it, saved once as an HF folder (cached;
-    the embedded model's folder is the one scripts/compare_peers.py makes)."""
+def _hf_folder(model: str, workdir: Path) -> Path:
+    """What vLLM and HF naive serve: transformers' own reading of the GGUF (its dequantization), saved once as
+    an HF folder (cached; the embedded model's is the folder scripts/compare_peers.py makes). A folder
+    given as --model is served as it is."""
     from octavo.bench.peers.real_model import hf_folder_from_gguf, prepare_smollm2
     from octavo.demo.model import default_model_path
 
     gguf = Path(model)
+    if gguf.is_dir():
+        return gguf
     if gguf == default_model_path():
         real = prepare_smollm2(workdir)
         if real.hf_dir is None:
@@ -148,7 +148,15 @@ def _vllm(model: str, workdir: Path, port: int, threads: int, python: str | None
         hf_dir = workdir / f"{gguf.stem}-{gguf.stat().st_size}-hf"
         if not (hf_dir / "config.json").is_file():
             hf_folder_from_gguf(gguf, hf_dir)
-    return eng.vllm_engine(str(hf_dir), port, threads, python)
+    return hf_dir
+
+
+def _vllm(model: str, workdir: Path, port: int, threads: int, python: str | None) -> eng.EngineSpec:
+    return eng.vllm_engine(str(_hf_folder(model, workdir)), port, threads, python)
+
+
+def _naive(model: str, workdir: Path, port: int, threads: int) -> eng.EngineSpec:
+    return eng.naive_engine(str(_hf_folder(model, workdir)), port, threads)
 
 
 def main(argv: list[str] | None = None) -> int:
