@@ -412,7 +412,7 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
             for w in wls:
                 several = len(w.requests) > 1 and len(llama_np) > 1
                 for np_ in llama_np if len(w.requests) > 1 else [1]:
-                    results += worker("llamacpp", [w], f"llamacpp-{w.name}-np{np_}{tag}", rnd, slots=np_, stream=True,
+                    results += worker("llamacpp", [w], f"llamacpp-{w.name}-np{np_}{tag}", rnd, slots=np_,
                                       extra_args=args.llama_server_args.split(), label_slots=several)
         if "vllm" in peers and not no_vllm and real.hf_dir is not None:
             results += worker("vllm", wls, f"vllm{tag}", rnd, dtype=args.vllm_dtype)

@@ -105,3 +105,37 @@ def test_vllm_serves_the_same_greedy_tokens_as_hf(tmp_path: Path) -> None:
         assert r.output_tokens == w.output_tokens and r.extra["load_s"] > 0
         assert r.outputs == hf.run_sequential(model, w).outputs, w.name
     assert got[1].extra["decode_tok_s"] > 0 and got[1].extra["ttft_s"] > 0
+
+
+@pytest.mark.slow
+def test_compare_peers_real_model_tiny(tmp_path: Path) -> None:
+    """scripts/compare_peers.py --model smollm2 --tiny with octavo and HF (the GGUF -> HF folder conversion
+    included; minutes): every workload ran with its own metric, the exact number of tokens asked for,
+    speed ratios that are the metrics divided, and HF's greedy tokens as the reference."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "real.json"
+    cmd = [sys.executable, str(root / "scripts" / "compare_peers.py"), "--model", "smollm2", "--tiny",
+           "--peers", "octavo,hf,llamacpp", "--llama-server", "", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    wanted = {w["name"]: w["output_tokens"] for w in report["workloads"]}
+    assert [n[:5] for n in wanted] == ["batch", "decod", "prefi"]
+    for r in report["results"]:
+        assert r["error"] is None, r
+        assert r["output_tokens"] == wanted[r["workload"]] == sum(len(o) for o in r["outputs"]), r["peer"]
+    for name, row in report["table"].items():
+        assert {"octavo", "hf-sequential"} <= set(row), name
+        ours, hf = row["octavo"], row["hf-sequential"]
+        assert ours["octavo_speedup"] == pytest.approx(1.0) and hf["agreement_with_hf"] == 1.0
+        if name.startswith("prefill"):
+            assert hf["octavo_speedup"] == pytest.approx(hf["metric"] / ours["metric"])
+        else:
+            assert hf["octavo_speedup"] == pytest.approx(ours["metric"] / hf["metric"])
+    decode = next(n for n in wanted if n.startswith("decode"))
+    assert report["table"][decode]["octavo"]["unit"] == "decode tok/s" and report["table"][decode]["octavo"]["ttft_s"] > 0
+    assert any("llama.cpp not run" in n for n in report["notes"])

@@ -3,10 +3,12 @@ own writer. Only runs when a binary path is given (LLAMA_SERVER or --llama-serve
 or downloads llama.cpp.
 
 Offline: every request is sent at once to /completion (token-id prompt, n_predict, temperature 0 =
-greedy, ignore_eos) and the wall clock of the whole workload is the elapsed time; with stream=True each
-request streams (one token id per event), so a one-request workload also gets TTFT and decode tok/s from
-the client's clock (streamed.py). Online: the same Poisson client as for `octavo serve`, against
-llama-server's /v1/completions.
+greedy, ignore_eos) and the wall clock of the whole workload is the elapsed time. A one-request workload
+also reports llama-server's own timings of it: decode tok/s is its `predicted_per_second`, which is
+(tokens - 1) / (last token - first token), the first token left out like everywhere in the comparison,
+and TTFT its `prompt_ms`. (Not a client clock on a stream: llama-server sends no event for a token that
+ends in an incomplete UTF-8 sequence, so streamed token ids would be missing some.) Online: the same
+Poisson client as for `octavo serve`, against llama-server's /v1/completions.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from typing import Any
 from octavo.bench.peers.online import free_port, poisson_run, server_process
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
-from octavo.bench.peers.streamed import run_streamed
 
 NAME = "llama.cpp llama-server"
 
@@ -34,10 +35,11 @@ def ctx_per_slot(workload: IdWorkload) -> int:
     return -(-need // 256) * 256
 
 
-async def _offline(base: str, workload: IdWorkload) -> tuple[list[list[int]], float]:
+async def _offline(base: str, workload: IdWorkload) -> tuple[list[list[int]], float, list[dict[str, Any]]]:
+    """(token ids per request, wall clock of the workload, llama-server's timings per request)."""
     import aiohttp
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int], n: int) -> list[int]:
+    async def one(session: aiohttp.ClientSession, prompt: list[int], n: int) -> tuple[list[int], dict[str, Any]]:
         payload: dict[str, Any] = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
                                    "return_tokens": True, "stream": False}
         async with session.post(f"{base}/completion", json=payload) as resp:
@@ -45,27 +47,19 @@ async def _offline(base: str, workload: IdWorkload) -> tuple[list[list[int]], fl
             if resp.status != 200:
                 raise RuntimeError(f"llama-server answered {resp.status}: {str(body)[:300]}")
             tokens = body.get("tokens")
-            return list(tokens) if tokens else [-1] * int(body.get("tokens_predicted", 0))
+            return (list(tokens) if tokens else [-1] * int(body.get("tokens_predicted", 0))), body.get("timings") or {}
 
     conn = aiohttp.TCPConnector(limit=len(workload.requests))
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=6 * 3600)) as session:
         await one(session, [5, 6, 7, 8], 4)  # warm-up
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(session, r.prompt, r.max_tokens) for r in workload.requests))
-        return list(outs), time.perf_counter() - t0
-
-
-def _stream_payload(prompt: list[int], n: int) -> dict[str, Any]:
-    return {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "return_tokens": True,
-            "stream": True}
-
-
-def _stream_tokens(obj: dict[str, Any]) -> list[int]:
-    return list(obj.get("tokens") or [])  # one per partial event; the final (stop) event carries none
+        elapsed = time.perf_counter() - t0
+        return [o for o, _ in outs], elapsed, [t for _, t in outs]
 
 
 def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, slots: int,
-                extra_args: list[str] | None = None, name: str = NAME, stream: bool = False) -> PeerResult:
+                extra_args: list[str] | None = None, name: str = NAME) -> PeerResult:
     port = free_port()
     slots = min(slots, len(workload.requests))
     cmd = server_command(binary, gguf, port, slots=slots, ctx_per_slot=ctx_per_slot(workload), threads=threads,
@@ -74,17 +68,20 @@ def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, 
     t0 = time.perf_counter()
     with server_process(cmd, base):
         load_s = time.perf_counter() - t0  # process start to /health answering 200
-        if stream:
-            res = run_streamed(name, workload, f"{base}/completion", _stream_payload, _stream_tokens)
-            res.extra.update(slots=slots, command=" ".join(cmd), load_s=load_s)
-            return res
-        outputs, elapsed = asyncio.run(_offline(base, workload))
+        outputs, elapsed, timings = asyncio.run(_offline(base, workload))
     res = PeerResult(name, workload.name, len(outputs), workload.prompt_tokens, elapsed_s=elapsed)
     res.outputs = [o if all(t >= 0 for t in o) else [] for o in outputs]
     res.output_tokens = res.generated_tokens = sum(len(o) for o in outputs)
     if not all(res.outputs):
         res.outputs = []  # this llama-server does not return token ids: no agreement check
     res.extra = {"slots": slots, "command": " ".join(cmd), "load_s": load_s}
+    if len(timings) == 1:
+        own = timings[0]
+        if own.get("predicted_n", 0) > 1 and own.get("predicted_per_second"):
+            res.extra["decode_tok_s"] = float(own["predicted_per_second"])
+        if own.get("prompt_ms") is not None:
+            res.extra["ttft_s"] = float(own["prompt_ms"]) / 1000.0
+        res.extra["timings"] = own
     return res
 
 

@@ -1,7 +1,7 @@
-"""Timed streaming requests against an HTTP peer (vLLM's /v1/completions, llama-server's /completion):
-every request of a workload sent at once, each streamed, with the client's clock read at the first and
-the last token. The same timestamps as octavo's own RequestMetrics (first_token_time, last_token_time),
-so single-request decode speed is measured alike for every engine:
+"""Timed streaming requests against an HTTP peer (vLLM's /v1/completions): every request of a workload
+sent at once, each streamed, with the client's clock read at the first and the last token. The same
+timestamps as octavo's own RequestMetrics (first_token_time, last_token_time) and llama-server's own
+timings, so single-request decode speed is measured alike for every engine:
 
     decode tok/s = (tokens - 1) / (t_last - t_first)     (the first token is the prefill's, left out)
 """

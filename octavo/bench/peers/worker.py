@@ -105,8 +105,7 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
         if peer == "llamacpp":
             name = opts.get("name") or (f"{llamacpp.NAME} -np {slots}" if opts.get("label_slots") else llamacpp.NAME)
             return _each(name, workloads, lambda w: llamacpp.run_offline(
-                binary, gguf, w, threads=threads, slots=slots, extra_args=extra, name=name,
-                stream=bool(opts.get("stream"))))
+                binary, gguf, w, threads=threads, slots=slots, extra_args=extra, name=name))
         return _each(llamacpp.NAME, workloads, lambda w: llamacpp.run_online(
             binary, gguf, w, threads=threads, slots=slots, rate=float(opts["rate"]), extra_args=extra))
     if peer == "vllm":  # one server for all the workloads (it is slow to start)
