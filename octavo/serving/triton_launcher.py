@@ -219,6 +219,7 @@ def shm_prefix() -> str:
 
 # "E1201 12:00:00.000 123 file.cc:45] "message"" and the fatal "error: creating server: ..." lines
 _ERROR_LINE = re.compile(r"^(?:E\d{4} [\d:.]+\s+\d+ \S+\] |(?=error: ))(.*)$", re.MULTILINE)
+_LIVE_MODELS = re.compile(r"Timeout \d+: Found (\d+) live models")  # printed once a second while it waits
 _HARMLESS = ("CudaDriverHelper has not been initialized",)  # on every machine without a GPU
 
 
@@ -267,6 +268,8 @@ class TritonServer:
     grpc_host: str = "127.0.0.1"
     metrics_host: str = "127.0.0.1"
     log_verbose: int = 0
+    # how long tritonserver waits on SIGTERM for in-flight requests and model unloads before it exits 1 anyway
+    exit_timeout_s: int = 10
     extra_args: list[str] = field(default_factory=list)
     auto_install_numpy: bool = False  # run pip for the numpy<2 overlay when it is missing
     install: TritonInstall | None = None
@@ -294,7 +297,7 @@ class TritonServer:
             "--disable-auto-complete-config",
             "--strict-readiness=true",
             "--exit-on-error=true",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             # the python backend names its /dev/shm regions from this prefix; our own prefix lets stop() remove
             # the regions a killed server leaves behind (1 MiB and up each)
@@ -408,4 +411,21 @@ class TritonServer:
             pass
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*") if self.shm_prefix else []:
             region.unlink(missing_ok=True)
+        stuck = self.models_left_loaded() if proc.returncode not in (0, -signal.SIGTERM) else 0
+        if stuck:
+            log.warning(
+                "tritonserver exited %s after --exit-timeout-secs=%d with %d model(s) still loaded, so finalize() "
+                "did not run. With octavo's model this is tritonserver 2.51's gRPC stream frontend keeping one "
+                "request of a cancelled stream for ever (docs/triton.md, 'Shutdown after cancelled gRPC streams'); "
+                "octavo had answered every request and flushes its trace per step. The stubs were killed and their "
+                "shared memory removed: the next start is clean. Its log: %s",
+                proc.returncode, self.exit_timeout_s, stuck, self.log_path)
         return proc.returncode
+
+    def models_left_loaded(self) -> int:
+        """How many models tritonserver still held when its exit timeout ran out (its last "Timeout N: Found M
+        live models" line; 0 if it never said so, i.e. every model unloaded)."""
+        if self.log_path is None or not self.log_path.exists():
+            return 0
+        found = _LIVE_MODELS.findall(self.log_path.read_text(errors="replace"))
+        return int(found[-1]) if found and found[-1] != "0" else 0
