@@ -8,9 +8,12 @@ SIGTERM. Each round prints tritonserver's exit code, whether the model's finaliz
 models" count, and (with --log-verbose 2) how many gRPC handler states were made and released
 (StateNew / StateRelease): a state that is never released keeps its TRITONSERVER_InferenceRequest, whose
 shared_ptr<Model> keeps the model loaded. `--transport http` runs the same pattern over HTTP generate_stream
-(a cancel = the client closes its socket) as the control.
+(a cancel = the client closes its socket) as the control. `--count-objects` compiles
+scripts/triton_refcount_shim.c (needs cc) and preloads it into tritonserver: each round then also prints how
+many InferenceRequests (made and deleted by the gRPC / HTTP frontend), response factories (python backend) and
+responses were never deleted, and with --log-verbose >= 1 the request ids of the leaked requests.
 
-    PYTHONPATH=. .venv/bin/python scripts/triton_cancel_race.py --rounds 3 --log-verbose 2
+    PYTHONPATH=. .venv/bin/python scripts/triton_cancel_race.py --rounds 3 --count-objects --log-verbose 1
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import json
 import queue
 import random
 import re
+import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -145,6 +150,23 @@ def http_round(srv: TritonServer, rng: random.Random, requests: int, share: floa
         sent += k
 
 
+def build_shim(work: Path) -> Path:
+    out = work / "librefcount.so"
+    source = Path(__file__).with_name("triton_refcount_shim.c")
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(out), str(source), "-ldl", "-lpthread"], check=True)
+    return out
+
+
+def object_counts(log: str) -> str:
+    """The shim's exit report: 'InferenceRequest live=1 (request ids 257)' and the like."""
+    parts = []
+    for name, live, addresses in re.findall(r"refcount-shim: (\w+) made=\d+ deleted=\d+ live=(\d+)(.*)", log):
+        ids = [m[-1] for a in addresses.split() for m in [re.findall(rf"prepared: \[0x{a}\] request id: (\S+?),", log)]
+               if m]
+        parts.append(f"{name} live={live}" + (f" (request ids {' '.join(ids)})" if ids else ""))
+    return " objects: " + ", ".join(parts) if parts else ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -154,9 +176,13 @@ def main() -> int:
     ap.add_argument("--log-verbose", type=int, default=0, help="2 also counts gRPC handler states (a big log)")
     ap.add_argument("--exit-timeout", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--count-objects", action="store_true", help="preload scripts/triton_refcount_shim.c")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="triton-cancel-race-"))
+    work.mkdir(parents=True, exist_ok=True)
     repo = write_repository(work / "repo")
+    if args.count_objects:
+        os.environ["LD_PRELOAD"] = str(build_shim(work))  # tritonserver's environment is a copy of ours
     stuck = 0
     for r in range(args.rounds):
         srv = TritonServer(repo, work / f"round{r}", http_port=free_port(), grpc_port=free_port(),
@@ -176,7 +202,7 @@ def main() -> int:
         left = srv.models_left_loaded()
         stuck += left > 0
         print(f"round {r}: {args.transport} exit={code} finalize_ran={'trivial: finalize ran' in log} "
-              f"models_left_loaded={left}{states} log={srv.log_path}", flush=True)
+              f"models_left_loaded={left}{states}{object_counts(log)} log={srv.log_path}", flush=True)
     print(f"{stuck} of {args.rounds} rounds left the model loaded")
     return 0
 

@@ -36,6 +36,7 @@ from octavo.serving.triton_launcher import TritonServer, free_port  # noqa: E402
 
 REQUESTS = 600
 CANCEL_SHARE = 0.7
+FINALIZED = "stopped; max batch size seen"  # the line octavo's finalize() logs
 EXIT_TIMEOUT_S = 3  # tritonserver's own wait on SIGTERM; short, since octavo holds nothing by then
 KNOWN_DEFECT = ("tritonserver 2.51's gRPC stream frontend kept one request of a cancelled stream, so the model "
                 "never unloaded (reproduced with a trivial decoupled model, no octavo: scripts/triton_cancel_race.py; "
@@ -140,15 +141,15 @@ def test_shutdown_after_many_cancelled_streams(hf_model_dir, tmp_path: Path) -> 
     started = time.monotonic()
     code = srv.stop(timeout_s=60)
     took = time.monotonic() - started
-    log = srv.log_tail(20000)
+    log = srv.log_path.read_text(errors="replace")
     assert cancelled > 50
     if code == 0:
         assert srv.models_left_loaded() == 0
-        assert "octavo: instance" in log and "stopped" in log, log[-3000:]  # finalize() ran
+        assert FINALIZED in log, log[-3000:]  # octavo's finalize() ran
         return
     # The only accepted failure is the known one, and octavo's side must degrade as documented.
     assert code == 1 and srv.models_left_loaded() == 1, log[-3000:]
-    assert "stopped; max batch size" not in log  # finalize() never ran: Triton never unloaded the model
+    assert FINALIZED not in log  # finalize() never ran: Triton never unloaded the model
     assert took < EXIT_TIMEOUT_S + 30, took  # bounded by the exit timeout, not by our 60 s kill
     _wait_until(lambda: not _group_alive(pgid), 10, "the killed stubs to end")  # SIGKILL lands asynchronously
     assert not list(Path("/dev/shm").glob(f"{shm}*"))  # its shared memory removed
