@@ -1,17 +1,17 @@
-"""Minimal reproduction of tritonserver 2.51's stuck unload after cancelled gRPC streams — no octavo engine.
+"""Minimal reproduction of tritonserver 2.51's stuck unload after cancelled streams — no octavo engine.
 
 A trivial decoupled python-backend model (one thread sends one response per live request every 5 ms, then the
 final flag; a cancelled request gets the final flag at once) is served by the same tritonserver that
-`octavo triton` runs, and driven the way tests/test_reliability_triton.py drives octavo: N requests on streams
-of 1-8, a share of the streams closed with `stop_stream(cancel_requests=True)` after 0-3 responses. Then
-SIGTERM. Each round prints tritonserver's exit code, whether the model's finalize() ran, the last "Found N live
-models" count, and (with --log-verbose 2) how many gRPC handler states were made and released
-(StateNew / StateRelease): a state that is never released keeps its TRITONSERVER_InferenceRequest, whose
-shared_ptr<Model> keeps the model loaded. `--transport http` runs the same pattern over HTTP generate_stream
-(a cancel = the client closes its socket) as the control. `--count-objects` compiles
-scripts/triton_refcount_shim.c (needs cc) and preloads it into tritonserver: each round then also prints how
-many InferenceRequests (made and deleted by the gRPC / HTTP frontend), response factories (python backend) and
-responses were never deleted, and with --log-verbose >= 1 the request ids of the leaked requests.
+`octavo triton` runs, and driven the way tests/test_reliability_triton.py drives octavo: N requests on gRPC
+streams of 1-8, a share of the streams closed with `stop_stream(cancel_requests=True)` after 0-3 responses
+(`--transport http`: the same over HTTP generate_stream, a cancel = the client hangs up after 1-3 events).
+Then SIGTERM. Each round prints tritonserver's exit code, whether the model's finalize() ran and how many models
+were still loaded when its exit timeout ran out.
+
+`--count-objects` compiles scripts/triton_refcount_shim.c (needs cc) and preloads it into tritonserver: each
+round then also prints how many of the objects that keep a model loaded were never deleted — InferenceRequests
+(made and deleted by the gRPC / HTTP frontend), response factories (python backend), responses — and, with
+--log-verbose >= 1, the request ids of the leaked requests.
 
     PYTHONPATH=. .venv/bin/python scripts/triton_cancel_race.py --rounds 3 --count-objects --log-verbose 1
 """
@@ -173,7 +173,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--cancel-share", type=float, default=0.7)
     ap.add_argument("--transport", choices=["grpc", "http"], default="grpc")
-    ap.add_argument("--log-verbose", type=int, default=0, help="2 also counts gRPC handler states (a big log)")
+    ap.add_argument("--log-verbose", type=int, default=0, help="tritonserver's; 1 lets --count-objects name requests")
     ap.add_argument("--exit-timeout", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--count-objects", action="store_true", help="preload scripts/triton_refcount_shim.c")
@@ -195,14 +195,10 @@ def main() -> int:
         finally:
             code = srv.stop(timeout_s=60)
         log = srv.log_path.read_text(errors="replace")
-        states = ""
-        if args.log_verbose >= 2:
-            new, released = len(re.findall(r"StateNew, \d+ Step", log)), len(re.findall(r"StateRelease, \d+ Step", log))
-            states = f" grpc_states new={new} released={released}"
         left = srv.models_left_loaded()
         stuck += left > 0
         print(f"round {r}: {args.transport} exit={code} finalize_ran={'trivial: finalize ran' in log} "
-              f"models_left_loaded={left}{states}{object_counts(log)} log={srv.log_path}", flush=True)
+              f"models_left_loaded={left}{object_counts(log)} log={srv.log_path}", flush=True)
     print(f"{stuck} of {args.rounds} rounds left the model loaded")
     return 0
 

@@ -4,7 +4,7 @@
 random number (0-3) of responses, the rest are drained. Then octavo must hold nothing (its gauges: 0 running,
 0 waiting, every KV block free) and SIGTERM must end tritonserver within its exit timeout: with the model
 unloaded (octavo's finalize() ran, exit 0), or — the known tritonserver 2.51 defect, docs/triton.md "Shutdown
-after cancelled gRPC streams" — exit 1 with exactly one model left loaded, which `TritonServer.stop()` names,
+after cancelled streams" — exit 1 with exactly one model left loaded, which `TritonServer.stop()` names,
 after which no stub process and no shared-memory region is left and a fresh server on the same repository
 serves. Only that exact signature is an xfail; anything else fails. Slow (~40-60 s).
 
@@ -14,7 +14,6 @@ that never sends its final response: `test_a_model_left_loaded_at_exit_is_named_
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import random
 import time
@@ -38,9 +37,9 @@ REQUESTS = 600
 CANCEL_SHARE = 0.7
 FINALIZED = "stopped; max batch size seen"  # the line octavo's finalize() logs
 EXIT_TIMEOUT_S = 3  # tritonserver's own wait on SIGTERM; short, since octavo holds nothing by then
-KNOWN_DEFECT = ("tritonserver 2.51's gRPC stream frontend kept one request of a cancelled stream, so the model "
+KNOWN_DEFECT = ("tritonserver 2.51's frontend kept a request of a cancelled stream, so the model "
                 "never unloaded (reproduced with a trivial decoupled model, no octavo: scripts/triton_cancel_race.py; "
-                "docs/triton.md, 'Shutdown after cancelled gRPC streams')")
+                "docs/triton.md, 'Shutdown after cancelled streams')")
 
 
 def _inputs(prompt: str, max_tokens: int) -> list:
@@ -192,7 +191,7 @@ class TritonPythonModel:
 
 def test_a_model_left_loaded_at_exit_is_named_and_cleaned_up(tmp_path: Path, caplog) -> None:  # noqa: ANN001
     """What a user sees when tritonserver cannot unload a model on SIGTERM (here: a model that keeps a response
-    sender open, the same symptom as the 2.51 gRPC race): stop() returns tritonserver's exit 1 within its exit
+    sender open, the same symptom as the 2.51 frontend defect): stop() returns tritonserver's exit 1 within its exit
     timeout, names the model left loaded in a warning, leaves no stub and no shared memory, and the same ports
     serve again at once."""
     (tmp_path / "repo" / "holder" / "1").mkdir(parents=True)

@@ -415,8 +415,9 @@ class TritonServer:
         if stuck:
             log.warning(
                 "tritonserver exited %s after --exit-timeout-secs=%d with %d model(s) still loaded, so finalize() "
-                "did not run. With octavo's model this is tritonserver 2.51's gRPC stream frontend keeping one "
-                "request of a cancelled stream for ever (docs/triton.md, 'Shutdown after cancelled gRPC streams'); "
+                "did not run. With octavo's model this is tritonserver 2.51's frontends (gRPC streams, HTTP "
+                "generate_stream) keeping a request of a cancelled stream for ever (docs/triton.md, 'Shutdown after "
+                "cancelled streams'); "
                 "octavo had answered every request and flushes its trace per step. The stubs were killed and their "
                 "shared memory removed: the next start is clean. Its log: %s",
                 proc.returncode, self.exit_timeout_s, stuck, self.log_path)
