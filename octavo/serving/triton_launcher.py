@@ -417,9 +417,8 @@ class TritonServer:
                 "tritonserver exited %s after --exit-timeout-secs=%d with %d model(s) still loaded, so finalize() "
                 "did not run. With octavo's model this is tritonserver 2.51's frontends (gRPC streams, HTTP "
                 "generate_stream) keeping a request of a cancelled stream for ever (docs/triton.md, 'Shutdown after "
-                "cancelled streams'); "
-                "octavo had answered every request and flushes its trace per step. The stubs were killed and their "
-                "shared memory removed: the next start is clean. Its log: %s",
+                "cancelled streams'); octavo had answered every request and flushes its trace per step. The stubs "
+                "were killed and their shared memory removed: the next start is clean. Its log: %s",
                 proc.returncode, self.exit_timeout_s, stuck, self.log_path)
         return proc.returncode
 
