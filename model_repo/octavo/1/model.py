@@ -297,8 +297,9 @@ class TritonPythonModel:
                 live.sender.send(_error_response("octavo: request cancelled", "CANCELLED"), flags=FINAL)
             else:
                 live.sender.send(flags=FINAL)
-        except Exception:  # noqa: BLE001 - the client is gone; nothing to tell it
-            pass
+        except Exception as exc:  # noqa: BLE001 - the client is gone; nothing to tell it, but say so: a final
+            # response that did not go out may leave its response factory (and so the model) held until exit
+            log.warning("octavo: could not send the final response for %s: %s", live.request_id, exc)
 
     def _forget(self, live: LiveRequest) -> None:
         with self.live_lock:
