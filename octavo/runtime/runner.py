@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from octavo.runtime.backends.base import StepInputs
+from octavo.runtime.block_table import BlockTables
 from octavo.runtime.request import Request
 
 
@@ -23,7 +24,7 @@ class ModelRunner:
         self._cu = np.zeros(b + 1, np.int32)
         self._past = np.zeros(b, np.int32)
         self._logits_indices = np.zeros(b + t, np.int64)  # a row to sample per sequence, prompt-logprob rows
-        self._table = np.zeros(b * max_blocks_per_seq, np.int32)  # viewed as [B, max_blocks of this step]
+        self.block_tables = BlockTables(max_num_seqs, max_blocks_per_seq)
 
     def prepare(self, scheduled: dict[Request, int], prompt_rows: dict[Request, tuple[int, int]] | None = None
                 ) -> tuple[StepInputs, list[Request]]:
@@ -33,8 +34,6 @@ class ModelRunner:
         the rows to sample, in the order given."""
         bs = self.block_size
         b = len(scheduled)
-        width = max(len(r.block_table) for r in scheduled)
-        table = self._table[: b * width].reshape(b, width)
         sampled: list[Request] = []
         logit_rows: list[int] = []
         ids: list[int] = []
@@ -42,7 +41,6 @@ class ModelRunner:
         slots: list[int] = []
         past: list[int] = []
         cu: list[int] = []
-        rows: list[list[int]] = []
         t = 0
         extra: list[int] = []
         for req, n in scheduled.items():
@@ -51,7 +49,6 @@ class ModelRunner:
                 first, count = prompt_rows[req]
                 extra.extend(range(t + first - start, t + first - start + count))
             blocks = req.block_table
-            rows.append(blocks + [0] * (width - len(blocks)) if len(blocks) < width else blocks)
             past.append(start)
             cu.append(t)
             if n == 1:
@@ -74,11 +71,10 @@ class ModelRunner:
         self._cu[: b + 1] = cu
         logit_rows += extra
         self._logits_indices[: len(logit_rows)] = logit_rows
-        table[...] = rows
         inputs = StepInputs(
             input_ids=self._input_ids[:t], position_ids=self._positions[:t],
             cumulative_sequence_length=self._cu[: b + 1], past_seqlens=self._past[:b],
-            block_table=table, slot_mapping=self._slots[:t],
+            block_table=self.block_tables.pack(scheduled), slot_mapping=self._slots[:t],
             logits_indices=self._logits_indices[: len(logit_rows)],
         )
         return inputs, sampled
