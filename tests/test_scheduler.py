@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from toy_backend import ToyBackend, make_toy_model_dir, toy_greedy
 
 from octavo.errors import PromptTooLongError
+from octavo.runtime.block_hash import extend_block_hashes
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.engine_args import EngineArgs
@@ -355,7 +356,7 @@ def watch_admissions(eng: LLMEngine) -> list[int]:
                 continue
             first = req.num_computed_tokens // bs  # its cached blocks
             last = min((req.num_computed_tokens + n) // bs, (req.num_tokens - 1) // bs)
-            bm.update_hashes(req, last * bs)
+            extend_block_hashes(req, last * bs, bs)
             for i in range(first, last):
                 owner = bm.promised.get(req.block_hashes[i])
                 assert owner is None or owner is req, f"{req.request_id} computes block {i} promised by {owner.request_id}"

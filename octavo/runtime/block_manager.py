@@ -1,8 +1,8 @@
 """BlockManager: a fixed pool of KV blocks, per-request block tables and automatic prefix caching.
 
 - Every block has a reference count. A request's block table grows on demand (`allocate`).
-- A FULL block is identified by a chained hash of its tokens (hash of the previous block's hash and
-  this block's token ids), so equal prefixes map to equal hashes. `hash_to_block` finds them.
+- A FULL block is identified by a chained hash of its tokens (block_hash.py: equal prefixes, equal
+  hashes). `hash_to_block` finds them.
 - Free blocks (refcount 0) sit in an LRU `free_lru` list (OrderedDict: O(1) touch and evict) and keep
   their hash until reused, so a later request with the same prefix gets them back for free. A finished
   request frees its blocks last-first: its tail is evicted before its (more shareable) head.
@@ -16,19 +16,10 @@
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
-import numpy as np
-
+from octavo.runtime.block_hash import extend_block_hashes
 from octavo.runtime.request import Request
-
-
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """Chained hash of one full block (blake2b: a crafted prompt cannot collide into another's cache)."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return h.digest()
 
 
 class BlockManager:
@@ -52,19 +43,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------------------
-    def update_hashes(self, req: Request, num_tokens: int) -> None:
-        """Extend req.block_hashes to cover the full blocks among its first num_tokens tokens."""
-        bs = self.block_size
-        for i in range(len(req.block_hashes), num_tokens // bs):
-            parent = req.block_hashes[i - 1] if i else b""
-            req.block_hashes.append(block_hash(parent, req.tokens(i * bs, (i + 1) * bs)))
-
     def find_cached(self, req: Request) -> list[int]:
         """Blocks holding a cached prefix of req (never its last token: that one must be computed)."""
         if not self.enable_prefix_caching:
             return []
         limit = (req.num_tokens - 1) // self.block_size
-        self.update_hashes(req, limit * self.block_size)
+        extend_block_hashes(req, limit * self.block_size, self.block_size)
         blocks: list[int] = []
         for h in req.block_hashes[:limit]:
             b = self.hash_to_block.get(h)
@@ -78,7 +62,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
-        self.update_hashes(req, n_full * self.block_size)
+        extend_block_hashes(req, n_full * self.block_size, self.block_size)
         for i in range(req.num_registered_blocks, n_full):
             b, h = req.block_table[i], req.block_hashes[i]
             if self.hash_of[b] is None and h not in self.hash_to_block:
@@ -93,7 +77,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = req.num_tokens // self.block_size
-        self.update_hashes(req, n_full * self.block_size)
+        extend_block_hashes(req, n_full * self.block_size, self.block_size)
         for i in range(req.num_registered_blocks, n_full):
             h = req.block_hashes[i]
             if h not in self.hash_to_block:
@@ -158,12 +142,8 @@ class BlockManager:
         parent's first num_computed_tokens."""
         assert not child.block_table, "fork into a request that already holds blocks"
         n_full = parent.num_computed_tokens // self.block_size
-        for b in parent.block_table[:n_full]:
-            self.ref_count[b] += 1
-        child.block_table = parent.block_table[:n_full]
-        child.block_hashes = parent.block_hashes[:n_full]
-        child.num_computed_tokens = n_full * self.block_size
-        child.num_registered_blocks = min(n_full, parent.num_registered_blocks)
+        self.admit(child, parent.block_table[:n_full])  # as if they were its cached prefix
+        child.block_hashes = parent.block_hashes[:n_full]  # (the same tokens: not hashed again)
         partial = parent.num_computed_tokens - child.num_computed_tokens
         if not copy_partial or not partial or not self.allocate(child, partial):
             return None

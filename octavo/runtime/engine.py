@@ -120,16 +120,14 @@ class LLMEngine:
         inputs, to_sample = self.runner.prepare(sched.scheduled, scored)
         rec.capture(sched.scheduled)
         rec.lap("pack")
-        constrained = self.structured.any_constrained(to_sample)
-        try:
-            if constrained:  # the masks depend on committed tokens only: computed while the backend runs
-                self.structured.start_bitmask(to_sample)
+        try:  # the masks depend on committed tokens only: computed while the backend runs (if any row has a grammar)
+            self.structured.start_bitmask(to_sample)
             logits = self.backend.run(inputs)
             if logits.shape[0] != len(inputs.logits_indices):
                 raise StepFailedError(f"backend returned {logits.shape[0]} logits rows, expected "
                                       f"{len(inputs.logits_indices)}")
             rec.lap("backend")
-            bitmask = self.structured.bitmask(to_sample) if constrained else None
+            bitmask = self.structured.bitmask(to_sample)  # None when no row is constrained
             sampled = self.sampler(logits[: len(to_sample)], to_sample, bitmask)
             rec.lap("sample")
         except Exception as exc:  # noqa: BLE001 - any backend failure ends only this step's requests
@@ -147,12 +145,11 @@ class LLMEngine:
             self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
             outputs += self.beams.advance(beam_rows)
             rec.lap("commit")
-            for req, error in self.outputs.score_prompts(scored, logits[len(sampled.token_ids):]):
-                self.scheduler.finish(req, "error", error=error)
-            stopped, failed = self.outputs.detokenize(to_sample, logprobs)
+            failed = self.outputs.score_prompts(scored, logits[len(sampled.token_ids):])
+            stopped, failed_text = self.outputs.detokenize(to_sample, logprobs)
             for req, stop in stopped:
                 self.scheduler.finish(req, "stop", stop_reason=stop)
-            for req, error in failed:
+            for req, error in failed + failed_text:  # only these requests end: a prompt not scored, a token not decoded
                 self.scheduler.finish(req, "error", error=error)
             touched = to_sample
         outputs += self.outputs.make_outputs(touched)
@@ -169,6 +166,4 @@ class LLMEngine:
         self.structured.close()
         if self._trace is not None:
             self._trace.close()
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        self.backend.close()

@@ -94,10 +94,6 @@ class StructuredOutputManager:
     free = staticmethod(release_grammar)
 
     # -- masks --------------------------------------------------------------------------------------
-    @staticmethod
-    def any_constrained(reqs: Sequence[Request]) -> bool:
-        return any(r.grammar is not None for r in reqs)
-
     def start_bitmask(self, reqs: Sequence[Request]) -> None:
         """Begin computing the masks of REQS (the rows the step will sample, in order) in the background."""
         self._pending = None
