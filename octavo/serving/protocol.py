@@ -131,12 +131,7 @@ class _Body:
         return self.d.get(name) is not None
 
     def boolean(self, name: str, default: bool) -> bool:
-        v = self.d.get(name)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise bad_request(f"'{name}' must be a boolean, got {_show(v)}", name)
-        return v
+        return self._typed(name, default, bool, "a boolean")
 
     def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
         v = self.d.get(name)
@@ -163,11 +158,15 @@ class _Body:
         return float(v)
 
     def string(self, name: str, default: str | None) -> str | None:
+        return self._typed(name, default, str, "a string")
+
+    def _typed(self, name: str, default: Any, kind: type, what: str) -> Any:
+        """The field NAME if it is a KIND, DEFAULT if absent or null; else a 400 saying it must be WHAT."""
         v = self.d.get(name)
         if v is None:
             return default
-        if not isinstance(v, str):
-            raise bad_request(f"'{name}' must be a string, got {_show(v)}", name)
+        if not isinstance(v, kind):
+            raise bad_request(f"'{name}' must be {what}, got {_show(v)}", name)
         return v
 
     def int_list(self, name: str) -> list[int]:
