@@ -22,3 +22,9 @@ def hf_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_dir(hf_model_dir):  # noqa: ANN001, ANN201
+    """The tiny random llama checkpoint that most engine and server tests run."""
+    return hf_model_dir("llama")

@@ -1,5 +1,6 @@
 """`octavo serve` in its own process for the tests that need a real server: start it on a free port, wait for the
-state "ready" (/health answers 200), stop it. One copy of the start/wait/stop the server tests shared."""
+state "ready" (/health answers 200), stop it. One copy of the start/wait/stop the server tests shared; and
+`serve_in_thread`, the same app in the test's process (a ServerThread on a free port) over a real AsyncEngine."""
 from __future__ import annotations
 
 import contextlib
@@ -8,9 +9,16 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
+
+from octavo.runtime.async_engine import AsyncEngine
+from octavo.runtime.engine_args import EngineArgs
+from octavo.serving.app import ServerConfig
+from octavo.serving.background import ServerThread
+from octavo.serving.server import OpenAIServer
 
 
 def start_serve(args: list[str], ready_s: float = 120) -> tuple[subprocess.Popen, str]:
@@ -53,3 +61,23 @@ def serving(args: list[str], ready_s: float = 120) -> Iterator[tuple[subprocess.
     finally:
         if proc is not None:
             stop(proc)
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine_args: EngineArgs, **config: Any) -> Iterator[ServerThread]:
+    """OpenAIServer(ServerConfig(**CONFIG)) on an AsyncEngine of ENGINE_ARGS, served until the block ends."""
+    srv = OpenAIServer(ServerConfig(**config), lambda: AsyncEngine(engine_args), shutdown_timeout=5)
+    with ServerThread(srv) as s:
+        yield s
+
+
+def until_idle(read_metrics: Callable[[], dict[str, float]], seconds: float, poll: float) -> dict[str, float]:
+    """The server's metrics (READ_METRICS, every POLL seconds) once nothing runs, waits or holds KV blocks, or
+    after SECONDS: the caller's assertions then say what is left."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = read_metrics()
+        if (m["octavo:num_requests_running"] == 0 and m["octavo:num_requests_waiting"] == 0
+                and m["octavo:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+            return m
+        time.sleep(poll)

@@ -10,12 +10,9 @@ import httpx
 import openai
 import pytest
 from engine_helpers import exported
+from serve_process import serve_in_thread
 
-from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
-from octavo.serving.background import ServerThread
-from octavo.serving.server import OpenAIServer
 
 NAME = "tiny"
 KEY = "sk-errors"
@@ -27,9 +24,7 @@ CODE = re.compile(r"^[a-z][a-z0-9_]*$")
 def server(hf_model_dir):  # noqa: ANN001, ANN201
     ea = EngineArgs(model=str(exported(hf_model_dir("llama"))), num_blocks=64, block_size=16, num_threads=1,
                     max_model_len=MAX_LEN)
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), api_key=KEY, max_body_bytes=16 << 10),
-                       lambda: AsyncEngine(ea), shutdown_timeout=5)
-    with ServerThread(srv) as s:
+    with serve_in_thread(ea, served_model_names=(NAME,), api_key=KEY, max_body_bytes=16 << 10) as s:
         yield s
 
 

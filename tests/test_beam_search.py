@@ -17,11 +17,6 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def hf_dir(hf_model_dir):  # noqa: ANN001, ANN201
-    return hf_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def llm(hf_dir):  # noqa: ANN001, ANN201
     llm = LLM(str(exported(hf_dir)), num_blocks=256, block_size=BLOCK, num_threads=1)
     yield llm

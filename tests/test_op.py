@@ -6,7 +6,7 @@ import math
 import numpy as np
 import onnxruntime as ort
 import pytest
-from op_cases import paged_attention_model, random_case, random_step
+from op_cases import Step, paged_attention_model, random_case, random_step
 
 from octavo.kernels.reference import paged_attention_ref
 from octavo.build import op as build_op
@@ -57,13 +57,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_op_matches_reference(library: str, name: str) -> None:
+def case_step(name: str) -> tuple[Step, dict[str, object]]:
+    """CASES[NAME]: its random step (seeded by the name) and the op's attributes."""
     seqs, heads, kv_heads, head_dim, block_size, window, cap = CASES[name]
     rng = np.random.default_rng(sum(map(ord, name)))
     step = random_step(rng, seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim, block_size=block_size)
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=1 / math.sqrt(head_dim), sliding_window=window,
                  softcap=cap)
+    return step, attrs
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_matches_reference(library: str, name: str) -> None:
+    step, attrs = case_step(name)
     ref_inputs = step.feeds()
     expected = paged_attention_ref(*ref_inputs.values(), **attrs)  # updates ref_inputs' pools in place
 
@@ -99,11 +105,7 @@ def test_op_matches_reference_on_random_shapes(library: str, seed: int) -> None:
 # outputs of magnitude ~1) applies unchanged, and the pools must match bit for bit.
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_op_matches_reference_float16_pools(library: str, name: str) -> None:
-    seqs, heads, kv_heads, head_dim, block_size, window, cap = CASES[name]
-    rng = np.random.default_rng(sum(map(ord, name)))
-    step = random_step(rng, seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim, block_size=block_size)
-    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=1 / math.sqrt(head_dim), sliding_window=window,
-                 softcap=cap)
+    step, attrs = case_step(name)
     ref_inputs = half_pools(step.feeds())
     expected = paged_attention_ref(*ref_inputs.values(), **attrs)
     feeds = half_pools(step.feeds())
@@ -252,6 +254,24 @@ def test_iobinding_writes_callers_pool_zero_copy(library: str, kv_dtype: str) ->
         np.testing.assert_array_equal(value_pool.view(np.uint16), ref_value.view(np.uint16))
 
 
+def run_with_pools_bound(session: ort.InferenceSession, feeds: dict[str, np.ndarray],
+                         aliases: dict[str, str]) -> list[ort.OrtValue]:
+    """Run with the KV pools bound as OrtValues over the caller's arrays, each cache output of ALIASES
+    (output -> pool input) bound to its pool's OrtValue, as the backend does; the outputs, "output" first."""
+    binding = session.io_binding()
+    pools = {name: ort.OrtValue.ortvalue_from_numpy(feeds[name]) for name in ("key_cache", "value_cache")}
+    for name, array in feeds.items():
+        if name in pools:
+            binding.bind_ortvalue_input(name, pools[name])
+        else:
+            binding.bind_cpu_input(name, array)
+    binding.bind_output("output")
+    for out, pool in aliases.items():
+        binding.bind_ortvalue_output(out, pools[pool])
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_cache_outputs_bound_to_the_pool_share_its_buffer(library: str, kv_dtype: str) -> None:
     """With the cache outputs as graph outputs bound to the pool's own OrtValue, ORT hands the op that
@@ -268,18 +288,7 @@ def test_cache_outputs_bound_to_the_pool_share_its_buffer(library: str, kv_dtype
     expected = paged_attention_ref(feeds["query"], feeds["key"], feeds["value"], ref_key, ref_value,
                                    *[feeds[n] for n in ("cumulative_sequence_length", "past_seqlens", "block_table",
                                                         "slot_mapping")], **attrs)
-    binding = session.io_binding()
-    pools = {name: ort.OrtValue.ortvalue_from_numpy(feeds[name]) for name in ("key_cache", "value_cache")}
-    for name, array in feeds.items():
-        if name in pools:
-            binding.bind_ortvalue_input(name, pools[name])
-        else:
-            binding.bind_cpu_input(name, array)
-    binding.bind_output("output")
-    binding.bind_ortvalue_output("key_cache_out", pools["key_cache"])
-    binding.bind_ortvalue_output("value_cache_out", pools["value_cache"])
-    session.run_with_iobinding(binding)
-    outputs = binding.get_outputs()
+    outputs = run_with_pools_bound(session, feeds, {"key_cache_out": "key_cache", "value_cache_out": "value_cache"})
     np.testing.assert_allclose(outputs[0].numpy(), expected, atol=1e-5, rtol=0)
     assert outputs[1].data_ptr() == feeds["key_cache"].ctypes.data
     assert outputs[2].data_ptr() == feeds["value_cache"].ctypes.data
@@ -317,18 +326,7 @@ def test_float16_pools_inside_a_graph_are_written_in_place(library: str) -> None
     ref = half_pools(step.feeds())
     ref["query"] = np.maximum(ref["query"], 0)
     expected = -paged_attention_ref(*ref.values(), **attrs)
-    binding = session.io_binding()
-    pools = {name: ort.OrtValue.ortvalue_from_numpy(feeds[name]) for name in ("key_cache", "value_cache")}
-    for name, array in feeds.items():
-        if name in pools:
-            binding.bind_ortvalue_input(name, pools[name])
-        else:
-            binding.bind_cpu_input(name, array)
-    binding.bind_output("output")
-    for out, pool in aliases.items():
-        binding.bind_ortvalue_output(out, pools[pool])
-    session.run_with_iobinding(binding)
-    outputs = binding.get_outputs()
+    outputs = run_with_pools_bound(session, feeds, aliases)
     np.testing.assert_allclose(outputs[0].numpy(), expected, atol=1e-5, rtol=0)
     assert outputs[1].data_ptr() == feeds["key_cache"].ctypes.data
     np.testing.assert_array_equal(feeds["key_cache"].view(np.uint16), ref["key_cache"].view(np.uint16))

@@ -10,12 +10,9 @@ import numpy as np
 import openai
 import pytest
 from engine_helpers import exported, hf_prompt_logits, hf_reference
+from serve_process import serve_in_thread
 
-from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
-from octavo.serving.background import ServerThread
-from octavo.serving.server import OpenAIServer
 
 NAME = "tiny"
 TOL = 1e-4
@@ -23,16 +20,15 @@ TEXT = "The quick brown fox jumps over the lazy dog. What is the capital of Fran
 
 
 @pytest.fixture(scope="module")
-def src(hf_model_dir):  # noqa: ANN001, ANN201
-    return hf_model_dir("llama")
+def src(hf_dir):  # noqa: ANN001, ANN201
+    return hf_dir
 
 
 @pytest.fixture(scope="module")
 def server(src):  # noqa: ANN001, ANN201
     ea = EngineArgs(model=str(exported(src)), num_blocks=128, block_size=16, max_num_seqs=16, num_threads=1,
                     max_num_batched_tokens=24)  # prompts of ~30 tokens go in several chunks
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,)), lambda: AsyncEngine(ea), shutdown_timeout=5)
-    with ServerThread(srv) as s:
+    with serve_in_thread(ea, served_model_names=(NAME,)) as s:
         yield s
 
 

@@ -21,15 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_helpers import exported
+from serve_process import serve_in_thread
 from toy_backend import ToyBackend, make_toy_model_dir
 
 import octavo
 from octavo.errors import InvalidRequestError
-from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
-from octavo.serving.background import ServerThread
 from octavo.serving.server import OpenAIServer
 
 KEY = "sk-secret-4c1f"
@@ -42,9 +40,7 @@ MODEL_REPO = PACKAGE.parent / "model_repo"
 def server(hf_model_dir):  # noqa: ANN001, ANN201
     folder = exported(hf_model_dir("llama"))
     ea = EngineArgs(model=str(folder), num_blocks=64, block_size=16, max_num_seqs=8, num_threads=1)
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), api_key=KEY, max_body_bytes=16 << 10,
-                                    max_tokens_cap=6), lambda: AsyncEngine(ea), shutdown_timeout=5)
-    with ServerThread(srv) as s:
+    with serve_in_thread(ea, served_model_names=(NAME,), api_key=KEY, max_body_bytes=16 << 10, max_tokens_cap=6) as s:
         yield s
 
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 from engine_helpers import exported
 from prometheus_client.parser import text_string_to_metric_families
+from serve_process import serve_in_thread, until_idle
 
 from octavo import LLM, SamplingParams
 from octavo.runtime.async_engine import AsyncEngine
@@ -40,9 +41,7 @@ def engine_args(model_dir, **kw) -> EngineArgs:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def server(model_dir):  # noqa: ANN001, ANN201
     ea = engine_args(model_dir)
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), api_key=KEY, max_body_bytes=64 << 10),
-                       lambda: AsyncEngine(ea), shutdown_timeout=5)
-    with ServerThread(srv) as s:
+    with serve_in_thread(ea, served_model_names=(NAME,), api_key=KEY, max_body_bytes=64 << 10) as s:
         yield s
 
 
@@ -74,13 +73,7 @@ def metrics(server) -> dict[str, float]:  # noqa: ANN001
 
 
 def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        if (m["octavo:num_requests_running"] == 0 and m["octavo:num_requests_waiting"] == 0
-                and m["octavo:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.02)
+    return until_idle(lambda: metrics(server), timeout, 0.02)
 
 
 def greedy_ref(llm: LLM, prompts: list[str], max_tokens: int) -> list[str]:

@@ -43,6 +43,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_helpers import exported
+from serve_process import until_idle
 from test_reliability_shutdown import start_serve
 
 from octavo import LLM, SamplingParams
@@ -220,13 +221,7 @@ def soak(folder: Path, total: int, seed: int, time_limit: float, trace: Path) ->
         asyncio.run(main())
         elapsed = time.monotonic() - t0
         # idle: hang-ups and timeouts are noticed by the server asynchronously
-        deadline = time.monotonic() + 20
-        while True:
-            m = metrics(url)
-            if (m["octavo:num_requests_running"] == 0 and m["octavo:num_requests_waiting"] == 0
-                    and m["octavo:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        m = until_idle(lambda: metrics(url), 20, 0.1)
         end_rss = rss_mib(proc.pid)
         kinds = Counter(k for k, *_ in jobs)
         print(f"soak: {total} requests {dict(kinds)} in {elapsed:.1f} s; RSS warm {warm_rss[0]:.1f} MiB, "
@@ -404,13 +399,7 @@ def neighbours_soak(folder: Path, slow_readers: int, tmp_path: Path) -> None:
         stop.set()
         for t in threads:
             t.join(30)
-        deadline = time.monotonic() + 60
-        while True:
-            m = metrics(url)
-            if (m["octavo:num_requests_running"] == 0 and m["octavo:num_requests_waiting"] == 0
-                    and m["octavo:kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        m = until_idle(lambda: metrics(url), 60, 0.1)
         end_rss = rss_mib(proc.pid)
         print(f"neighbours soak: {served} served; idle connections opened {stats['opened']}, closed by the server "
               f"{stats['closed_by_server']}; RSS warm {warm_rss:.1f}, peak {peak_rss:.1f}, end {end_rss:.1f} MiB")

@@ -10,22 +10,17 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import re
 from typing import Annotated
 
 import httpx
-import jsonschema
 import openai
 import pytest
 from engine_helpers import exported
 from pydantic import BaseModel, Field
-from test_structured import CHOICES, LARK, REGEX, SCHEMA, lark_parser, lark_prefix_ok
+from serve_process import serve_in_thread
+from test_structured import CHOICES, LARK, REGEX, SCHEMA, validate
 
-from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
-from octavo.serving.background import ServerThread
-from octavo.serving.server import OpenAIServer
 
 NAME = "tiny"
 N = 50
@@ -36,9 +31,7 @@ MSGS = [{"role": "user", "content": "Give me JSON."}]
 def server(hf_model_dir):  # noqa: ANN001, ANN201
     ea = EngineArgs(model=str(exported(hf_model_dir("llama"))), num_blocks=512, block_size=16, max_num_seqs=64,
                     num_threads=1)
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), max_n=N, tool_call_parser="hermes"),
-                       lambda: AsyncEngine(ea), shutdown_timeout=5)
-    with ServerThread(srv) as s:
+    with serve_in_thread(ea, served_model_names=(NAME,), max_n=N, tool_call_parser="hermes") as s:
         yield s
 
 
@@ -56,30 +49,12 @@ def client(server):  # noqa: ANN001, ANN201
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
 
 
-def check(kind: str, text: str, reason: str) -> None:
-    if reason == "length":
-        if kind == "grammar":
-            assert lark_prefix_ok(text), text
-        return
-    assert reason == "stop", reason
-    if kind == "json":
-        jsonschema.validate(json.loads(text), SCHEMA)
-    elif kind == "object":
-        assert isinstance(json.loads(text), dict)
-    elif kind == "regex":
-        assert re.fullmatch(REGEX, text), text
-    elif kind == "choice":
-        assert text in CHOICES
-    else:
-        lark_parser().parse(text)
-
-
 TIGHT = {"disable_any_whitespace": True}
 # (route, body fields, kind): every way a constraint can be asked for
 CASES = [
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}},
               "structured_outputs": None}, "json"),
-    ("chat", {"response_format": {"type": "json_object"}}, "object"),
+    ("chat", {"response_format": {"type": "json_object"}}, "json_object"),
     ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}, "json"),
     ("chat", {"structured_outputs": {"json": SCHEMA, **TIGHT}}, "json"),
     ("completions", {"structured_outputs": {"regex": REGEX}}, "regex"),
@@ -107,7 +82,7 @@ def test_fifty_sampled_outputs_validate(client, ws_bias, route: str, fields: dic
         got = [(c.text, c.finish_reason) for c in r.choices]
     assert len(got) == N
     for text, reason in got:
-        check(kind, text, reason)
+        validate(kind, text, reason)  # test_structured's check of each kind of constraint
     assert sum(reason == "stop" for _, reason in got) >= N // 5, got[:3]
 
 

@@ -15,12 +15,9 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from serve_process import serve_in_thread
 
-from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
-from octavo.serving.background import ServerThread
-from octavo.serving.server import OpenAIServer
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2"
@@ -67,9 +64,7 @@ def server():  # noqa: ANN201
 
     model = resolve_model(default_model_path())
     ea = EngineArgs(model=str(model), max_num_seqs=64, block_size=16)
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), max_n=N, tool_call_parser="hermes"),
-                       lambda: AsyncEngine(ea), shutdown_timeout=5)
-    with ServerThread(srv) as s:
+    with serve_in_thread(ea, served_model_names=(NAME,), max_n=N, tool_call_parser="hermes") as s:
         yield s
 
 

@@ -7,12 +7,9 @@ import httpx
 import openai
 import pytest
 from engine_helpers import exported
+from serve_process import serve_in_thread
 
-from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
-from octavo.serving.background import ServerThread
-from octavo.serving.server import OpenAIServer
 
 KEY = "sk-tok"
 NAME = "tiny"
@@ -23,17 +20,10 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 @pytest.fixture(scope="module")
-def hf_dir(hf_model_dir):  # noqa: ANN001, ANN201
-    return hf_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def server(hf_dir):  # noqa: ANN001, ANN201
     ea = EngineArgs(model=str(exported(hf_dir)), num_blocks=64, block_size=16, max_num_seqs=8, num_threads=1,
                     max_model_len=512)
-    srv = OpenAIServer(ServerConfig(served_model_names=(NAME,), api_key=KEY), lambda: AsyncEngine(ea),
-                       shutdown_timeout=5)
-    with ServerThread(srv) as s:
+    with serve_in_thread(ea, served_model_names=(NAME,), api_key=KEY) as s:
         yield s
 
 

@@ -20,11 +20,6 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def hf_dir(hf_model_dir):  # noqa: ANN001, ANN201
-    return hf_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def model_dir(hf_dir):  # noqa: ANN001, ANN201
     return exported(hf_dir)
 
