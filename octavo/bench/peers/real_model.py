@@ -48,7 +48,8 @@ def hf_folder_from_gguf(gguf_path: Path, out: Path) -> Path:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+    # use_safetensors: nothing here reads a .bin, but no from_pretrained in octavo may ever torch.load one
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name, use_safetensors=True)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
     state = {k: torch.as_tensor(np.asarray(v, dtype=np.float32)) for k, v in tensors.items()}
@@ -59,7 +60,7 @@ def hf_folder_from_gguf(gguf_path: Path, out: Path) -> Path:
                          f"unexpected {sorted(unexpected)[:5]}")
     model.tie_weights()
     model.eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, use_safetensors=True)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
