@@ -48,12 +48,12 @@ def load_model(model: str | Path, threads: int) -> tuple[Any, Any]:
     torch.set_num_threads(threads)
     path = Path(model)
     if path.is_dir():
-        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tok = transformers.AutoTokenizer.from_pretrained(path)
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+        tok = transformers.AutoTokenizer.from_pretrained(path, use_safetensors=True)
     elif path.is_file() and path.suffix == ".gguf":
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name, use_safetensors=True)
         m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=m)["tensors"]
         missing, unexpected = m.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()},
@@ -62,7 +62,7 @@ def load_model(model: str | Path, threads: int) -> tuple[Any, Any]:
             raise ModelFormatError(f"{path}: transformers' GGUF loader left weights unmatched "
                                    f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
         m.tie_weights()
-        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, use_safetensors=True)
     else:
         raise ModelFormatError(f"{model}: expected an HF checkpoint folder or a .gguf file")
     m.eval()
