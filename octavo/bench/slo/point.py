@@ -35,6 +35,13 @@ class Server:
     busy_gauges: tuple[str, ...]  # Prometheus gauges on /metrics whose sum is the requests it still holds
 
 
+def _session(cfg: ServeBenchConfig) -> aiohttp.ClientSession:
+    """A connection per request (no keep-alive): llama-server closes an idle kept-alive connection, and a
+    request sent on it fails with "Can not write request body" (seen in compare_peers' online runs too)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s))
+
+
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     """Seconds from the start at which each of N requests is sent: a Poisson process of RATE per second.
     The same seed gives the same pattern at every rate, scaled by 1 / rate."""
@@ -73,8 +80,7 @@ async def measure_point(server: Server, requests: list[BenchRequest], rate: floa
                         stop_early: bool = True) -> PointResult:
     n = len(requests)
     cfg = ServeBenchConfig(base_url=server.base_url, model=server.model, temperature=0.0)
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as session:
+    async with _session(cfg) as session:
         await wait_idle(session, server)
         done: list[RequestResult] = []
         settled = asyncio.Event()  # set when the SLO is missed whatever comes next
@@ -122,7 +128,7 @@ async def measure_alone(server: Server, requests: list[BenchRequest]) -> list[Re
     the service times fifo_replay needs); a failed request raises."""
     cfg = ServeBenchConfig(base_url=server.base_url, model=server.model, temperature=0.0)
     out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as session:
+    async with _session(cfg) as session:
         await wait_idle(session, server)
         for req in requests:
             r = await send_one(session, cfg, server.model, req)
