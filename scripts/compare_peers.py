@@ -384,7 +384,8 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
              "llama_server": args.llama_server or ""}
     first = make_real_workloads(real.vocab_size, args.quick, args.tiny)
     batch_size = len(first[0].requests)
-    llama_np = sorted({int(n) for n in (args.llama_np or f"16,{batch_size}").split(",") if n.strip()})
+    # -np beyond the batch's size is the batch's size (llamacpp.run_offline clamps it): one row each
+    llama_np = sorted({min(int(n), batch_size) for n in (args.llama_np or f"16,{batch_size}").split(",") if n.strip()})
     hf_on = ([n.strip() for n in args.hf_sequential_on.split(",") if n.strip()] if args.hf_sequential_on
              else [w.name for w in first] if args.tiny else [first[1].name])  # HF is slow: the decode one
     extra_weights = [w.strip() for w in args.octavo_weights.split(",") if w.strip()]
