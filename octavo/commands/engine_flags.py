@@ -52,7 +52,7 @@ METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES"}
 # the values EngineArgs.validate accepts for its plain-str fields (a Literal annotation gives its own)
 CHOICES: dict[str, tuple[str, ...]] = {
     "backend": ("onnxruntime", "tensorrt"),
-    "weights": ("fp32", "int8", "int4"),
+    "weights": ("fp32", "int8", "int4", "gguf"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 ALIASES: dict[str, tuple[str, ...]] = {  # earlier spellings, still accepted

@@ -15,12 +15,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace OUT if it is an earlier octavo export")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     q = parser.add_argument_group("quantized weights (docs/quantization.md)")
-    q.add_argument("--weights", choices=("fp32", "int8", "int4"), default="fp32",
-                   help="linear layers' weights: fp32 (default) or blockwise int8/int4 (ONNX Runtime MatMulNBits)")
+    q.add_argument("--weights", choices=("fp32", "int8", "int4", "gguf"), default=None,
+                   help="linear layers' weights: gguf (a quantized .gguf's own blocks, its default), fp32 (the "
+                        "default otherwise), or blockwise int8/int4 quantized by octavo (ONNX Runtime MatMulNBits)")
     q.add_argument("--quant-block-size", type=int, default=32, help="values per scale/zero point (power of two >= 16; default: %(default)s)")
     q.add_argument("--accuracy-level", type=int, default=4, choices=range(5), metavar="{0..4}",
                    help="MatMulNBits accuracy_level: 4 (default) computes in int8 on CPU, 0 in float32")
     q.add_argument("--quantize-lm-head", action="store_true", help="quantize the vocabulary projection too")
+    q.add_argument("--residual-rows", type=int, default=None,
+                   help="--weights gguf at accuracy level 4: undo the int8 rounding of the activations in steps of "
+                        "at most this many tokens (0 = off; default: 64)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     manifest = export_model(model_argument(args.src)[0], args.out, progress=not args.no_progress, overwrite=args.force,
                             weights=args.weights, quant_block_size=args.quant_block_size,
-                            accuracy_level=args.accuracy_level, quantize_lm_head=args.quantize_lm_head)
+                            accuracy_level=args.accuracy_level, quantize_lm_head=args.quantize_lm_head,
+                            **({} if args.residual_rows is None else {"residual_rows": args.residual_rows}))
     out = Path(args.out)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(

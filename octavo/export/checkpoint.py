@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
 from octavo.export.rope import complete_yarn
+
+if TYPE_CHECKING:
+    from octavo.export.gguf_blocks import Blocks
 
 # HF `architectures` entry -> manifest architecture name
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -68,19 +71,28 @@ class Checkpoint:
     chat_template: str | None
     source: str
     extra_eos_token_ids: list[int] = field(default_factory=list)  # e.g. from generation_config.json
+    # HF name -> the file's own quantized blocks (GGUF; octavo.export.gguf_blocks), None where it has none
+    get_blocks: Callable[[str], Blocks | None] | None = None
 
     def __post_init__(self) -> None:
         fused = {n for n in self.tensor_names if any(n.endswith("." + suffix) for suffix in FUSED_PROJECTIONS)}
         if fused:
-            self.tensor_names, self.get_tensor = _split_fused(self, fused)
+            self.tensor_names, self.get_tensor, self.get_blocks = _split_fused(self, fused)
 
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.tensor_names:
             raise ModelFormatError(f"{self.source}: tensor {name!r} is missing from the checkpoint")
         return self.get_tensor(name)
 
+    def blocks(self, name: str) -> Blocks | None:
+        """The tensor's quantized blocks as the file stores them, or None (float or unmapped type, HF folder)."""
+        if name not in self.tensor_names:
+            raise ModelFormatError(f"{self.source}: tensor {name!r} is missing from the checkpoint")
+        return None if self.get_blocks is None else self.get_blocks(name)
 
-def _split_fused(checkpoint: Checkpoint, fused: set[str]) -> tuple[frozenset[str], Callable[[str], np.ndarray]]:
+
+def _split_fused(checkpoint: Checkpoint, fused: set[str]) -> tuple[
+        frozenset[str], Callable[[str], np.ndarray], Callable[[str], Blocks | None] | None]:
     """Tensor names and getter with every fused projection (Phi-3's qkv_proj / gate_up_proj) replaced by
     its parts: row slices (views) of the fused tensor. q/k/v rows split as num_attention_heads :
     num_key_value_heads : num_key_value_heads heads (the fused tensor's rows set the head size), gate/up
@@ -133,7 +145,20 @@ def _split_fused(checkpoint: Checkpoint, fused: set[str]) -> tuple[frozenset[str
         start, stop = row_bounds(fused_name, whole.shape[0], index, count)
         return whole[start:stop]
 
-    return frozenset((checkpoint.tensor_names - fused) | parts.keys()), get_tensor
+    read_blocks = checkpoint.get_blocks
+
+    def get_blocks(name: str) -> Blocks | None:
+        if read_blocks is None or name not in parts:
+            return None if read_blocks is None else read_blocks(name)
+        fused_name, index, count = parts[name]
+        whole = read_blocks(fused_name)
+        if whole is None:
+            return None
+        start, stop = row_bounds(fused_name, whole.n, index, count)
+        return whole.rows(slice(start, stop))
+
+    names = frozenset((checkpoint.tensor_names - fused) | parts.keys())
+    return names, get_tensor, (get_blocks if read_blocks is not None else None)
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from octavo.export.checkpoint import Checkpoint, ModelSpec, spec_from_config
 from octavo.export.graph import build_model
 from octavo.export.hf_reader import PICKLE_SUFFIXES, read_hf_folder
 from octavo.export.manifest import MANIFEST_NAME, Manifest
-from octavo.export.quantize import QuantConfig
+from octavo.export.quantize import RESIDUAL_ROWS, QuantConfig
 from octavo.export.weights_file import WeightsFile
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ def _read_gguf(path: Path) -> Checkpoint:
         config=dict(gguf.config),
         tensor_names=frozenset(tensors),
         get_tensor=tensors.__getitem__,
+        get_blocks=tensors.blocks,
         tokenizer_json=gguf.tokenizer_json,
         chat_template=gguf.chat_template,
         source=str(path),
@@ -134,15 +135,22 @@ def _place(tmp: Path, out: Path, overwrite: bool) -> None:
 
 
 def export_model(src: str | Path, out: str | Path, *, progress: bool = True, overwrite: bool = False,
-                 weights: str = "fp32", quant_block_size: int = 32, accuracy_level: int = 4,
-                 quantize_lm_head: bool = False) -> Manifest:
+                 weights: str | None = None, quant_block_size: int = 32, accuracy_level: int = 4,
+                 quantize_lm_head: bool = False, residual_rows: int = RESIDUAL_ROWS) -> Manifest:
     """Export SRC (HF folder or .gguf file) into the folder OUT; returns the written Manifest.
 
-    weights: "fp32" (default), or "int8" / "int4" to store the linear layers blockwise-quantized
-    (quant_block_size values of K per scale; accuracy_level 4 = int8 compute in ONNX Runtime's CPU
-    kernel; quantize_lm_head also quantizes the vocabulary projection). See docs/quantization.md."""
+    weights: None (default: a GGUF with quantized layers runs its own blocks, "gguf"; anything else
+    "fp32"), "fp32", "gguf" (a .gguf's own blocks, exactly: octavo.export.gguf_blocks; lm_head too), or
+    "int8" / "int4" to store the linear layers blockwise-quantized by us (quant_block_size values of K
+    per scale; quantize_lm_head also quantizes the vocabulary projection). accuracy_level 4 = int8
+    compute in ONNX Runtime's CPU kernel; with "gguf", residual_rows > 0 corrects its int8 rounding of
+    the activations in steps of at most that many rows (0 = off). See docs/quantization.md."""
+    from octavo.export.resolve import default_weights
+
     started = time.perf_counter()
-    quant = QuantConfig(weights, quant_block_size, accuracy_level, quantize_lm_head).validate()
+    weights = default_weights(Path(src), weights) or "fp32"
+    lm_head = True if weights == "gguf" else quantize_lm_head
+    quant = QuantConfig(weights, quant_block_size, accuracy_level, lm_head, residual_rows).validate()
     out = Path(out)
     checkpoint = read_checkpoint(src)
     spec = spec_from_config(checkpoint.config, checkpoint.extra_eos_token_ids)

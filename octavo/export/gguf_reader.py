@@ -97,6 +97,20 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     )
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def quantized_linear_types(path: str | Path) -> dict[str, int]:
+    """GGML type -> count of the file's quantized 2-D layer weights (blk.N.*), e.g. {"Q4_1": 210}; empty
+    for a float file. Decides what `weights=None` means for it (octavo.export.resolve.default_weights)."""
+    counts: dict[str, int] = {}
+    for tensor in _open(Path(path)).tensors:
+        kind = tensor.tensor_type.name
+        if str(tensor.name).startswith("blk.") and len(tensor.shape) == 2 and kind not in FLOAT_TYPES:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
 def _refuse_longrope(reader: Any, path: Path) -> None:
     """llama.cpp writes longrope (the 128k Phi-3 / Phi-3.5 models) as rope_factors_long/short tensors."""
     found = [str(t.name) for t in reader.tensors if str(t.name) in LONGROPE_TENSORS]

@@ -21,10 +21,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from octavo.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    from octavo.export.gguf_blocks import Blocks
 
 # GGML types this reader dequantizes (all through gguf.quants.dequantize); each is tested against an
 # independent dequantizer or a quantize round trip in tests/test_gguf.py.
@@ -121,6 +125,24 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         elif self.permuted_qk and ".self_attn.k_proj." in key:
             values = unpermute_qk(values, self.num_kv_heads)
         return values
+
+    def blocks(self, key: str) -> "Blocks | None":
+        """The tensor's own quantized blocks in MatMulNBits' layout (un-permuted like __getitem__), or
+        None when its type has no exact layout there (float types, Q2_K, Q3_K, IQ4_*): gguf_blocks."""
+        from octavo.export.gguf_blocks import parse_blocks
+
+        tensor = self.by_hf_name[key]
+        shape = self.shape(key)
+        if len(shape) != 2:
+            return None
+        try:
+            blocks = parse_blocks(tensor.tensor_type.name, np.asarray(tensor.data), *shape)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            raise ModelFormatError(f"GGUF tensor {self.gguf_names[key]!r}: {exc}") from exc
+        if blocks is not None and self.permuted_qk and (".self_attn.q_proj." in key or ".self_attn.k_proj." in key):
+            heads = self.num_heads if ".q_proj." in key else self.num_kv_heads
+            blocks = blocks.rows(unpermute_qk(np.arange(shape[0]), heads))
+        return blocks
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.by_hf_name)

@@ -31,7 +31,8 @@ from onnx import TensorProto, helper
 
 from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
-from octavo.export.quantize import MS_DOMAIN, QuantConfig, concat, quantize
+from octavo.export.gguf_blocks import Blocks, promote
+from octavo.export.quantize import MS_DOMAIN, BlockQuantized, QuantConfig, concat, quantize
 from octavo.export.rope import attention_factor, attention_scale, inv_freq
 from octavo.export.weights_file import WeightsFile
 
@@ -64,6 +65,7 @@ class _Graph:
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: list[TensorProto] = field(default_factory=list)
     _count: int = 0
+    _shared: set[str] = field(default_factory=set)
 
     def op(self, op_type: str, inputs: list[str], num_outputs: int = 1, domain: str = "", **attrs: object) -> list[str]:
         self._count += 1
@@ -77,6 +79,13 @@ class _Graph:
 
     def const(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(onnx.numpy_helper.from_array(array, name))
+        return name
+
+    def shared_const(self, name: str, array: np.ndarray) -> str:
+        """A constant used by many nodes: added once."""
+        if name not in self._shared:
+            self._shared.add(name)
+            self.const(name, array)
         return name
 
     def weight(self, name: str, parts: list[np.ndarray], dtype: str = "<f4") -> str:
@@ -98,6 +107,20 @@ class _Weights:
             )
         return array
 
+    def blocks(self, parts: list[Part]) -> Blocks | None:
+        """The PARTS' own quantized blocks stacked along N in one layout (gguf_blocks.promote), or None
+        when any part has none (a float or unmapped type: the caller keeps the projection float)."""
+        found = []
+        for name, shape in parts:
+            b = self.checkpoint.blocks(name)
+            if b is None:
+                return None
+            if (b.n, b.k) != shape:
+                raise ModelFormatError(f"{self.checkpoint.source}: tensor {name!r} has shape {(b.n, b.k)}, "
+                                       f"the config implies {shape}")
+            found.append(b)
+        return promote(found)
+
     def bias(self, name: str, size: int) -> np.ndarray | None:
         return self.get(name, (size,)) if name in self.checkpoint.tensor_names else None
 
@@ -109,25 +132,71 @@ def _rms_norm(g: _Graph, x: str, weight: str, eps: str) -> str:
 
 
 Bias = tuple[str, list[np.ndarray]]  # (initializer name, parts stacked along N)
+Part = tuple[str, tuple[int, int]]  # (checkpoint tensor name, its [out, in] shape)
 
 
-def _project(g: _Graph, x: str, name: str, parts: list[np.ndarray], bias: Bias | None,
+def _project(g: _Graph, w: _Weights, x: str, name: str, parts: list[Part], bias: Bias | None,
              quant: QuantConfig | None, output: str | None = None) -> str:
-    """x @ W^T (+ bias), W = PARTS stacked along N ([out, in] each): Gemm(transB) over the float32
-    weight, or MatMulNBits over its blockwise quantization when QUANT is enabled. OUTPUT names the
-    result (default: a fresh name)."""
-    if quant is None or not quant.enabled:
-        inputs = [x, g.weight(name, parts)] + ([g.weight(*bias)] if bias else [])
-        attrs: dict[str, object] = {"transB": 1}
-        op_type, domain = "Gemm", ""
-    else:
-        q = concat([quantize(p, quant.bits or 0, quant.block_size) for p in parts])
-        inputs = [x, g.weight(name + ".qweight", [q.packed], "u1"), g.weight(name + ".scales", [q.scales]),
-                  g.weight(name + ".zero_points", [q.zero_points], "u1")]
-        inputs += ["", g.weight(*bias)] if bias else []  # input 4 (g_idx) unused; 5 is the bias
-        attrs = {"K": q.k, "N": q.n, "bits": q.bits, "block_size": q.block_size,
-                 "accuracy_level": quant.accuracy_level}
-        op_type, domain = "MatMulNBits", MS_DOMAIN
+    """x @ W^T (+ bias), W = the PARTS stacked along N: Gemm(transB) over the float32 weight; with an
+    int8/int4 QUANT, MatMulNBits over our blockwise quantization of it; with the "gguf" QUANT,
+    MatMulNBits over the file's own blocks (exact; a float Gemm where a part's type has no exact
+    layout). OUTPUT names the result (default: a fresh name)."""
+    blocks = w.blocks(parts) if quant is not None and quant.native else None
+    if blocks is not None:
+        return _project_blocks(g, x, name, blocks, bias, quant, output)
+    floats = [w.get(part, shape) for part, shape in parts]
+    if quant is None or not quant.enabled or quant.native:
+        inputs = [x, g.weight(name, floats)] + ([g.weight(*bias)] if bias else [])
+        return _emit(g, "Gemm", inputs, output, transB=1)
+    q = concat([quantize(p, quant.bits or 0, quant.block_size) for p in floats])
+    return _matmulnbits(g, x, name, q, bias, quant.accuracy_level, output)
+
+
+def _matmulnbits(g: _Graph, x: str, name: str, q: BlockQuantized, bias: Bias | None, accuracy_level: int,
+                 output: str | None) -> str:
+    inputs = [x, g.weight(name + ".qweight", [q.packed], "u1"), g.weight(name + ".scales", [q.scales]),
+              g.weight(name + ".zero_points", [q.zero_points], "u1")]
+    inputs += ["", g.weight(*bias)] if bias else []  # input 4 (g_idx) unused; 5 is the bias
+    return _emit(g, "MatMulNBits", inputs, output, domain=MS_DOMAIN, K=q.k, N=q.n, bits=q.bits,
+                 block_size=q.block_size, accuracy_level=accuracy_level)
+
+
+def _project_blocks(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | None, quant: QuantConfig,
+                    output: str | None) -> str:
+    """MatMulNBits over the file's (codes - zero) * scale; a type with per-block mins (Q4_1, Q5_1,
+    K-quants) adds sum_b blocksum(x)[b] * min[n, b] ([T, K/bs] block sums @ mins^T [K/bs, N]). With
+    accuracy_level 4 and quant.residual_rows, x's int8 rounding is undone by octavo.Int8Residual /
+    FoldRows (plugins/onnxruntime/int8_residual_op.cc): the weights are read once for x and its residual."""
+    q = blocks.matmulnbits()
+    if not quant.residual:
+        if blocks.mins is None:
+            return _matmulnbits(g, x, name, q, bias, quant.accuracy_level, output)
+        return _emit(g, "Add", [_matmulnbits(g, x, name, q, bias, quant.accuracy_level, None),
+                                _mins_term(g, name, blocks, _block_sums(g, x, q))], output)
+    outs = g.op("Int8Residual", [x], num_outputs=2 if blocks.mins is not None else 1, domain=OP_DOMAIN,
+                block_size=q.block_size, max_rows=quant.residual_rows)
+    x2, sums = outs[0], outs[-1]
+    y2 = _matmulnbits(g, x2, name, q, None, quant.accuracy_level, None)
+    fold = [y2, x] + ([_mins_term(g, name, blocks, sums)] if blocks.mins is not None else [])
+    if bias is None:
+        return _emit(g, "FoldRows", fold, output, domain=OP_DOMAIN)
+    return _emit(g, "Add", [g.op1("FoldRows", fold, domain=OP_DOMAIN), g.weight(*bias)], output)
+
+
+def _block_sums(g: _Graph, x: str, q: BlockQuantized) -> str:
+    """x [T, K] summed over each block of K: [T, K / block_size]."""
+    shape = g.shared_const(f"const.blocks_{q.n_blocks}x{q.block_size}", np.array([-1, q.n_blocks, q.block_size], np.int64))
+    return g.op1("ReduceSum", [g.op1("Reshape", [x, shape]), g.shared_const("const.axis2", np.array([2], np.int64))],
+                 keepdims=0)
+
+
+def _mins_term(g: _Graph, name: str, blocks: Blocks, sums: str) -> str:
+    assert blocks.mins is not None
+    return g.op1("MatMul", [sums, g.weight(name + ".mins", [np.ascontiguousarray(blocks.mins.T)])])
+
+
+def _emit(g: _Graph, op_type: str, inputs: list[str], output: str | None, domain: str = "", **attrs: object) -> str:
+    """One node; its output named OUTPUT, or a fresh name when None."""
     if output is None:
         return g.op1(op_type, inputs, domain=domain, **attrs)
     g.nodes.append(helper.make_node(op_type, inputs, [output], name=output, domain=domain, **attrs))
@@ -231,17 +300,14 @@ def build_model(
         a = p + "self_attn."
         h = _rms_norm(g, x, norm_weight(p + "input_layernorm.weight", H), eps)
 
-        qkv_w = [
-            w.get(a + "q_proj.weight", (nq * D, H)),
-            w.get(a + "k_proj.weight", (nkv * D, H)),
-            w.get(a + "v_proj.weight", (nkv * D, H)),
-        ]
+        qkv_w: list[Part] = [(a + "q_proj.weight", (nq * D, H)), (a + "k_proj.weight", (nkv * D, H)),
+                             (a + "v_proj.weight", (nkv * D, H))]
         biases = [w.bias(a + f"{n}_proj.bias", size) for n, size in (("q", nq * D), ("k", nkv * D), ("v", nkv * D))]
         qkv_b: Bias | None = None
         if any(b is not None for b in biases):
             sizes = (nq * D, nkv * D, nkv * D)
             qkv_b = (a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
-        qkv = _project(g, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant)
+        qkv = _project(g, w, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant)
         q, k, v = g.op("Split", [qkv, split_qkv], num_outputs=3, axis=1)
         if spec.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim of every q and k head, before RoPE
             q = _head_rms_norm(g, q, nq, norm_weight(a + "q_norm.weight", D), eps)
@@ -259,7 +325,7 @@ def build_model(
             sliding_window=spec.sliding_windows[layer], softcap=spec.attn_softcap,
         )[0]
         o_b = w.bias(a + "o_proj.bias", H)
-        o = _project(g, attn, a + "o_proj.weight", [w.get(a + "o_proj.weight", (H, nq * D))],
+        o = _project(g, w, attn, a + "o_proj.weight", [(a + "o_proj.weight", (H, nq * D))],
                      (a + "o_proj.bias", [o_b]) if o_b is not None else None, quant)
         if spec.sandwich_norms:  # Gemma: the attention output is normalized before the residual add
             o = _rms_norm(g, o, norm_weight(p + "post_attention_layernorm.weight", H), eps)
@@ -268,17 +334,17 @@ def build_model(
         m = p + "mlp."
         pre_mlp = "pre_feedforward_layernorm.weight" if spec.sandwich_norms else "post_attention_layernorm.weight"
         h = _rms_norm(g, x, norm_weight(p + pre_mlp, H), eps)
-        gu_w = [w.get(m + "gate_proj.weight", (I, H)), w.get(m + "up_proj.weight", (I, H))]
+        gu_w: list[Part] = [(m + "gate_proj.weight", (I, H)), (m + "up_proj.weight", (I, H))]
         gb, ub = w.bias(m + "gate_proj.bias", I), w.bias(m + "up_proj.bias", I)
         gu_b: Bias | None = None
         if gb is not None or ub is not None:
             gu_b = (m + "gate_up_proj.bias", [b if b is not None else np.zeros(I, np.float32) for b in (gb, ub)])
-        gate_up = _project(g, h, m + "gate_up_proj.weight", gu_w, gu_b, quant)
+        gate_up = _project(g, w, h, m + "gate_up_proj.weight", gu_w, gu_b, quant)
         gate, up = g.op("Split", [gate_up, split_mlp], num_outputs=2, axis=1)
         activated = _gelu_tanh(g, gate) if spec.hidden_act == "gelu_pytorch_tanh" else g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
         act = g.op1("Mul", [activated, up])
         d_b = w.bias(m + "down_proj.bias", H)
-        down = _project(g, act, m + "down_proj.weight", [w.get(m + "down_proj.weight", (H, I))],
+        down = _project(g, w, act, m + "down_proj.weight", [(m + "down_proj.weight", (H, I))],
                         (m + "down_proj.bias", [d_b]) if d_b is not None else None, quant)
         if spec.sandwich_norms:
             down = _rms_norm(g, down, norm_weight(p + "post_feedforward_layernorm.weight", H), eps)
@@ -289,9 +355,12 @@ def build_model(
     normed = _rms_norm(g, rows, norm_weight("model.norm.weight", H), eps)
     head_out = "logits.uncapped" if spec.final_softcap else "logits"
     tied = spec.tie_word_embeddings or "lm_head.weight" not in checkpoint.tensor_names
-    if quant is not None and quant.enabled and quant.lm_head:  # a quantized copy; the Gather keeps the float one
-        head_w = embed_w if tied else w.get("lm_head.weight", (V, H))
-        _project(g, normed, "lm_head.weight", [head_w], None, quant, output=head_out)
+    head_part: Part = ("model.embed_tokens.weight" if tied else "lm_head.weight", (V, H))
+    head_blocks = w.blocks([head_part]) if quant is not None and quant.native else None
+    if head_blocks is not None:  # the file's own lm_head blocks (a tied model: its embedding's)
+        _project_blocks(g, normed, "lm_head.weight", head_blocks, None, quant, head_out)
+    elif quant is not None and quant.enabled and not quant.native and quant.lm_head:  # the Gather keeps the float one
+        _project(g, w, normed, "lm_head.weight", [head_part], None, quant, output=head_out)
     else:
         head = embed if tied else g.weight("lm_head.weight", [w.get("lm_head.weight", (V, H))])
         g.nodes.append(helper.make_node("Gemm", [normed, head], [head_out], name="lm_head", transB=1))

@@ -12,7 +12,7 @@ from octavo.export.paths import inside
 MAGIC = "octavo-model"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "octavo.json"
-WEIGHT_FORMATS = ("fp32", "int8", "int4")  # Manifest.weights (octavo.export.quantize)
+WEIGHT_FORMATS = ("fp32", "int8", "int4", "gguf")  # Manifest.weights (octavo.export.quantize)
 KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per K/V element, by pool dtype
 
 
@@ -40,7 +40,7 @@ class Manifest:
     tokenizer_file: str = "tokenizer.json"
     chat_template_file: str | None = "chat_template.jinja"
     source: str = ""  # where it was exported from (informational)
-    weights: str = "fp32"  # linear layers' weights: "fp32" | "int8" | "int4" (MatMulNBits; octavo.export.quantize)
+    weights: str = "fp32"  # linear layers' weights: "fp32" | "int8" | "int4" | "gguf" (MatMulNBits; export.quantize)
     quantization: dict[str, Any] | None = None  # bits, block_size, accuracy_level, lm_head (None for fp32)
     magic: str = MAGIC
     format_version: int = FORMAT_VERSION

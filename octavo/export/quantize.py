@@ -21,11 +21,14 @@ import numpy as np
 from octavo.errors import InvalidRequestError
 
 MS_DOMAIN = "com.microsoft"
-WEIGHT_FORMATS: dict[str, int | None] = {"fp32": None, "int8": 8, "int4": 4}
+# "gguf": a GGUF file's own quantized blocks, re-laid exactly (octavo.export.gguf_blocks); no bits of its own
+WEIGHT_FORMATS: dict[str, int | None] = {"fp32": None, "int8": 8, "int4": 4, "gguf": None}
+GGUF_NATIVE = "gguf"
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 compute (MatMulNBits)
 # range shrink factors tried per block (least squared error wins): clipping helps 4 bits (weight
 # RMSE -13% on SmolLM2's layers), not 8 bits (<1%, so only the full range is tried there)
 CLIP_RATIOS: dict[int, tuple[float, ...]] = {4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), 8: (1.0,)}
+RESIDUAL_ROWS = 64  # see QuantConfig.residual_rows
 _ROWS_PER_CHUNK = 4096  # rows quantized at once: bounds the float temporaries of a large matrix
 
 
@@ -37,6 +40,9 @@ class QuantConfig:
     block_size: int = 32  # values of K per scale / zero point: a power of two >= 16
     accuracy_level: int = 4  # MatMulNBits' accuracy_level: 4 lets the CPU kernel compute in int8
     lm_head: bool = False  # quantize the vocabulary projection too (the embedding Gather stays float)
+    # "gguf" with accuracy_level 4: undo the kernel's int8 rounding of the activations (octavo.Int8Residual)
+    # in steps of at most this many rows; larger steps (long prefill chunks) keep the plain int8 path. 0 = off
+    residual_rows: int = RESIDUAL_ROWS
 
     @property
     def bits(self) -> int | None:
@@ -44,13 +50,26 @@ class QuantConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.bits is not None
+        """Any MatMulNBits in the graph (int8, int4 or the GGUF's own blocks)."""
+        return self.weights in WEIGHT_FORMATS and self.weights != "fp32"
+
+    @property
+    def residual(self) -> bool:
+        """Activations corrected for int8 rounding (the GGUF path at accuracy_level 4)."""
+        return self.native and self.accuracy_level == 4 and self.residual_rows > 0
+
+    @property
+    def native(self) -> bool:
+        """The GGUF's own blocks (block size and lm_head follow the file, not this config)."""
+        return self.weights == GGUF_NATIVE
 
     def validate(self) -> "QuantConfig":
         if self.weights not in WEIGHT_FORMATS:
             raise InvalidRequestError(f"weights must be one of {sorted(WEIGHT_FORMATS)}, got {self.weights!r}")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"quant block size must be a power of two >= 16, got {self.block_size}")
+        if self.residual_rows < 0:
+            raise InvalidRequestError(f"residual rows must be >= 0 (0 = off), got {self.residual_rows}")
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise InvalidRequestError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
         return self
@@ -59,6 +78,9 @@ class QuantConfig:
         """The manifest's `quantization` entry (None for fp32)."""
         if not self.enabled:
             return None
+        if self.native:
+            return {"method": "MatMulNBits", "source": "gguf", "accuracy_level": self.accuracy_level,
+                    "lm_head": self.lm_head, "activation_residual_rows": self.residual_rows if self.residual else 0}
         return {"method": "MatMulNBits", "bits": self.bits, "block_size": self.block_size,
                 "accuracy_level": self.accuracy_level, "symmetric": False, "lm_head": self.lm_head}
 
@@ -66,6 +88,8 @@ class QuantConfig:
         """Part of a cache folder's name: '' for fp32, e.g. 'int4-b32-a4' (+ '-head') otherwise."""
         if not self.enabled:
             return ""
+        if self.native:
+            return f"gguf-a{self.accuracy_level}" + (f"-r{self.residual_rows}" if self.residual else "")
         return f"{self.weights}-b{self.block_size}-a{self.accuracy_level}" + ("-head" if self.lm_head else "")
 
 

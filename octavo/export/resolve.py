@@ -6,7 +6,8 @@ folder or a .gguf file is exported once into the cache, `$OCTAVO_CACHE` (default
 The fingerprint hashes the octavo format version and the source files' names, sizes and contents
 (files over 64 MiB: their first and last 16 MiB), so an edited checkpoint gets a fresh export without
 rereading gigabytes on every start. A file lock keeps two processes from exporting the same model at once.
-`weights="int8"|"int4"` exports the quantized variant into its own folder,
+A quantized GGUF runs on its own blocks by default (`weights="gguf"`, cache folder `<name>-gguf-a4-...`;
+`weights="fp32"` dequantizes it as before). `weights="int8"|"int4"` exports the quantized variant into its own folder,
 `<name>-<format>-b<block>-a<accuracy>[-head]-<fingerprint>` (QuantConfig.cache_tag: the format, quant
 block size and lm_head choice are part of the name and of the fingerprint); for an export folder what
 the caller names must match the folder's manifest.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from octavo.errors import InvalidRequestError, ModelFormatError
 from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
-from octavo.export.quantize import QuantConfig
+from octavo.export.quantize import GGUF_NATIVE, QuantConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,24 @@ def _quant_config(weights: str | None, quant_block_size: int | None, quantize_lm
         raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
                                   f"weights='int8' or 'int4' with them (got weights={weights!r})")
     block_size = QuantConfig().block_size if quant_block_size is None else quant_block_size
+    if weights == GGUF_NATIVE:  # block sizes and lm_head are the file's
+        return QuantConfig(GGUF_NATIVE, block_size, lm_head=True).validate()
     return QuantConfig(weights or "fp32", block_size, lm_head=quantize_lm_head).validate()
+
+
+def default_weights(source: Path, weights: str | None) -> str | None:
+    """What WEIGHTS=None means for SOURCE: a GGUF whose linear layers are quantized runs on its own
+    blocks ("gguf"); anything else keeps float32. An explicit choice is kept, and "gguf" is refused
+    for a source that is not a .gguf file."""
+    is_gguf = source.is_file() and source.suffix.lower() == ".gguf"
+    if weights == GGUF_NATIVE and not is_gguf:
+        raise InvalidRequestError(f"weights='gguf' runs a GGUF file's own quantized blocks; {source} is not a "
+                                  ".gguf file (use 'fp32', 'int8' or 'int4')")
+    if weights is not None or not is_gguf:
+        return weights
+    from octavo.export.gguf_reader import quantized_linear_types
+
+    return GGUF_NATIVE if quantized_linear_types(source) else None
 
 
 def _check_export_matches(source: Path, manifest: Manifest, weights: str | None, quant_block_size: int | None,
@@ -97,13 +115,16 @@ def resolve_model(path: str | Path, *, progress: bool = True, weights: str | Non
                   quant_block_size: int | None = None, quantize_lm_head: bool = False) -> Path:
     """An octavo export folder for PATH (an export folder, an HF folder or a .gguf file).
 
-    weights: None or "fp32" (float weights), "int8" / "int4" (quantized export, docs/quantization.md);
+    weights: None (a quantized GGUF: its own blocks, "gguf"; anything else: float32), "fp32", "int8" /
+    "int4" (our quantization, docs/quantization.md) or "gguf" (a .gguf file's own blocks, exact);
     quant_block_size (None = 32) and quantize_lm_head only with int8/int4. For an export folder None
     accepts any format; whatever is named must match its manifest."""
     from octavo.demo.model import default_model_path, is_embedded_name
 
     source = default_model_path() if is_embedded_name(path) else Path(path).expanduser()
     quant = _quant_config(weights, quant_block_size, quantize_lm_head)
+    if source.exists():
+        quant = _quant_config(default_weights(source, weights), quant_block_size, quantize_lm_head)
     if _is_export_folder(source) and not (source / "config.json").is_file():
         manifest = Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
         _check_export_matches(source, manifest, weights, quant_block_size, quantize_lm_head)

@@ -25,7 +25,9 @@ class EngineArgs:
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt"
     seed: int = 0  # default seed for requests without one
     trace_path: str | None = None  # write one JSON line per step here
-    weights: str | None = None  # "fp32" | "int8" | "int4": format when exporting HF/GGUF (None = fp32); must match an export folder
+    # "fp32" | "int8" | "int4" | "gguf": format when exporting HF/GGUF (None: a quantized GGUF's own blocks, else
+    # fp32); must match an export folder
+    weights: str | None = None
     quant_block_size: int | None = None  # int8/int4 only: values per scale, a power of two >= 16 (None = the exporter's 32)
     quantize_lm_head: bool = False  # int8/int4 only: quantize the vocabulary projection too (docs/quantization.md)
     kv_cache_dtype: str = "auto"  # "auto" (the manifest's dtype: float32 on onnxruntime) | "float16" (half the KV memory)
@@ -42,8 +44,8 @@ class EngineArgs:
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise InvalidRequestError(f"long_prefill_token_threshold must be an integer >= 0 (0 = off), got "
                                       f"{self.long_prefill_token_threshold!r}")
-        if self.weights not in (None, "fp32", "int8", "int4"):
-            raise InvalidRequestError(f"weights must be 'fp32', 'int8' or 'int4', got {self.weights!r}")
+        if self.weights not in (None, "fp32", "int8", "int4", "gguf"):
+            raise InvalidRequestError(f"weights must be 'fp32', 'int8', 'int4' or 'gguf', got {self.weights!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.quant_block_size is not None and (self.quant_block_size < 16
                                                   or self.quant_block_size & (self.quant_block_size - 1)):
@@ -53,6 +55,6 @@ class EngineArgs:
                                       f"weights='int8' or 'int4' with them (got weights={self.weights!r})")
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
-        if self.backend == "tensorrt" and self.weights in ("int8", "int4"):
+        if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):
             raise InvalidRequestError(f"weights={self.weights!r} runs on the onnxruntime backend only (its MatMulNBits "
                                       "op has no TensorRT plugin here); use weights='fp32' with tensorrt")

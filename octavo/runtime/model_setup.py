@@ -33,7 +33,10 @@ class LoadedModel:
 def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     """Resolve args.model to an export, check the engine arguments against it and make the backend
     (or check the one given: tests and fault injection pass their own)."""
-    model_dir = resolve_model_dir(args.model, args.weights, args.quant_block_size, args.quantize_lm_head)
+    weights = args.weights
+    if weights is None and args.backend == "tensorrt" and not (Path(args.model) / MANIFEST_NAME).is_file():
+        weights = "fp32"  # TensorRT runs float weights only: a quantized GGUF is dequantized for it
+    model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head)
     manifest = Manifest.load(model_dir)
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
         raise InvalidRequestError(f"{model_dir} holds {manifest.weights} weights, which run on the "

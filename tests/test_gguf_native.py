@@ -1,0 +1,201 @@
+"""A quantized GGUF run on its own blocks (weights="gguf", the default for such a file): octavo.export.gguf_blocks.
+
+References: `gguf.quants.dequantize` (the gguf package's own decoder) for every block layout, value for value,
+and transformers with every weight replaced by that dequantization for the exported graph's logits. The
+exactness of the path is checked at accuracy_level 0 (float32 compute in MatMulNBits); the default
+accuracy_level 4 computes with int8 activations per block, as llama.cpp's own kernels do, and is checked
+for agreement instead.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from engine_helpers import prefill_logits
+from models import load_hf
+
+from octavo.errors import InvalidRequestError
+from octavo.export import export_model
+from octavo.export.gguf_blocks import NATIVE_TYPES, Blocks, parse_blocks, promote
+from octavo.export.gguf_writer import write_gguf
+
+ATOL = 1e-4
+
+
+def _raw_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """A [n, bytes] GGUF tensor of TYPE_NAME: quantized by gguf.quants where it can, else random bytes
+    (every byte pattern is a valid K-quant block) with finite fp16 super-block scales."""
+    import gguf
+    from gguf import quants
+
+    rng = np.random.default_rng(seed)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    per_block, size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, (n * k // per_block, size), dtype=np.uint8)
+        scale = rng.uniform(1e-3, 5e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+        where = [208] if type_name == "Q6_K" else [0, 2]  # d (and dmin) of the super-block
+        for i, at in enumerate(where):
+            raw[:, at:at + 2] = scale[:, 2 * i:2 * i + 2]
+        return raw.reshape(n, -1)
+
+
+def _reference(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    import gguf
+    from gguf import quants
+
+    return np.asarray(quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)), np.float32).reshape(n, k)
+
+
+@pytest.mark.parametrize("type_name", NATIVE_TYPES)
+def test_blocks_equal_gguf_dequantize(type_name: str) -> None:
+    n, k = 7, 512
+    raw = _raw_blocks(type_name, n, k)
+    blocks = parse_blocks(type_name, raw, n, k)
+    assert blocks is not None and blocks.bits in (4, 8) and int(blocks.codes.max()) < 2 ** blocks.bits
+    np.testing.assert_array_equal(blocks.dequantize(), _reference(type_name, raw, n, k))
+    # MatMulNBits' packed layout holds the same codes
+    q = blocks.matmulnbits()
+    assert q.packed.shape == (n, k // blocks.block_size, blocks.block_size * blocks.bits // 8)
+    perm = np.random.default_rng(1).permutation(n)  # rows are independent (the q/k un-permutation relies on it)
+    np.testing.assert_array_equal(blocks.rows(perm).dequantize(), _reference(type_name, raw, n, k)[perm])
+
+
+@pytest.mark.parametrize("type_name", ["F16", "Q2_K", "Q3_K", "IQ4_NL"])
+def test_types_without_an_exact_layout_are_left_float(type_name: str) -> None:
+    assert parse_blocks(type_name, np.zeros((2, 64), np.uint8), 2, 256) is None
+
+
+def test_parse_refuses_a_tensor_of_the_wrong_size() -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        parse_blocks("Q4_0", np.zeros((3, 17), np.uint8), 3, 64)
+
+
+def test_promote_mixed_types_is_exact() -> None:
+    """Q4_K_M stores some projections in Q6_K: a fused q/k/v of Q4_K + Q6_K + Q8_0 parts in one layout."""
+    k = 256
+    parts: list[Blocks] = []
+    refs = []
+    for i, (type_name, rows) in enumerate((("Q4_K", 4), ("Q6_K", 3), ("Q8_0", 2), ("Q4_0", 1))):
+        raw = _raw_blocks(type_name, rows, k, seed=i)
+        parts.append(parse_blocks(type_name, raw, rows, k))  # type: ignore[arg-type]
+        refs.append(_reference(type_name, raw, rows, k))
+    merged = promote(parts)
+    assert (merged.bits, merged.block_size, merged.n) == (8, 16, 10)
+    assert merged.types == ("Q4_K", "Q6_K", "Q8_0", "Q4_0")
+    np.testing.assert_array_equal(merged.dequantize(), np.concatenate(refs))
+
+
+def _with_gguf_weights(src: Path, path: Path):  # noqa: ANN202
+    """transformers' model of SRC with every weight replaced by gguf's dequantization of the file's tensor."""
+    import torch
+
+    from octavo.export.gguf_reader import read_gguf
+
+    model = load_hf(src)[0]
+    tensors = read_gguf(path).tensors
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in tensors else name
+            param.copy_(torch.from_numpy(np.asarray(tensors[key])))
+    return model
+
+
+def _nodes(folder: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_0"), ("llama", "Q4_1"), ("qwen2", "Q8_0"), ("tied", "Q4_1")])
+def test_native_export_equals_transformers_on_the_dequantized_weights(hf_model_dir, tmp_path: Path, arch: str,
+                                                                       qtype: str) -> None:  # noqa: ANN001
+    """The default for a quantized GGUF is its own blocks; at accuracy_level 0 the graph's logits are
+    transformers' on the file's dequantized weights (the values are the file's; nothing is re-rounded)."""
+    import torch
+    from test_gguf import _with_random_biases
+
+    src = hf_model_dir(arch)
+    if arch == "qwen2":
+        src = _with_random_biases(src, tmp_path / "biased")
+    path = write_gguf(src, tmp_path / f"{arch}.{qtype}.gguf", tensor_type=qtype)
+    manifest = export_model(path, tmp_path / "out", progress=False, accuracy_level=0)
+    assert manifest.weights == "gguf"
+    assert manifest.quantization == {"method": "MatMulNBits", "source": "gguf", "accuracy_level": 0, "lm_head": True,
+                                     "activation_residual_rows": 0}
+    nodes = _nodes(tmp_path / "out")
+    assert nodes["MatMulNBits"] == 4 * manifest.num_layers + 1 and "Gemm" not in nodes  # lm_head too
+    with_mins = qtype == "Q4_1"  # Q4_1's per-block min: one block-sum MatMul per projection
+    assert nodes.get("MatMul", 0) == (4 * manifest.num_layers + 1 if with_mins else 0)
+    ids = np.random.default_rng(3).integers(0, manifest.vocab_size, 40).tolist()
+    with torch.no_grad():
+        want = _with_gguf_weights(src, path)(torch.tensor([ids])).logits[0].numpy()
+    # Q4_1's w = d*q + m is summed as (x . d*q) + (block sums . m): another float summation order, which
+    # these deliberately chaotic test models amplify to ~1e-4 on logits of ~10 (1 element in 15,360)
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=2 * ATOL if with_mins else ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_default_int8_activations_with_the_residual_match_the_exact_path(hf_model_dir, tmp_path: Path,
+                                                                        qtype: str) -> None:  # noqa: ANN001
+    """accuracy_level 4 (the default) rounds activations to int8 per block, as llama.cpp does; the default
+    also multiplies what that rounding loses (octavo.Int8Residual / FoldRows), which brings the logits
+    back to the exact path's: far closer than plain int8 (residual_rows=0), and every argmax equal."""
+    from octavo.export.quantize import RESIDUAL_ROWS
+
+    path = write_gguf(hf_model_dir("llama"), tmp_path / f"m.{qtype}.gguf", tensor_type=qtype)
+    export_model(path, tmp_path / "exact", progress=False, accuracy_level=0)
+    default = export_model(path, tmp_path / "default", progress=False)
+    export_model(path, tmp_path / "int8", progress=False, residual_rows=0)
+    assert default.quantization["accuracy_level"] == 4  # type: ignore[index]
+    assert default.quantization["activation_residual_rows"] == RESIDUAL_ROWS  # type: ignore[index]
+    nodes = _nodes(tmp_path / "default")
+    assert nodes["Int8Residual"] == nodes["FoldRows"] == nodes["MatMulNBits"] == 4 * default.num_layers + 1
+    assert "Int8Residual" not in _nodes(tmp_path / "int8")
+    ids = np.random.default_rng(5).integers(0, 300, 48).tolist()
+    exact = prefill_logits(tmp_path / "exact", ids)
+    got = prefill_logits(tmp_path / "default", ids)
+    plain = prefill_logits(tmp_path / "int8", ids)
+    err, plain_err = np.abs(got - exact).max(), np.abs(plain - exact).max()
+    assert err < plain_err / 20, (err, plain_err)  # measured ~100-300x closer
+    # measured: Q8_0 2.2e-2 vs 7.1e-1, Q4_1 3.5e-2 vs 4.0 (logits up to ~13; these models amplify any error)
+    assert (got.argmax(-1) == exact.argmax(-1)).all()
+    if qtype != "Q8_0":  # Q4_1's block sums come from Int8Residual in one graph and ReduceSum in the other: a
+        return           # last-bit difference that can move an int8 rounding downstream, so no equality there
+    # a step longer than the residual's row limit runs plain int8 rows (and FoldRows passes them through)
+    long_ids = np.random.default_rng(6).integers(0, 300, RESIDUAL_ROWS + 8).tolist()
+    np.testing.assert_allclose(prefill_logits(tmp_path / "default", long_ids),
+                               prefill_logits(tmp_path / "int8", long_ids), atol=1e-5, rtol=0)
+
+
+def test_fp32_and_float_files_keep_float_weights(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    q4 = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_0.gguf", tensor_type="Q4_0")
+    assert export_model(q4, tmp_path / "fp32", progress=False, weights="fp32").weights == "fp32"
+    assert "MatMulNBits" not in _nodes(tmp_path / "fp32")
+    f16 = write_gguf(hf_model_dir("llama"), tmp_path / "m.F16.gguf", tensor_type="F16")
+    assert export_model(f16, tmp_path / "f16", progress=False).weights == "fp32"  # nothing quantized to keep
+    with pytest.raises(InvalidRequestError, match="not a .gguf"):
+        export_model(hf_model_dir("llama"), tmp_path / "hf", progress=False, weights="gguf")
+
+
+def test_llm_defaults_to_the_files_blocks_and_caches_apart(hf_model_dir, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.model_setup import resolve_model_dir
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_1.gguf", tensor_type="Q4_1")
+    native = resolve_model_dir(path)
+    assert "-gguf-a4-" in native.name and Manifest.load(native).weights == "gguf"
+    assert resolve_model_dir(path, "gguf") == native
+    fp32 = resolve_model_dir(path, "fp32")
+    assert fp32 != native and Manifest.load(fp32).weights == "fp32"
+    with pytest.raises(InvalidRequestError, match="weights='gguf'"):
+        from octavo.runtime.engine_args import EngineArgs
+
+        EngineArgs(model=str(path), weights="gguf", backend="tensorrt").validate()
