@@ -21,11 +21,22 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def smol_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
+    """The default export: the file's own Q4_1 / Q8_0 blocks (weights="gguf")."""
     from octavo.export import export_model
 
     out = tmp_path_factory.mktemp("smol_gguf") / "model"
     manifest = export_model(SMOL, out, progress=False)
+    assert manifest.weights == "gguf"
     return out, manifest
+
+
+@pytest.fixture(scope="module")
+def smol_fp32_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
+    """weights="fp32": every tensor dequantized to float32 (Gemm)."""
+    from octavo.export import export_model
+
+    out = tmp_path_factory.mktemp("smol_fp32") / "model"
+    return out, export_model(SMOL, out, progress=False, weights="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +80,18 @@ def _prefill(ids: list[int], block_size: int, num_blocks: int) -> StepInputs:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, hf_gguf_model) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("weights", ["fp32", "gguf"])
+def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, smol_fp32_export, hf_gguf_model,
+                                                          weights: str) -> None:  # noqa: ANN001
+    """fp32: transformers' logits to 5e-4 and its greedy tokens. gguf (the default: the file's blocks, int8
+    activations with their rounding residual): within 0.15 on logits of ~25 (measured 0.055) and the same
+    argmax wherever transformers' own top-2 margin exceeds that error."""
     import torch
 
     from octavo import LLM, SamplingParams
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    out, manifest = smol_export
+    out, manifest = smol_fp32_export if weights == "fp32" else smol_export
     model, tokenizer = hf_gguf_model
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt)["input_ids"]
@@ -87,6 +103,12 @@ def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, hf_gguf_
     finally:
         backend.close()
     assert got.shape == want.shape
+    if weights == "gguf":
+        assert np.abs(got - want).max() < 0.15
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 0.3
+        assert clear.sum() >= len(ids) // 2 and (got.argmax(-1) == want.argmax(-1))[clear].all()
+        return
     np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)  # measured max |diff| ~1e-4 over 37 tokens
     assert (got.argmax(-1) == want.argmax(-1)).all()
 

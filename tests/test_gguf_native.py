@@ -71,6 +71,18 @@ def test_types_without_an_exact_layout_are_left_float(type_name: str) -> None:
     assert parse_blocks(type_name, np.zeros((2, 64), np.uint8), 2, 256) is None
 
 
+def test_header_type_ids_name_the_gguf_types() -> None:
+    """quantized_linear_types reads type ids from the header without importing gguf: its table must agree."""
+    import gguf
+
+    from octavo.export.gguf_reader import FLOAT_TYPE_IDS, GGML_TYPE_NAMES, quantized_linear_types
+    from test_gguf import SMOL
+
+    assert all(gguf.GGMLQuantizationType(i).name == name for i, name in GGML_TYPE_NAMES.items())
+    assert {gguf.GGMLQuantizationType(i).name for i in FLOAT_TYPE_IDS} == {"F32", "F16", "BF16"}
+    assert quantized_linear_types(SMOL) == {"Q4_1": 210}  # SmolLM2's 30 layers x 7 projections
+
+
 def test_parse_refuses_a_tensor_of_the_wrong_size() -> None:
     with pytest.raises(ValueError, match="bytes"):
         parse_blocks("Q4_0", np.zeros((3, 17), np.uint8), 3, 64)

@@ -250,7 +250,9 @@ def test_gguf_partial_rotary_is_refused(hf_model_dir, tmp_path: Path) -> None:  
         write_gguf(src, tmp_path / "partial.gguf")
 
 
-def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("weights", ["fp32", "gguf"])
+def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir, tmp_path: Path,
+                                                                 weights: str) -> None:  # noqa: ANN001
     """A Q8_0 phi3 GGUF (the fused attn_qkv / ffn_up quantized as one tensor each) exported == transformers'
     Phi3 with every weight replaced by gguf's own dequantization of the file's tensors (transformers then
     slices the fused ones itself)."""
@@ -267,7 +269,10 @@ def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir,
             tensor = raw[_gguf_name(name)]
             values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
             param.copy_(torch.from_numpy(np.array(values, np.float32).reshape(param.shape)))
-    manifest = export_model(path, tmp_path / "out", progress=False)
+    # fp32: dequantized to float32 Gemms; gguf (the default): the file's Q8_0 blocks as MatMulNBits (fused
+    # qkv / gate_up split and re-stacked), float32 compute (accuracy_level 0) for the exactness check
+    manifest = export_model(path, tmp_path / "out", progress=False, weights=weights, accuracy_level=0)
+    assert manifest.weights == weights
     ids = _prompt(manifest.vocab_size)
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()

@@ -103,17 +103,18 @@ class _Walk:
             raise self.fail(f"{what} has the unknown value type {vtype}")
 
 
-def check_header(path: Path) -> None:
-    """Raise ModelFormatError unless every count and length in PATH's GGUF header fits in the file."""
+def check_header(path: Path) -> list[tuple[str, int, int]]:
+    """Raise ModelFormatError unless every count and length in PATH's GGUF header fits in the file; returns
+    each tensor's (name, number of dimensions, GGML type id), read without decoding the metadata."""
     with path.open("rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size < 24:
             raise ModelFormatError(f"{path.name} is not a GGUF file: it is only {size} bytes")
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:  # pages in only the header
-            check_header_bytes(buf, path.name)
+            return check_header_bytes(buf, path.name)
 
 
-def check_header_bytes(buf: bytes | mmap.mmap, name: str) -> None:
+def check_header_bytes(buf: bytes | mmap.mmap, name: str) -> list[tuple[str, int, int]]:
     """check_header over the file's bytes (a bytes object or a memory map)."""
     if len(buf) < 24 or buf[:4] != b"GGUF":
         raise ModelFormatError(f"{name} is not a GGUF file: it is {len(buf)} bytes and does not start with a "
@@ -136,9 +137,15 @@ def check_header_bytes(buf: bytes | mmap.mmap, name: str) -> None:
         w.value(w.u32(f"the type of metadata entry {i}"), f"metadata entry {i}")
     if tensor_count * MIN_TENSOR_INFO_BYTES > w.left():  # again: the metadata used up bytes
         raise w.fail(f"the tensor count is {tensor_count}, more than the bytes left can describe")
+    tensors: list[tuple[str, int, int]] = []
     for i in range(tensor_count):
+        start = w.pos + 8
         w.string(f"the name of tensor {i}")
+        tensor_name = bytes(buf[start:w.pos]).decode("utf-8", "replace")
         n_dims = w.u32(f"the dimension count of tensor {i}")
         if n_dims > MAX_DIMS:
             raise w.fail(f"tensor {i} declares {n_dims} dimensions (at most {MAX_DIMS})")
-        w.skip(8 * n_dims + 4 + 8, f"the shape, type and offset of tensor {i}")
+        w.skip(8 * n_dims, f"the shape of tensor {i}")
+        tensors.append((tensor_name, n_dims, w.u32(f"the type of tensor {i}")))
+        w.skip(8, f"the offset of tensor {i}")
+    return tensors

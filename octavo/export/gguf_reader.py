@@ -97,16 +97,20 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
     )
 
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPE_IDS = (0, 1, 30)  # GGML's F32, F16, BF16
+# GGML type ids of the quantized types octavo reads (gguf.GGMLQuantizationType; the enum is not imported
+# here so that an engine start with a cached export does not load the gguf package)
+GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
+                   13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
 
 
 def quantized_linear_types(path: str | Path) -> dict[str, int]:
     """GGML type -> count of the file's quantized 2-D layer weights (blk.N.*), e.g. {"Q4_1": 210}; empty
     for a float file. Decides what `weights=None` means for it (octavo.export.resolve.default_weights)."""
     counts: dict[str, int] = {}
-    for tensor in _open(Path(path)).tensors:
-        kind = tensor.tensor_type.name
-        if str(tensor.name).startswith("blk.") and len(tensor.shape) == 2 and kind not in FLOAT_TYPES:
+    for name, n_dims, type_id in check_header(Path(path)):  # the header only: cheap on every engine start
+        if name.startswith("blk.") and n_dims == 2 and type_id not in FLOAT_TYPE_IDS:
+            kind = GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
             counts[kind] = counts.get(kind, 0) + 1
     return counts
 
