@@ -211,3 +211,20 @@ def test_llm_defaults_to_the_files_blocks_and_caches_apart(hf_model_dir, tmp_pat
         from octavo.runtime.engine_args import EngineArgs
 
         EngineArgs(model=str(path), weights="gguf", backend="tensorrt").validate()
+
+
+def test_an_export_newer_than_the_op_library_says_to_rebuild_it(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """An op the built library lacks (an export made by newer sources, e.g. after `git pull` without `make op`)
+    is an OpLibraryError naming the op and the fix, not ONNX Runtime's bare 'not a registered function/op'."""
+    from octavo.errors import OpLibraryError
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q8_0.gguf", tensor_type="Q8_0")
+    out = tmp_path / "out"
+    export_model(path, out, progress=False)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    next(n for n in model.graph.node if n.op_type == "Int8Residual").op_type = "Int8ResidualFromTheFuture"
+    onnx.save(model, str(out / "model.onnx"))
+    with pytest.raises(OpLibraryError, match=r"octavo\.Int8ResidualFromTheFuture.*make op"):
+        OnnxRuntimeBackend(out, Manifest.load(out), num_blocks=4, block_size=16)

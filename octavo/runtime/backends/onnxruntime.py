@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from octavo.errors import ModelFormatError
+from octavo.errors import ModelFormatError, OpLibraryError
 from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
@@ -84,6 +85,12 @@ class OnnxRuntimeBackend:
             self.session = ort.InferenceSession(self._model_source(onnx_path, options), options,
                                                 providers=["CPUExecutionProvider"])
         except Exception as exc:  # onnxruntime raises its own exception types
+            missing = re.search(r"octavo:(\w+)\(-?\d+\) is not a registered function/op", str(exc))
+            if missing:  # an export newer than the built op library (e.g. after `git pull` without `make op`)
+                raise OpLibraryError(
+                    f"{onnx_path} uses the op octavo.{missing.group(1)}, which the custom-op library "
+                    f"{library_path()} does not have: it was built from older sources. Rebuild it with "
+                    "`make op` (or `python -m octavo.build.op`), or reinstall octavo") from exc
             raise ModelFormatError(f"ONNX Runtime cannot load {onnx_path}: {exc}") from exc
         self._input_dtypes = self._validate()
 
