@@ -11,6 +11,7 @@ import json
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,18 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+async def sse_objects(resp: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of an OpenAI server-sent-event stream (aiohttp response), up to `data: [DONE]`."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def served_model(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> str:
     async with session.get(f"{base_url}/v1/models", headers=_headers(api_key)) as resp:
         body = await resp.json()
@@ -59,14 +72,7 @@ async def send_one(session: aiohttp.ClientSession, cfg: ServeBenchConfig, model:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 return res
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                obj = json.loads(data)
+            async for obj in sse_objects(resp):
                 if "error" in obj:
                     res.error = obj["error"].get("message", "error")
                     return res

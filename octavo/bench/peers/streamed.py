@@ -8,7 +8,6 @@ timings, so single-request decode speed is measured alike for every engine:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
+from octavo.bench.serve_client import sse_objects
 
 
 @dataclass(slots=True)
@@ -45,14 +45,7 @@ async def stream_one(session: Any, url: str, payload: dict[str, Any],
     async with session.post(url, json=payload) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            obj = json.loads(data)
+        async for obj in sse_objects(resp):
             if "error" in obj:
                 raise RuntimeError(f"{url} streamed an error: {str(obj['error'])[:300]}")
             new = tokens_of(obj)
