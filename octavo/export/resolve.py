@@ -122,9 +122,9 @@ def resolve_model(path: str | Path, *, progress: bool = True, weights: str | Non
     from octavo.demo.model import default_model_path, is_embedded_name
 
     source = default_model_path() if is_embedded_name(path) else Path(path).expanduser()
-    quant = _quant_config(weights, quant_block_size, quantize_lm_head)
     if source.exists():
-        quant = _quant_config(default_weights(source, weights), quant_block_size, quantize_lm_head)
+        weights = default_weights(source, weights)
+    quant = _quant_config(weights, quant_block_size, quantize_lm_head)
     if _is_export_folder(source) and not (source / "config.json").is_file():
         manifest = Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
         _check_export_matches(source, manifest, weights, quant_block_size, quantize_lm_head)
