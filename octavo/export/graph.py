@@ -31,6 +31,7 @@ from onnx import TensorProto, helper
 
 from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
+from octavo.export.block_layout import panel_weights
 from octavo.export.gguf_blocks import Blocks, promote
 from octavo.export.quantize import MS_DOMAIN, BlockQuantized, QuantConfig, concat, quantize
 from octavo.export.rope import attention_factor, attention_scale, inv_freq
@@ -167,6 +168,8 @@ def _project_blocks(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | N
     K-quants) adds sum_b blocksum(x)[b] * min[n, b] ([T, K/bs] block sums @ mins^T [K/bs, N]). With
     accuracy_level 4 and quant.residual_rows, x's int8 rounding is undone by octavo.Int8Residual /
     FoldRows (plugins/onnxruntime/int8_residual_op.cc): the weights are read once for x and its residual."""
+    if quant.block_kernel:
+        return _block_matmul(g, x, name, blocks, bias, output)
     q = blocks.matmulnbits()
     if not quant.residual:
         if blocks.mins is None:
@@ -181,6 +184,17 @@ def _project_blocks(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | N
     if bias is None:
         return _emit(g, "FoldRows", fold, output, domain=OP_DOMAIN)
     return _emit(g, "Add", [g.op1("FoldRows", fold, domain=OP_DOMAIN), g.weight(*bias)], output)
+
+
+def _block_matmul(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | None, output: str | None) -> str:
+    """octavo.BlockMatMul over the file's blocks (octavo.export.block_layout): float32 activations, weights
+    dequantized in registers to the file's float32 values."""
+    pw = panel_weights(blocks)
+    scale_type = "f2" if pw.scales.dtype == np.float16 else "f4"
+    inputs = [x, g.weight(name + ".codes", [pw.codes], "u1"), g.weight(name + ".scales", [pw.scales], scale_type),
+              g.weight(name + ".offsets", [pw.offsets], scale_type)] + ([g.weight(*bias)] if bias else [])
+    return _emit(g, "BlockMatMul", inputs, output, domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,
+                 block_size=pw.block_size)
 
 
 def _block_sums(g: _Graph, x: str, q: BlockQuantized) -> str:

@@ -29,6 +29,9 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 com
 # RMSE -13% on SmolLM2's layers), not 8 bits (<1%, so only the full range is tried there)
 CLIP_RATIOS: dict[int, tuple[float, ...]] = {4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), 8: (1.0,)}
 RESIDUAL_ROWS = 64  # see QuantConfig.residual_rows
+# how "gguf" weights are multiplied: "block" = octavo.BlockMatMul (float32 activations, the default);
+# "matmulnbits" = ONNX Runtime's MatMulNBits (int8 activations at accuracy_level 4, + the residual below)
+GGUF_KERNELS = ("block", "matmulnbits")
 _ROWS_PER_CHUNK = 4096  # rows quantized at once: bounds the float temporaries of a large matrix
 
 
@@ -43,6 +46,7 @@ class QuantConfig:
     # "gguf" with accuracy_level 4: undo the kernel's int8 rounding of the activations (octavo.Int8Residual)
     # in steps of at most this many rows; larger steps (long prefill chunks) keep the plain int8 path. 0 = off
     residual_rows: int = RESIDUAL_ROWS
+    kernel: str = "block"  # "gguf" only: one of GGUF_KERNELS
 
     @property
     def bits(self) -> int | None:
@@ -56,7 +60,12 @@ class QuantConfig:
     @property
     def residual(self) -> bool:
         """Activations corrected for int8 rounding (the GGUF path at accuracy_level 4)."""
-        return self.native and self.accuracy_level == 4 and self.residual_rows > 0
+        return self.native and self.kernel == "matmulnbits" and self.accuracy_level == 4 and self.residual_rows > 0
+
+    @property
+    def block_kernel(self) -> bool:
+        """The GGUF's blocks multiplied by octavo.BlockMatMul (float32 activations, no MatMulNBits)."""
+        return self.native and self.kernel == "block"
 
     @property
     def native(self) -> bool:
@@ -70,6 +79,8 @@ class QuantConfig:
             raise InvalidRequestError(f"quant block size must be a power of two >= 16, got {self.block_size}")
         if self.residual_rows < 0:
             raise InvalidRequestError(f"residual rows must be >= 0 (0 = off), got {self.residual_rows}")
+        if self.kernel not in GGUF_KERNELS:
+            raise InvalidRequestError(f"gguf kernel must be one of {GGUF_KERNELS}, got {self.kernel!r}")
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise InvalidRequestError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
         return self
@@ -78,6 +89,8 @@ class QuantConfig:
         """The manifest's `quantization` entry (None for fp32)."""
         if not self.enabled:
             return None
+        if self.block_kernel:
+            return {"method": "BlockMatMul", "source": "gguf", "lm_head": self.lm_head}
         if self.native:
             return {"method": "MatMulNBits", "source": "gguf", "accuracy_level": self.accuracy_level,
                     "lm_head": self.lm_head, "activation_residual_rows": self.residual_rows if self.residual else 0}
@@ -88,6 +101,8 @@ class QuantConfig:
         """Part of a cache folder's name: '' for fp32, e.g. 'int4-b32-a4' (+ '-head') otherwise."""
         if not self.enabled:
             return ""
+        if self.block_kernel:
+            return "gguf-block"
         if self.native:
             return f"gguf-a{self.accuracy_level}" + (f"-r{self.residual_rows}" if self.residual else "")
         return f"{self.weights}-b{self.block_size}-a{self.accuracy_level}" + ("-head" if self.lm_head else "")

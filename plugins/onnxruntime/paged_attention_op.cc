@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "block_matmul_op.h"
 #include "int8_residual_op.h"
 #include "paged_attention_kernel.h"
 
@@ -441,7 +442,8 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
   for (octavo::KvType kv_type : {octavo::KvType::kFloat32, octavo::KvType::kFloat16}) {
     if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op_schema(kv_type))) return status;
   }
-  for (const OrtCustomOp* op : {&octavo::int8_residual_schema(), &octavo::fold_rows_schema()}) {
+  for (const OrtCustomOp* op : {&octavo::int8_residual_schema(), &octavo::fold_rows_schema(),
+                              &octavo::block_matmul_schema()}) {
     if (OrtStatus* status = api->CustomOpDomain_Add(domain, op)) return status;
   }
   return api->AddCustomOpDomain(options, domain);

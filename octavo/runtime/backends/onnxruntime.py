@@ -69,8 +69,10 @@ class OnnxRuntimeBackend:
         if num_threads is not None:
             options.intra_op_num_threads = num_threads
         options.inter_op_num_threads = 1
-        spinning = os.environ.get("OCTAVO_ORT_SPINNING", "0") == "1"
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        spinning = os.environ.get("OCTAVO_ORT_SPINNING", "run")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0" if spinning == "0" else "1")
+        if spinning not in ("0", "1"):  # "run": spin between a step's parallel sections, stop when it returns
+            options.add_session_config_entry("session.force_spinning_stop", "1")
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.register_custom_ops_library(str(library_path()))

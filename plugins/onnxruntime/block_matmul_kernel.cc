@@ -1,0 +1,413 @@
+// octavo.BlockMatMul's compute (layout, paths and precision: block_matmul_kernel.h).
+//
+// One panel (16 output columns) at a time, all rows of x against it:
+// - decode steps (<= kIntRows rows): per pair of k, the 32 codes of the panel widen to int16 and meet the
+//   rows' 16-bit activations in _mm256_madd_epi16 (16 multiply-adds an instruction, exact int32 sums); each
+//   block's sums are scaled once in float32. The weights are streamed once, at ~11 instructions per 32.
+// - larger steps: a chunk of kChunk k's of a group of kGroup panels is dequantized into float32 buffers
+//   (L1/L2), then register-blocked 6 x 16 tiles of y accumulate over them with FMAs; the dequantization is
+//   paid once per panel and chunk, not per row.
+// AVX2 + FMA intrinsics (x86-64-v3 and later; a scalar loop elsewhere). Written by hand: ONNX Runtime's own
+// block-quantized matmul (MatMulNBits) is fast on CPU only when it rounds the activations to int8.
+#include "block_matmul_kernel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "half.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define OCTAVO_BLOCK_AVX2 1
+#endif
+
+namespace octavo {
+namespace {
+
+constexpr int64_t kChunk = 256;  // k values per dequantized buffer (16 KiB)
+constexpr int64_t pair_bytes(int bits) { return 32 * bits / 8; }  // one panel's codes for a pair of k
+
+// Scalar access to code(column c of panel, k) (the layout in block_matmul_kernel.h).
+inline int code_at(const uint8_t* panel_codes, int bits, int c, int64_t k) {
+  const int e = (c < 8 ? 2 * c : 16 + 2 * (c - 8)) + static_cast<int>(k & 1);
+  if (bits == 8) return panel_codes[(k / 2) * pair_bytes(8) + e];
+  const uint8_t byte = panel_codes[(k / 4) * 32 + 2 * (e % 16) + (k / 2) % 2];
+  return e < 16 ? (byte & 15) : (byte >> 4);
+}
+
+// The float32 scales (or offsets) of panel p, block b (index = (p * nb + b) * kPanel).
+inline void params_at(const BlockWeights& w, const void* base, int64_t index, float* out) {
+  if (w.half_scales) {
+    half::to_floats(static_cast<const uint16_t*>(base) + index, out, kPanel);
+  } else {
+    std::memcpy(out, static_cast<const float*>(base) + index, kPanel * sizeof(float));
+  }
+}
+
+#if defined(OCTAVO_BLOCK_AVX2)
+
+constexpr int kTileRows = 6;   // rows of the register tile: 6 x 2 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kGroup = 4;
+#ifndef OCTAVO_PREFETCH
+#define OCTAVO_PREFETCH 8192
+#endif
+constexpr int kPrefetchBytes = OCTAVO_PREFETCH;  // how far ahead of the codes being read the decode path prefetches  // panels sharing one pass over a row tile (their chunks: 64 KiB, in L2)
+
+struct Vec2 {  // one panel of 16 floats
+  __m256 lo, hi;
+};
+
+inline Vec2 load_params(const BlockWeights& w, const void* base, int64_t index) {
+  if (w.half_scales) {
+    const auto* h = static_cast<const uint16_t*>(base) + index;
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)))};
+  }
+  const float* f = static_cast<const float*>(base) + index;
+  return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+}
+
+inline void store_panel(float* dst, int64_t valid, __m256 lo, __m256 hi) {
+  if (valid == kPanel) {
+    _mm256_storeu_ps(dst, lo);
+    _mm256_storeu_ps(dst + 8, hi);
+    return;
+  }
+  alignas(32) float tmp[kPanel];
+  _mm256_store_ps(tmp, lo);
+  _mm256_store_ps(tmp + 8, hi);
+  std::memcpy(dst, tmp, valid * sizeof(float));
+}
+
+inline Vec2 load_panel(const float* src, int64_t valid) {
+  if (valid == kPanel) return {_mm256_loadu_ps(src), _mm256_loadu_ps(src + 8)};
+  alignas(32) float tmp[kPanel] = {};
+  std::memcpy(tmp, src, valid * sizeof(float));
+  return {_mm256_load_ps(tmp), _mm256_load_ps(tmp + 8)};
+}
+
+// The 32 codes of one panel and pair of k as int16 (8-bit codes): c0 = columns 0-7, c1 = columns 8-15, each
+// lane pair (k, k+1).
+inline void pair_codes(const uint8_t* p, __m256i& c0, __m256i& c1) {
+  c0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  c1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+}
+
+// The 64 codes of one panel and four k (4-bit codes, 32 bytes): a0/a1 = pair (k, k+1) columns 0-7 / 8-15,
+// b0/b1 = pair (k+2, k+3); nibble i of 16-bit lane m belongs to register i.
+inline void quad_codes(const uint8_t* p, __m256i& a0, __m256i& a1, __m256i& b0, __m256i& b1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  a0 = _mm256_and_si256(v, mask);
+  a1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  b0 = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask);
+  b1 = _mm256_srli_epi16(v, 12);
+}
+
+inline int32_t pair_of(const int16_t* q) {  // two adjacent int16 as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, q, sizeof v);
+  return v;
+}
+
+// Rows (<= kIntRows) of y's panel p on the 16-bit path.
+template <int Bits, int Rows>
+void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_t p, int64_t valid) {
+  const int64_t nb = w.k / w.block_size, pairs = w.block_size / 2;
+  const uint8_t* codes = w.codes + p * (w.k / 2) * pair_bytes(Bits);
+  __m256 ylo[Rows], yhi[Rows];
+  for (int r = 0; r < Rows; ++r) ylo[r] = yhi[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i s0[Rows], s1[Rows];
+    for (int r = 0; r < Rows; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+    const uint8_t* cb = codes + b * pairs * pair_bytes(Bits);
+    const int16_t* q = a.q.data() + b * w.block_size;
+    if constexpr (Bits == 8) {
+      for (int64_t j = 0; j < pairs; ++j) {
+        __m256i c0, c1;
+        _mm_prefetch(reinterpret_cast<const char*>(cb + j * pair_bytes(Bits)) + kPrefetchBytes, _MM_HINT_T0);
+        pair_codes(cb + j * pair_bytes(Bits), c0, c1);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i xb = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j));
+          s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(c0, xb));
+          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(c1, xb));
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < pairs; j += 2) {
+        __m256i a0, a1, b0, b1;
+        _mm_prefetch(reinterpret_cast<const char*>(cb + j * pair_bytes(Bits)) + kPrefetchBytes, _MM_HINT_T0);
+        quad_codes(cb + j * pair_bytes(Bits), a0, a1, b0, b1);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i xa = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j));
+          const __m256i xb = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j + 2));
+          s0[r] = _mm256_add_epi32(s0[r], _mm256_add_epi32(_mm256_madd_epi16(a0, xa), _mm256_madd_epi16(b0, xb)));
+          s1[r] = _mm256_add_epi32(s1[r], _mm256_add_epi32(_mm256_madd_epi16(a1, xa), _mm256_madd_epi16(b1, xb)));
+        }
+      }
+    }
+    const Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
+    const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 f = _mm256_set1_ps(a.q_scale[r * nb + b]), sum = _mm256_set1_ps(a.block_sums[r * nb + b]);
+      ylo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(scale.lo, f), ylo[r]);
+      yhi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(scale.hi, f), yhi[r]);
+      ylo[r] = _mm256_fmadd_ps(offset.lo, sum, ylo[r]);
+      yhi[r] = _mm256_fmadd_ps(offset.hi, sum, yhi[r]);
+    }
+  }
+  const Vec2 bias = w.bias != nullptr ? load_panel(w.bias + p * kPanel, valid) : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int r = 0; r < Rows; ++r) {
+    store_panel(y + r * w.n + p * kPanel, valid, _mm256_add_ps(ylo[r], bias.lo), _mm256_add_ps(yhi[r], bias.hi));
+  }
+}
+
+// Dequantize k in [k0, k1) (even bounds) of panel p into buf[(k - k0) * 16 + column].
+template <int Bits>
+void dequantize_chunk(const BlockWeights& w, int64_t p, int64_t k0, int64_t k1, float* buf) {
+  const int64_t nb = w.k / w.block_size;
+  const uint8_t* codes = w.codes + p * (w.k / 2) * pair_bytes(Bits);
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+  for (int64_t k = k0; k < k1;) {
+    const int64_t b = k / w.block_size;
+    const int64_t end = std::min(k1, (b + 1) * w.block_size);
+    const Vec2 s = load_params(w, w.scales, (p * nb + b) * kPanel);
+    const Vec2 o = load_params(w, w.offsets, (p * nb + b) * kPanel);
+    const auto put_pair = [&](float* even, __m256i c0, __m256i c1) {  // rows k and k + 1 of the buffer
+      _mm256_store_ps(even, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, low16)), s.lo, o.lo));
+      _mm256_store_ps(even + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, low16)), s.hi, o.hi));
+      _mm256_store_ps(even + kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 16)), s.lo, o.lo));
+      _mm256_store_ps(even + kPanel + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 16)), s.hi, o.hi));
+    };
+    if constexpr (Bits == 8) {
+      for (; k < end; k += 2) {
+        __m256i c0, c1;
+        pair_codes(codes + (k / 2) * pair_bytes(Bits), c0, c1);
+        put_pair(buf + (k - k0) * kPanel, c0, c1);
+      }
+    } else {
+      for (; k < end; k += 4) {
+        __m256i a0, a1, b0, b1;
+        quad_codes(codes + (k / 2) * pair_bytes(Bits), a0, a1, b0, b1);
+        put_pair(buf + (k - k0) * kPanel, a0, a1);
+        put_pair(buf + (k + 2 - k0) * kPanel, b0, b1);
+      }
+    }
+  }
+}
+
+// R rows of y's panel accumulate x[r, k0:k0+len] @ buf. Named accumulators, not an array: GCC keeps an
+// array of __m256 in memory across the loop (a store per FMA).
+template <int R>
+void tile(const float* x, int64_t k_stride, const float* buf, int64_t len, __m256* lo, __m256* hi) {
+  static_assert(R >= 1 && R <= 6, "tile rows");
+  __m256 l0 = lo[0], h0 = hi[0], l1, h1, l2, h2, l3, h3, l4, h4, l5, h5;
+  if constexpr (R > 1) l1 = lo[1], h1 = hi[1];
+  if constexpr (R > 2) l2 = lo[2], h2 = hi[2];
+  if constexpr (R > 3) l3 = lo[3], h3 = hi[3];
+  if constexpr (R > 4) l4 = lo[4], h4 = hi[4];
+  if constexpr (R > 5) l5 = lo[5], h5 = hi[5];
+  const float* x1 = x + k_stride;
+  const float* x2 = x + 2 * k_stride;
+  const float* x3 = x + 3 * k_stride;
+  const float* x4 = x + 4 * k_stride;
+  const float* x5 = x + 5 * k_stride;
+  for (int64_t k = 0; k < len; ++k) {
+    const __m256 w0 = _mm256_load_ps(buf + k * kPanel), w1 = _mm256_load_ps(buf + k * kPanel + 8);
+    __m256 b = _mm256_broadcast_ss(x + k);
+    l0 = _mm256_fmadd_ps(b, w0, l0);
+    h0 = _mm256_fmadd_ps(b, w1, h0);
+    if constexpr (R > 1) {
+      b = _mm256_broadcast_ss(x1 + k);
+      l1 = _mm256_fmadd_ps(b, w0, l1);
+      h1 = _mm256_fmadd_ps(b, w1, h1);
+    }
+    if constexpr (R > 2) {
+      b = _mm256_broadcast_ss(x2 + k);
+      l2 = _mm256_fmadd_ps(b, w0, l2);
+      h2 = _mm256_fmadd_ps(b, w1, h2);
+    }
+    if constexpr (R > 3) {
+      b = _mm256_broadcast_ss(x3 + k);
+      l3 = _mm256_fmadd_ps(b, w0, l3);
+      h3 = _mm256_fmadd_ps(b, w1, h3);
+    }
+    if constexpr (R > 4) {
+      b = _mm256_broadcast_ss(x4 + k);
+      l4 = _mm256_fmadd_ps(b, w0, l4);
+      h4 = _mm256_fmadd_ps(b, w1, h4);
+    }
+    if constexpr (R > 5) {
+      b = _mm256_broadcast_ss(x5 + k);
+      l5 = _mm256_fmadd_ps(b, w0, l5);
+      h5 = _mm256_fmadd_ps(b, w1, h5);
+    }
+  }
+  lo[0] = l0, hi[0] = h0;
+  if constexpr (R > 1) lo[1] = l1, hi[1] = h1;
+  if constexpr (R > 2) lo[2] = l2, hi[2] = h2;
+  if constexpr (R > 3) lo[3] = l3, hi[3] = h3;
+  if constexpr (R > 4) lo[4] = l4, hi[4] = h4;
+  if constexpr (R > 5) lo[5] = l5, hi[5] = h5;
+}
+
+void tile_any(int rows, const float* x, int64_t k_stride, const float* buf, int64_t len, __m256* lo, __m256* hi) {
+  switch (rows) {
+    case 1: return tile<1>(x, k_stride, buf, len, lo, hi);
+    case 2: return tile<2>(x, k_stride, buf, len, lo, hi);
+    case 3: return tile<3>(x, k_stride, buf, len, lo, hi);
+    case 4: return tile<4>(x, k_stride, buf, len, lo, hi);
+    case 5: return tile<5>(x, k_stride, buf, len, lo, hi);
+    default: return tile<kTileRows>(x, k_stride, buf, len, lo, hi);
+  }
+}
+
+// Panels [p0, p0 + count) (count <= kGroup) over all rows, a chunk of k at a time: the chunk's weights of
+// every panel in the group are dequantized once, then each 6-row tile of x (in L1) meets all of them.
+template <int Bits>
+void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* y, int64_t p0, int64_t count) {  // x: a.x
+  alignas(64) float buf[kGroup][kChunk * kPanel];
+  Vec2 bias[kGroup];
+  int64_t valid[kGroup];
+  for (int64_t g = 0; g < count; ++g) {
+    valid[g] = std::min<int64_t>(kPanel, w.n - (p0 + g) * kPanel);
+    bias[g] = w.bias != nullptr ? load_panel(w.bias + (p0 + g) * kPanel, valid[g])
+                                : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
+  for (int64_t k0 = 0; k0 < w.k; k0 += kChunk) {
+    const int64_t k1 = std::min(w.k, k0 + kChunk);
+    for (int64_t g = 0; g < count; ++g) dequantize_chunk<Bits>(w, p0 + g, k0, k1, buf[g]);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
+      for (int64_t g = 0; g < count; ++g) {
+        float* out = y + r0 * w.n + (p0 + g) * kPanel;
+        __m256 lo[kTileRows], hi[kTileRows];
+        for (int r = 0; r < n_rows; ++r) {
+          const Vec2 start = k0 == 0 ? bias[g] : load_panel(out + r * w.n, valid[g]);
+          lo[r] = start.lo;
+          hi[r] = start.hi;
+        }
+        tile_any(n_rows, x + r0 * w.k + k0, w.k, buf[g], k1 - k0, lo, hi);
+        for (int r = 0; r < n_rows; ++r) store_panel(out + r * w.n, valid[g], lo[r], hi[r]);
+      }
+    }
+  }
+}
+
+template <int Bits>
+void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last) {
+  if (!a.integer) {
+    for (int64_t p = first; p < last; p += kGroup) buffered_group<Bits>(w, a.x, a.rows, y, p, std::min(kGroup, last - p));
+    return;
+  }
+  for (int64_t p = first; p < last; ++p) {
+    const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
+    switch (a.rows) {
+      case 1: integer_panel<Bits, 1>(w, a, y, p, valid); break;
+      case 2: integer_panel<Bits, 2>(w, a, y, p, valid); break;
+      default: integer_panel<Bits, 3>(w, a, y, p, valid); break;
+    }
+  }
+}
+static_assert(kIntRows == 3, "run_range's switch covers the integer row counts");
+
+#else  // portable scalar fallback (builds without AVX2 + FMA): float32, one value at a time
+
+template <int Bits>
+void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last) {
+  const int64_t nb = w.k / w.block_size;
+  float acc[kPanel], scale[kPanel], offset[kPanel];
+  for (int64_t p = first; p < last; ++p) {
+    const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
+    const uint8_t* codes = w.codes + p * (w.k / 2) * pair_bytes(Bits);
+    for (int64_t r = 0; r < a.rows; ++r) {
+      for (int c = 0; c < kPanel; ++c) acc[c] = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        params_at(w, w.scales, (p * nb + b) * kPanel, scale);
+        params_at(w, w.offsets, (p * nb + b) * kPanel, offset);
+        for (int64_t k = b * w.block_size; k < (b + 1) * w.block_size; ++k) {
+          for (int c = 0; c < kPanel; ++c) {
+            acc[c] += a.x[r * w.k + k] * std::fma(static_cast<float>(code_at(codes, Bits, c, k)), scale[c], offset[c]);
+          }
+        }
+      }
+      for (int64_t c = 0; c < valid; ++c) y[r * w.n + p * kPanel + c] = acc[c] + (w.bias ? w.bias[p * kPanel + c] : 0.0f);
+    }
+  }
+}
+
+#endif
+
+}  // namespace
+
+void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, Activations& a) {
+  a.x = x;
+  a.rows = rows;
+  a.integer = false;
+#if defined(OCTAVO_BLOCK_AVX2)
+  if (rows < 1 || rows > kIntRows) return;
+  const int64_t nb = w.k / w.block_size;
+  a.q.resize(static_cast<size_t>(rows * w.k));
+  a.q_scale.resize(static_cast<size_t>(rows * nb));
+  a.block_sums.resize(static_cast<size_t>(rows * nb));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + r * w.k + b * w.block_size;
+      __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+      for (int64_t i = 0; i < w.block_size; i += 8) {  // block sizes are multiples of 4: a 4-wide tail
+        const __m256 e = i + 8 <= w.block_size ? _mm256_loadu_ps(v + i)
+                                               : _mm256_castps128_ps256(_mm_loadu_ps(v + i));
+        const __m256 lanes = i + 8 <= w.block_size ? e : _mm256_insertf128_ps(e, _mm_setzero_ps(), 1);
+        vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, lanes));
+        vsum = _mm256_add_ps(vsum, lanes);
+      }
+      alignas(32) float mx[8], sm[8];
+      _mm256_store_ps(mx, vmax);
+      _mm256_store_ps(sm, vsum);
+      float amax = 0.0f, sum = 0.0f;
+      for (int i = 0; i < 8; ++i) {
+        amax = std::max(amax, mx[i]);
+        sum += sm[i];
+      }
+      if (!std::isfinite(amax) || !std::isfinite(sum)) return;  // inf / nan: the float32 path propagates them
+      const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      a.q_scale[r * nb + b] = amax / 32767.0f;
+      a.block_sums[r * nb + b] = sum;
+      int16_t* q = a.q.data() + r * w.k + b * w.block_size;
+      const __m256 inv = _mm256_set1_ps(inverse), top = _mm256_set1_ps(32767.0f);
+      for (int64_t i = 0; i < w.block_size; i += 4) {  // round to nearest even (MXCSR default), as lrint
+        const __m128 e = _mm_min_ps(_mm_max_ps(_mm_mul_ps(_mm_loadu_ps(v + i), _mm256_castps256_ps128(inv)),
+                                               _mm_sub_ps(_mm_setzero_ps(), _mm256_castps256_ps128(top))),
+                                    _mm256_castps256_ps128(top));
+        const __m128i q32 = _mm_cvtps_epi32(e);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi32(q32, q32));
+      }
+    }
+  }
+  a.integer = true;
+#else
+  (void)w;
+#endif
+}
+
+int64_t block_matmul_task_panels(const Activations& a) {
+#if defined(OCTAVO_BLOCK_AVX2)
+  return a.integer ? 1 : kGroup;
+#else
+  (void)a;
+  return 1;
+#endif
+}
+
+void block_matmul_panels(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last) {
+  if (a.rows <= 0 || first >= last) return;
+  if (w.bits == 8) {
+    run_range<8>(w, a, y, first, last);
+  } else {
+    run_range<4>(w, a, y, first, last);
+  }
+}
+
+}  // namespace octavo

@@ -1,0 +1,67 @@
+// octavo.BlockMatMul's compute: y = x @ W^T (+ bias) over weights stored as per-block integer codes (a GGUF
+// file's own blocks), dequantized on the fly.
+//
+// Layout (written by octavo/export/block_layout.py; P = kPanel = 16 output columns per panel, N padded up to a
+// multiple of P, nb = K / block_size, block_size a multiple of 4):
+//
+// | input   | shape                 | element                                                                   |
+// |---------|-----------------------|---------------------------------------------------------------------------|
+// | codes   | [N/P, K/2, 32*bits/8] | per panel and pair of k (2j, 2j+1): 32 codes, e = 2*c + (k - 2j) for the  |
+// |         |                       | panel's column c < 8, 16 + 2*(c-8) + (k - 2j) for c >= 8; 8-bit: byte e;  |
+// |         |                       | 4-bit: pair byte i holds code i (low nibble) and code i + 16 (high), and  |
+// |         |                       | pairs 2j, 2j+1 interleave their 16 bytes (byte 2i + pair % 2 of the 32)  |
+// | scales  | [N/P, nb, P]          | scale(n, b), float32 or float16                                           |
+// | offsets | [N/P, nb, P]          | offset(n, b), same type as scales                                         |
+//
+// W[n, k] = code(n, k) * scale(n, b) + offset(n, b): for GGUF blocks (codes - zero) * scale + min with zero = 0
+// or min = 0, which is every type octavo maps, this is the file's float32 value exactly.
+//
+// Two paths (block_matmul_kernel.cc):
+// - steps of at most kIntRows rows (decode): the activations are rounded to 16-bit integers per block
+//   (scale = max|x| / 32767, error <= 2^-16 of the block's largest value, 256 times finer than MatMulNBits'
+//   int8), multiplied by the integer codes in exact int32 sums, and each block's sum is scaled in float32;
+//   the offsets multiply the exact float32 block sums of x. The weights are read once for all rows.
+// - more rows: weights dequantized to float32 (the file's values) chunk by chunk, float32 FMA tiles.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace octavo {
+
+constexpr int kPanel = 16;
+constexpr int64_t kIntRows = 3;
+
+struct BlockWeights {
+  const uint8_t* codes = nullptr;
+  const void* scales = nullptr;   // float or uint16_t (IEEE half)
+  const void* offsets = nullptr;  // same type as scales
+  const float* bias = nullptr;    // [N] or null
+  bool half_scales = false;
+  int bits = 4;                   // 4 or 8
+  int64_t k = 0;
+  int64_t n = 0;                  // columns of y (the panels cover n rounded up to kPanel)
+  int64_t block_size = 32;        // a multiple of 4 that divides k
+
+  int64_t panels() const { return (n + kPanel - 1) / kPanel; }
+};
+
+// x [rows, k] prepared once per call, shared by every panel (read-only while the panels run).
+struct Activations {
+  const float* x = nullptr;
+  int64_t rows = 0;
+  bool integer = false;            // the 16-bit path (rows <= kIntRows, every value finite)
+  std::vector<int16_t> q;          // [rows, k]
+  std::vector<float> q_scale;      // [rows, nb]
+  std::vector<float> block_sums;   // [rows, nb] float32 sums of x per block
+};
+
+void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, Activations& a);
+
+// Panels the caller should hand one thread at a time.
+int64_t block_matmul_task_panels(const Activations& a);
+
+// y [rows, n] = x @ W^T (+ bias) for the panels [first, last); concurrent calls on disjoint ranges are safe.
+void block_matmul_panels(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last);
+
+}  // namespace octavo

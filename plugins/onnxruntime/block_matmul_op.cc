@@ -1,0 +1,231 @@
+// octavo.BlockMatMul: y = x @ W^T (+ bias) with W held as block-quantized codes (a GGUF file's own blocks,
+// re-laid by octavo/export/block_layout.py), in float32 arithmetic. The compute and the layout are in
+// block_matmul_kernel.{h,cc}; this file is the ONNX Runtime glue: shape checks, output, thread pool.
+//
+// BlockMatMul(x [..., K] float, codes uint8, scales, offsets (float32 or float16, the same), bias [N] float
+//             optional) -> y [..., N] float;  attributes K, N, bits (4 or 8), block_size (a multiple of 4 that divides K).
+#include <onnxruntime_c_api.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "block_matmul_kernel.h"
+#include "block_matmul_op.h"
+
+namespace {
+
+constexpr const char* kPrefix = "octavo.BlockMatMul: ";
+
+struct Failure {
+  OrtErrorCode code;
+  std::string message;
+};
+
+void check(const OrtApi* api, OrtStatus* status) {
+  if (status == nullptr) return;
+  Failure f{api->GetErrorCode(status), api->GetErrorMessage(status)};
+  api->ReleaseStatus(status);
+  throw f;
+}
+
+[[noreturn]] void fail(const std::string& message) { throw Failure{ORT_INVALID_ARGUMENT, message}; }
+
+struct Tensor {
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> dims;
+  void* data = nullptr;
+};
+
+Tensor describe(const OrtApi* api, const OrtValue* value) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(api, api->GetTensorTypeAndShape(value, &info));
+  Tensor t;
+  size_t rank = 0;
+  OrtStatus* status = api->GetTensorElementType(info, &t.type);
+  if (status == nullptr) status = api->GetDimensionsCount(info, &rank);
+  t.dims.resize(rank);
+  if (status == nullptr) status = api->GetDimensions(info, t.dims.data(), rank);
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  check(api, status);
+  check(api, api->GetTensorMutableData(const_cast<OrtValue*>(value), &t.data));
+  return t;
+}
+
+std::string shape(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+int64_t attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
+  int64_t value = 0;
+  check(api, api->KernelInfoGetAttribute_int64(info, name, &value));
+  return value;
+}
+
+struct Job {
+  const octavo::BlockWeights* weights;
+  const octavo::Activations* activations;
+  float* y;
+  int64_t per_task;  // panels
+  int64_t panels;
+};
+
+void run_task(void* user_data, size_t index) {
+  const auto* job = static_cast<const Job*>(user_data);
+  const int64_t first = static_cast<int64_t>(index) * job->per_task;
+  octavo::block_matmul_panels(*job->weights, *job->activations, job->y, first,
+                              std::min(job->panels, first + job->per_task));
+}
+
+struct Kernel {
+  const OrtApi* api;
+  int64_t k, n, bits, block_size;
+
+  void compute(OrtKernelContext* context) const {
+    size_t count = 0;
+    check(api, api->KernelContext_GetInputCount(context, &count));
+    const OrtValue* values[5] = {};
+    for (size_t i = 0; i < count && i < 5; ++i) check(api, api->KernelContext_GetInput(context, i, &values[i]));
+    for (size_t i = 0; i < 4; ++i) {
+      if (values[i] == nullptr) fail("input " + std::to_string(i) + " is missing");
+    }
+    const Tensor x = describe(api, values[0]), codes = describe(api, values[1]);
+    const Tensor scales = describe(api, values[2]), offsets = describe(api, values[3]);
+    if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("x must be float32");
+    if (x.dims.empty() || x.dims.back() != k) fail("x " + shape(x.dims) + " must end in K = " + std::to_string(k));
+    const int64_t panels = (n + octavo::kPanel - 1) / octavo::kPanel, nb = k / block_size;
+    const std::vector<int64_t> want_codes{panels, k / 2, 32 * bits / 8}, want_scales{panels, nb, octavo::kPanel};
+    if (codes.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || codes.dims != want_codes) {
+      fail("codes must be uint8 " + shape(want_codes) + ", got " + shape(codes.dims));
+    }
+    const bool half = scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    if ((!half && scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) || scales.dims != want_scales) {
+      fail("scales must be float32 or float16 " + shape(want_scales) + ", got " + shape(scales.dims));
+    }
+    if (offsets.type != scales.type || offsets.dims != want_scales) {
+      fail("offsets must have the scales' type and shape " + shape(want_scales) + ", got " + shape(offsets.dims));
+    }
+    octavo::BlockWeights w;
+    w.codes = static_cast<const uint8_t*>(codes.data);
+    w.scales = scales.data;
+    w.offsets = offsets.data;
+    w.half_scales = half;
+    w.bits = static_cast<int>(bits);
+    w.k = k;
+    w.n = n;
+    w.block_size = block_size;
+    if (count > 4 && values[4] != nullptr) {
+      const Tensor bias = describe(api, values[4]);
+      if (bias.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bias.dims != std::vector<int64_t>{n}) {
+        fail("bias must be float32 [" + std::to_string(n) + "], got " + shape(bias.dims));
+      }
+      w.bias = static_cast<const float*>(bias.data);
+    }
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < x.dims.size(); ++i) rows *= x.dims[i];
+    std::vector<int64_t> out_dims = x.dims;
+    out_dims.back() = n;
+    OrtValue* output = nullptr;
+    check(api, api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &output));
+    void* out = nullptr;
+    check(api, api->GetTensorMutableData(output, &out));
+    if (rows == 0) return;
+    octavo::Activations activations;
+    octavo::prepare_activations(w, static_cast<const float*>(x.data), rows, activations);
+    const int64_t per_task = octavo::block_matmul_task_panels(activations);
+    Job job{&w, &activations, static_cast<float*>(out), per_task, panels};
+    const int64_t tasks = (panels + per_task - 1) / per_task;
+    if (tasks > 1) {
+      OrtStatus* status = api->KernelContext_ParallelFor(context, run_task, static_cast<size_t>(tasks), 0, &job);
+      if (status == nullptr) return;
+      api->ReleaseStatus(status);  // no thread pool: run here
+    }
+    octavo::block_matmul_panels(w, activations, job.y, 0, panels);
+  }
+};
+
+struct BlockMatMulOp : OrtCustomOp {
+  BlockMatMulOp() : OrtCustomOp{} {
+    version = ORT_API_VERSION;
+    GetName = [](const OrtCustomOp*) { return "BlockMatMul"; };
+    GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
+    GetInputType = [](const OrtCustomOp*, size_t i) {
+      switch (i) {
+        case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+        case 2:
+        case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32 or float16, checked at run time
+        default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      }
+    };
+    GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i < 4 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+    InferOutputShapeFn = nullptr;
+    GetStartVersion = [](const OrtCustomOp*) { return 1; };
+    GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
+    GetMayInplace = [](int** input_index, int** output_index) -> size_t {
+      *input_index = nullptr;
+      *output_index = nullptr;
+      return 0;
+    };
+    ReleaseMayInplace = [](int*, int*) {};
+    GetAliasMap = [](int** input_index, int** output_index) -> size_t {
+      *input_index = nullptr;
+      *output_index = nullptr;
+      return 0;
+    };
+    ReleaseAliasMap = [](int*, int*) {};
+    CreateKernel = nullptr;
+    KernelCompute = nullptr;
+    CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
+      try {
+        const int64_t k = attribute(api, info, "K"), n = attribute(api, info, "N");
+        const int64_t bits = attribute(api, info, "bits"), block_size = attribute(api, info, "block_size");
+        if (k <= 0 || n <= 0) fail("K and N must be positive");
+        if (bits != 4 && bits != 8) fail("bits must be 4 or 8, got " + std::to_string(bits));
+        if (block_size <= 0 || block_size % 4 != 0 || k % block_size != 0) {
+          fail("block_size (" + std::to_string(block_size) + ") must be a multiple of 4 that divides K (" +
+               std::to_string(k) + ")");
+        }
+        *kernel = new Kernel{api, k, n, bits, block_size};
+        return nullptr;
+      } catch (const Failure& f) {
+        return api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());
+      }
+    };
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
+      auto* k = static_cast<Kernel*>(kernel);
+      try {
+        k->compute(context);
+        return nullptr;
+      } catch (const Failure& f) {
+        return k->api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());
+      } catch (const std::exception& e) {
+        return k->api->CreateStatus(ORT_FAIL, (std::string(kPrefix) + e.what()).c_str());
+      }
+    };
+    KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
+  }
+};
+
+}  // namespace
+
+namespace octavo {
+
+const OrtCustomOp& block_matmul_schema() {
+  static const BlockMatMulOp op;
+  return op;
+}
+
+}  // namespace octavo
