@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "half.h"
 
@@ -25,7 +26,10 @@
 namespace octavo {
 namespace {
 
-constexpr int64_t kChunk = 256;  // k values per dequantized buffer (16 KiB)
+#ifndef OCTAVO_CHUNK
+#define OCTAVO_CHUNK 512
+#endif
+constexpr int64_t kChunk = OCTAVO_CHUNK;  // k values per dequantized panel buffer (32 KiB)
 constexpr int64_t pair_bytes(int bits) { return 32 * bits / 8; }  // one panel's codes for a pair of k
 
 // Scalar access to code(column c of panel, k) (the layout in block_matmul_kernel.h).
@@ -48,7 +52,10 @@ inline void params_at(const BlockWeights& w, const void* base, int64_t index, fl
 #if defined(OCTAVO_BLOCK_AVX2)
 
 constexpr int kTileRows = 6;   // rows of the register tile: 6 x 2 accumulators + 2 weights + 1 broadcast
-constexpr int64_t kGroup = 4;
+#ifndef OCTAVO_GROUP
+#define OCTAVO_GROUP 4
+#endif
+constexpr int64_t kGroup = OCTAVO_GROUP;  // panels sharing one pass over a row tile (their chunks: 128 KiB, in L2)
 #ifndef OCTAVO_PREFETCH
 #define OCTAVO_PREFETCH 8192
 #endif
@@ -111,9 +118,10 @@ inline int32_t pair_of(const int16_t* q) {  // two adjacent int16 as one 32-bit 
   return v;
 }
 
-// Rows (<= kIntRows) of y's panel p on the 16-bit path.
+// Rows [r0, r0 + Rows) of y's panel p on the 16-bit path (Rows <= 4: int32 sums and codes fill the registers).
 template <int Bits, int Rows>
-void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_t p, int64_t valid) {
+void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_t p, int64_t valid, int64_t r0) {
+  static_assert(Rows >= 1 && Rows <= 4, "integer rows per pass");
   const int64_t nb = w.k / w.block_size, pairs = w.block_size / 2;
   const uint8_t* codes = w.codes + p * (w.k / 2) * pair_bytes(Bits);
   __m256 ylo[Rows], yhi[Rows];
@@ -122,7 +130,7 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
     __m256i s0[Rows], s1[Rows];
     for (int r = 0; r < Rows; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
     const uint8_t* cb = codes + b * pairs * pair_bytes(Bits);
-    const int16_t* q = a.q.data() + b * w.block_size;
+    const int16_t* q = a.q.data() + r0 * w.k + b * w.block_size;
     if constexpr (Bits == 8) {
       for (int64_t j = 0; j < pairs; ++j) {
         __m256i c0, c1;
@@ -150,7 +158,8 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
     const Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
     const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
     for (int r = 0; r < Rows; ++r) {
-      const __m256 f = _mm256_set1_ps(a.q_scale[r * nb + b]), sum = _mm256_set1_ps(a.block_sums[r * nb + b]);
+      const int64_t at = (r0 + r) * nb + b;
+      const __m256 f = _mm256_set1_ps(a.q_scale[at]), sum = _mm256_set1_ps(a.block_sums[at]);
       ylo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(scale.lo, f), ylo[r]);
       yhi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(scale.hi, f), yhi[r]);
       ylo[r] = _mm256_fmadd_ps(offset.lo, sum, ylo[r]);
@@ -159,7 +168,7 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
   }
   const Vec2 bias = w.bias != nullptr ? load_panel(w.bias + p * kPanel, valid) : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int r = 0; r < Rows; ++r) {
-    store_panel(y + r * w.n + p * kPanel, valid, _mm256_add_ps(ylo[r], bias.lo), _mm256_add_ps(yhi[r], bias.hi));
+    store_panel(y + (r0 + r) * w.n + p * kPanel, valid, _mm256_add_ps(ylo[r], bias.lo), _mm256_add_ps(yhi[r], bias.hi));
   }
 }
 
@@ -267,7 +276,12 @@ void tile_any(int rows, const float* x, int64_t k_stride, const float* buf, int6
 // every panel in the group are dequantized once, then each 6-row tile of x (in L1) meets all of them.
 template <int Bits>
 void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* y, int64_t p0, int64_t count) {  // x: a.x
-  alignas(64) float buf[kGroup][kChunk * kPanel];
+  struct alignas(64) Buffers {
+    float panel[kGroup][kChunk * kPanel];
+  };
+  thread_local std::unique_ptr<Buffers> buffers;  // one per thread, kept: 128 KiB is too much for a stack
+  if (!buffers) buffers = std::make_unique<Buffers>();
+  auto& buf = buffers->panel;
   Vec2 bias[kGroup];
   int64_t valid[kGroup];
   for (int64_t g = 0; g < count; ++g) {
@@ -303,14 +317,16 @@ void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t fi
   }
   for (int64_t p = first; p < last; ++p) {
     const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
-    switch (a.rows) {
-      case 1: integer_panel<Bits, 1>(w, a, y, p, valid); break;
-      case 2: integer_panel<Bits, 2>(w, a, y, p, valid); break;
-      default: integer_panel<Bits, 3>(w, a, y, p, valid); break;
+    for (int64_t r0 = 0; r0 < a.rows; r0 += 4) {  // a second pass re-reads the panel's codes from L1
+      switch (std::min<int64_t>(4, a.rows - r0)) {
+        case 1: integer_panel<Bits, 1>(w, a, y, p, valid, r0); break;
+        case 2: integer_panel<Bits, 2>(w, a, y, p, valid, r0); break;
+        case 3: integer_panel<Bits, 3>(w, a, y, p, valid, r0); break;
+        default: integer_panel<Bits, 4>(w, a, y, p, valid, r0); break;
+      }
     }
   }
 }
-static_assert(kIntRows == 3, "run_range's switch covers the integer row counts");
 
 #else  // portable scalar fallback (builds without AVX2 + FMA): float32, one value at a time
 

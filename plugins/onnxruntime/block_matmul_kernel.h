@@ -17,7 +17,7 @@
 // or min = 0, which is every type octavo maps, this is the file's float32 value exactly.
 //
 // Two paths (block_matmul_kernel.cc):
-// - steps of at most kIntRows rows (decode): the activations are rounded to 16-bit integers per block
+// - steps of at most kIntRows = 8 rows (decode of up to 8 sequences): the activations are rounded to 16-bit integers per block
 //   (scale = max|x| / 32767, error <= 2^-16 of the block's largest value, 256 times finer than MatMulNBits'
 //   int8), multiplied by the integer codes in exact int32 sums, and each block's sum is scaled in float32;
 //   the offsets multiply the exact float32 block sums of x. The weights are read once for all rows.
@@ -30,7 +30,7 @@
 namespace octavo {
 
 constexpr int kPanel = 16;
-constexpr int64_t kIntRows = 3;
+constexpr int64_t kIntRows = 8;  // rows of the 16-bit path (decode of up to 8 sequences)
 
 struct BlockWeights {
   const uint8_t* codes = nullptr;
