@@ -143,3 +143,47 @@ def test_bench_throughput_offline(model_dir, tmp_path, capsys) -> None:  # noqa:
     assert r["total_num_tokens"] == r["total_prompt_tokens"] + r["total_output_tokens"]
     assert r["tokens_per_second"] == pytest.approx(r["total_num_tokens"] / r["elapsed_time"])
     assert r["requests_per_second"] == pytest.approx(12 / r["elapsed_time"])
+
+
+# ------------------------------------------------------------------------------------------------
+# roofline on a GGUF's own blocks (octavo.BlockMatMul)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_roofline_counts_block_matmul_weights(hf_model_dir, tmp_path: Path, qtype: str) -> None:  # noqa: ANN001
+    """A GGUF exported on its own blocks has no Gemm left: the roofline's FLOPs are transformers' linear
+    layers (every projection and lm_head, K x N each) and its bytes the codes + scales + offsets the graph
+    stores; the profiled share of kernel time and the projections' GFLOP/s include BlockMatMul."""
+    import onnx
+    import torch
+    from models import load_hf
+
+    from octavo.bench.roofline import _profiled_shares, gemm_weights
+    from octavo.export import export_model
+    from octavo.export.gguf_writer import write_gguf
+    from octavo.export.manifest import Manifest
+
+    src = hf_model_dir("llama")
+    path = write_gguf(src, tmp_path / f"m.{qtype}.gguf", tensor_type=qtype)
+    out = tmp_path / "out"
+    export_model(path, out, progress=False)
+    manifest = Manifest.load(out)
+    model = onnx.load(str(out / manifest.onnx_file))  # with the weights: their real sizes
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    blocks = [n for n in model.graph.node if n.op_type == "BlockMatMul"]
+    assert blocks and not [n for n in model.graph.node if n.op_type in ("Gemm", "MatMul", "MatMulNBits")]
+
+    linear = [m.weight for m in load_hf(src)[0].modules() if isinstance(m, torch.nn.Linear)]
+    want_bytes = sum(values[name].nbytes for n in blocks for name in n.input[1:4])
+    codes = sum(values[n.input[1]].nbytes for n in blocks)
+    elements, nbytes = gemm_weights(out, manifest)
+    assert elements == sum(w.numel() for w in linear)
+    assert nbytes == want_bytes
+    bits = 4 if qtype == "Q4_0" else 8
+    assert codes >= elements * bits // 8  # the codes alone (N padded to panels of 16), scales and offsets beside
+    assert nbytes - codes < codes  # ... which take less than the codes
+
+    shares, kernel_gflops = _profiled_shares(out, manifest, threads=1, batch=2, context=16, block_size=16,
+                                             flops=2.0 * elements * 2)
+    assert shares.get("BlockMatMul", 0.0) > 0.0
+    assert kernel_gflops is not None and kernel_gflops > 0.0

@@ -5,10 +5,11 @@
                 peak (on this project's 2-core EPYC MLAS is the faster one, so numpy alone flatters the ratio).
 - bandwidth:    numpy copy of a 256 MiB array (bytes read + bytes written per second), best of a few.
 - large batch:  decode steps of `batch` sequences straight through OnnxRuntimeBackend; matmul FLOPs
-                (2 x the weights of every Gemm/MatMul/MatMulNBits in the graph x tokens; attention's own
+                (2 x the weights of every Gemm/MatMul/MatMulNBits/BlockMatMul in the graph x tokens; attention's own
                 two matmuls, q.K^T and p.V over the context, are reported beside it, not in it) per second
                 of step, as a share of the sgemm peak; and (a second session with ORT's profiler on) the share of kernel
-                time per op type and the matmul FLOPs per second of Gemm kernel time alone.
+                time per op type and the matmul FLOPs per second of the projections' own kernel time
+                (Gemm, MatMul, FusedMatMul, MatMulNBits, BlockMatMul: MATMUL_KERNELS).
 These four are measured in interleaved rounds, best round each, so that load from other processes
 (this machine is shared) hits them alike.
 - batch 1:      weight bytes streamed per decode step / step time, as a share of the copy bandwidth.
@@ -38,12 +39,12 @@ class Roofline:
     threads: int
     sgemm_gflops: float  # the peak: max(numpy, onnxruntime)
     copy_gbs: float
-    matmul_weight_bytes: int  # bytes of all projection weights as stored (fp32, or packed int8/int4 + scales)
+    matmul_weight_bytes: int  # bytes of all projection weights as stored (fp32, or codes + scales (+ zero points/offsets))
     batch: int
     context: int
     step_ms_batch: float
     achieved_gflops_batch: float  # matmul FLOPs / whole step time
-    gemm_kernel_gflops_batch: float | None  # matmul FLOPs / Gemm kernel time (ORT profile)
+    gemm_kernel_gflops_batch: float | None  # matmul FLOPs / the MATMUL_KERNELS' kernel time (ORT profile)
     op_share_batch: dict[str, float] = field(default_factory=dict)  # op type -> share of kernel time
     step_ms_1: float = 0.0
     bandwidth_gbs_1: float = 0.0  # weight bytes / step time at batch 1
@@ -70,7 +71,7 @@ class Roofline:
                 "batch1_vs_copy": self.batch1_vs_copy}
 
     def lines(self) -> str:
-        kern = (f", {self.gemm_kernel_gflops_batch:.1f} GFLOP/s inside the Gemm kernels "
+        kern = (f", {self.gemm_kernel_gflops_batch:.1f} GFLOP/s inside the matmul kernels "
                 f"({self.gemm_kernel_gflops_batch / self.sgemm_gflops * 100:.0f}% of peak)"
                 if self.gemm_kernel_gflops_batch else "")
         shares = ", ".join(f"{k} {v * 100:.0f}%" for k, v in sorted(self.op_share_batch.items(), key=lambda kv: -kv[1])[:4])
@@ -135,28 +136,37 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
+# quantized projections: op type -> the inputs that hold its weight as stored (the activations are input 0,
+# a bias comes after these and is not counted). MatMulNBits: packed codes, scales, zero points;
+# octavo.BlockMatMul (a GGUF's own blocks): codes, scales, offsets. Both carry K and N as attributes.
+BLOCK_WEIGHT_INPUTS = {"MatMulNBits": slice(1, 4), "BlockMatMul": slice(1, 4)}
+MATMUL_KERNELS = ("Gemm", "MatMul", "FusedMatMul", *BLOCK_WEIGHT_INPUTS)  # op types of the projections' kernel time
+
+
 def gemm_weights(model_dir: Path, manifest: Manifest) -> tuple[int, int]:
     """(multiply-adds one token does through the projection weights, bytes those weights take as stored)
-    over every Gemm/MatMul with a weight initializer and every MatMulNBits (packed weight + scales +
-    zero points); read from the graph, weights not loaded."""
+    over every Gemm/MatMul with a weight initializer, every MatMulNBits (packed weight + scales + zero
+    points) and every octavo.BlockMatMul (codes + scales + offsets; K x N multiply-adds, its zero-padded
+    columns not counted); read from the graph, weights not loaded."""
     import onnx
 
     model = onnx.load(str(model_dir / manifest.onnx_file), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
     size = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.UINT8: 1}
+
+    def stored(t: onnx.TensorProto) -> int:
+        return int(np.prod(t.dims)) * size.get(t.data_type, 4)
+
     elements, nbytes = 0, 0
     for node in model.graph.node:
         if node.op_type in ("Gemm", "MatMul") and node.input[1] in inits:
             t = inits[node.input[1]]
             elements += int(np.prod(t.dims))
-            nbytes += int(np.prod(t.dims)) * size.get(t.data_type, 4)
-        elif node.op_type == "MatMulNBits":
+            nbytes += stored(t)
+        elif node.op_type in BLOCK_WEIGHT_INPUTS:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             elements += int(attrs["K"]) * int(attrs["N"])
-            for name in node.input[1:4]:
-                if name in inits:
-                    t = inits[name]
-                    nbytes += int(np.prod(t.dims)) * size.get(t.data_type, 4)
+            nbytes += sum(stored(inits[name]) for name in node.input[BLOCK_WEIGHT_INPUTS[node.op_type]] if name in inits)
     return elements, nbytes
 
 
@@ -237,7 +247,7 @@ def measure(model_dir: Path, *, threads: int = 2, batch: int = 64, context: int 
 
 def _profiled_shares(model_dir: Path, manifest: Manifest, threads: int, batch: int, context: int, block_size: int,
                      flops: float) -> tuple[dict[str, float], float | None]:
-    """A second backend with ORT's profiler on: op-type shares and the Gemm kernels' own GFLOP/s."""
+    """A second backend with ORT's profiler on: op-type shares and the projection kernels' own GFLOP/s."""
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     steps = 5
@@ -253,7 +263,7 @@ def _profiled_shares(model_dir: Path, manifest: Manifest, threads: int, batch: i
             backend.close()
     agg = kernel_us_by_op(events)
     total = sum(agg.values()) or 1.0
-    gemm_us = sum(agg.get(k, 0.0) for k in ("Gemm", "MatMul", "FusedMatMul", "MatMulNBits")) / steps
+    gemm_us = sum(agg.get(k, 0.0) for k in MATMUL_KERNELS) / steps
     return {k: v / total for k, v in agg.items()}, (flops / (gemm_us * 1e-6) / 1e9 if gemm_us else None)
 
 
