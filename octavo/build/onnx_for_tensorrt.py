@@ -44,8 +44,12 @@ ATTRIBUTE_DEFAULTS: dict[str, int | float | None] = {
 KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 POOL_PREFIXES = ("key_cache.", "value_cache.")
 POOL_OUTPUT_SUFFIX = ".out"  # graph output aliased to pool input NAME is NAME + ".out"
-UNSUPPORTED_DOMAINS = {"com.microsoft": "quantized (MatMulNBits) exports run on ONNX Runtime only; "
-                                        "export without --quantize for the TensorRT path"}
+FP32_HOWTO = "export with --weights fp32 for the TensorRT path"
+# ONNX Runtime's contrib ops (MatMulNBits of --weights int8|int4 and --gguf-kernel matmulnbits): no TensorRT importer
+UNSUPPORTED_DOMAINS = {"com.microsoft": f"quantized (MatMulNBits) exports run on ONNX Runtime only; {FP32_HOWTO}"}
+EXPORT_DOMAIN = "octavo"  # the exporter's custom-op domain: PagedAttention has a plugin, its other ops do not
+UNSUPPORTED_OPS = {"BlockMatMul": f"a GGUF's own quantized blocks (octavo.BlockMatMul, the default for a quantized "
+                                  f".gguf) run on ONNX Runtime only; {FP32_HOWTO}"}
 
 
 def pool_output_name(pool_input: str) -> str:
@@ -158,15 +162,9 @@ def prepare_onnx_for_tensorrt(
         raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError / OSError variants
-        raise ModelFormatError(f"cannot read {model_path}: {exc}") from exc
+    model = _load_graph(model_path)
     graph = model.graph
-    for node in graph.node:
-        if node.domain in UNSUPPORTED_DOMAINS:
-            raise ModelFormatError(f"{model_path}: node {node.name!r} ({node.domain}.{node.op_type}): "
-                                   f"{UNSUPPORTED_DOMAINS[node.domain]}")
+    _refuse_unsupported(model_path, graph)
     attention = [n for n in graph.node if n.op_type == OP_TYPE]
     if not attention:
         raise ModelFormatError(f"{model_path} has no {OP_TYPE} node; is it an octavo export?")
@@ -183,6 +181,27 @@ def prepare_onnx_for_tensorrt(
     _link_external_data(model, model_path.parent, out_path.parent)
     onnx.save(model, str(out_path))
     return out_path
+
+
+def _load_graph(model_path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError / OSError variants
+        raise ModelFormatError(f"cannot read {model_path}: {exc}") from exc
+
+
+def _refuse_unsupported(model_path: Path, graph: onnx.GraphProto) -> None:
+    """A node TensorRT's parser has no importer or plugin for is a ModelFormatError naming it and the way out,
+    before anything is rewritten."""
+    for node in graph.node:
+        if node.domain in UNSUPPORTED_DOMAINS:
+            why = UNSUPPORTED_DOMAINS[node.domain]
+        elif node.domain == EXPORT_DOMAIN and node.op_type != OP_TYPE:
+            why = UNSUPPORTED_OPS.get(node.op_type, f"{EXPORT_DOMAIN}.{node.op_type} is an ONNX Runtime custom op "
+                                                    f"with no TensorRT plugin; {FP32_HOWTO}")
+        else:
+            continue
+        raise ModelFormatError(f"{model_path}: node {node.name!r} ({node.domain}.{node.op_type}): {why}")
 
 
 def _link_external_data(model: onnx.ModelProto, src_dir: Path, dst_dir: Path) -> None:

@@ -212,12 +212,23 @@ def _parser_errors(parser) -> str:  # noqa: ANN001
     return "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "(no parser errors reported)"
 
 
+def check_float_weights(model_dir: Path, manifest: Manifest) -> None:
+    """TensorRT runs float weights only: a quantized export (MatMulNBits, or a GGUF's own blocks as
+    octavo.BlockMatMul) is a ModelFormatError saying so, checked before TensorRT is imported so that a machine
+    without it gets this reason rather than "TensorRT is not installed"."""
+    if manifest.weights != "fp32":
+        method = (manifest.quantization or {}).get("method", "MatMulNBits")
+        raise ModelFormatError(f"{model_dir} holds {manifest.weights} weights ({method}), which run on ONNX Runtime "
+                               "only; export with --weights fp32 for the TensorRT path")
+
+
 def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = None) -> Path:
     """Build the engine for the export folder MODEL_DIR; returns the engine file's path."""
     options = options or TensorRTBuildOptions()
     options.validate()
     model_dir = Path(model_dir)
     manifest = Manifest.load(model_dir)
+    check_float_weights(model_dir, manifest)
     trt = import_tensorrt()
     check_tensorrt_numpy(trt.__version__, numpy.__version__)  # building creates plugins from attributes
     from octavo.build.cuda_api import compute_capability, driver_cuda_version, import_cudart, ptx_version_cap

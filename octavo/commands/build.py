@@ -22,15 +22,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve(model: str) -> Path:
+    """MODEL's export folder; an HF folder or .gguf file is exported with float32 weights (all TensorRT runs)."""
+    from octavo.export.manifest import MANIFEST_NAME
+
+    if (Path(model) / MANIFEST_NAME).is_file():
+        return Path(model)
     try:
         from octavo.export.resolve import resolve_model
     except ImportError:  # resolver not available in this build: MODEL must already be an export folder
         return Path(model)
-    return resolve_model(model)
+    return resolve_model(model, weights="fp32")
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.build.tensorrt_builder import TensorRTBuildOptions, build_engine, import_tensorrt
+    from octavo.build.tensorrt_builder import TensorRTBuildOptions, build_engine, check_float_weights, import_tensorrt
+    from octavo.export.manifest import MANIFEST_NAME, Manifest
 
     options = TensorRTBuildOptions(
         dtype={"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[args.dtype],
@@ -43,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         from octavo.errors import InvalidRequestError
 
         raise InvalidRequestError(str(exc)) from exc
+    folder = Path(args.model)
+    if (folder / MANIFEST_NAME).is_file():  # a quantized export: its reason first, with or without TensorRT
+        check_float_weights(folder, Manifest.load(folder))
     trt = import_tensorrt()  # fail fast, before any export work
     started = time.perf_counter()
     engine = build_engine(_resolve(args.model), options)

@@ -39,8 +39,10 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head)
     manifest = Manifest.load(model_dir)
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
+        method = (manifest.quantization or {}).get("method", "MatMulNBits")  # BlockMatMul or MatMulNBits
+        op = f"octavo.{method}" if method == "BlockMatMul" else method
         raise InvalidRequestError(f"{model_dir} holds {manifest.weights} weights, which run on the "
-                                  "onnxruntime backend only (its MatMulNBits op has no TensorRT plugin here); "
+                                  f"onnxruntime backend only (its {op} op has no TensorRT plugin here); "
                                   "use backend='onnxruntime', or an fp32 export with tensorrt")
     tokenizer = Tokenizer(model_dir, manifest)
     if args.max_model_len is not None and not 1 <= args.max_model_len <= manifest.max_context:

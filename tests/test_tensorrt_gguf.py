@@ -1,0 +1,69 @@
+"""A GGUF exported on its own blocks (octavo.BlockMatMul, the default for a quantized .gguf) and TensorRT:
+every way onto the TensorRT path refuses it with the reason and the way out (--weights fp32), before
+anything TensorRT is imported, so the same error comes on a machine without TensorRT."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from engine_helpers import exported
+from onnx import helper
+
+from octavo.build.onnx_for_tensorrt import prepare_onnx_for_tensorrt
+from octavo.errors import InvalidRequestError, ModelFormatError
+from octavo.export import export_model
+from octavo.export.gguf_writer import write_gguf
+from octavo.runtime.engine_args import EngineArgs
+
+WAY_OUT = "export with --weights fp32 for the TensorRT path"
+
+
+@pytest.fixture(scope="module")
+def block_export(hf_model_dir, tmp_path_factory) -> Path:  # noqa: ANN001
+    tmp = tmp_path_factory.mktemp("trt_gguf")
+    path = write_gguf(hf_model_dir("llama"), tmp / "m.Q4_0.gguf", tensor_type="Q4_0")
+    manifest = export_model(path, tmp / "out", progress=False)
+    assert manifest.quantization == {"method": "BlockMatMul", "source": "gguf", "lm_head": True}
+    return tmp / "out"
+
+
+def test_prepare_onnx_refuses_block_matmul(block_export: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelFormatError, match=r"\(octavo\.BlockMatMul\): a GGUF's own quantized blocks .* run on "
+                                               r"ONNX Runtime only; " + WAY_OUT):
+        prepare_onnx_for_tensorrt(block_export / "model.onnx", tmp_path / "o.onnx")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_prepare_onnx_refuses_other_octavo_ops_but_not_paged_attention(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """PagedAttention (same domain) still maps to the plugin; any other op of the exporter's domain is refused."""
+    fp32 = exported(hf_model_dir("llama"))
+    assert prepare_onnx_for_tensorrt(fp32 / "model.onnx", tmp_path / "ok" / "o.onnx").is_file()
+    model = onnx.load(str(fp32 / "model.onnx"), load_external_data=False)
+    model.graph.node.append(helper.make_node("FoldRows", ["a", "b"], ["c"], name="fold", domain="octavo"))
+    onnx.save(model, str(tmp_path / "extra.onnx"))
+    with pytest.raises(ModelFormatError, match=r"octavo\.FoldRows is an ONNX Runtime custom op with no TensorRT "
+                                               r"plugin; " + WAY_OUT):
+        prepare_onnx_for_tensorrt(tmp_path / "extra.onnx", tmp_path / "o.onnx")
+
+
+def test_build_refuses_a_gguf_block_export_before_tensorrt(block_export: Path, capsys) -> None:  # noqa: ANN001
+    from octavo.build.tensorrt_builder import build_engine
+    from octavo.cli import main
+
+    with pytest.raises(ModelFormatError, match=r"holds gguf weights \(BlockMatMul\), which run on ONNX Runtime only"):
+        build_engine(block_export)
+    assert main(["build", str(block_export)]) == 2
+    err = capsys.readouterr().err
+    assert WAY_OUT in err and "TensorRT is not installed" not in err and "Traceback" not in err
+
+
+def test_engine_refuses_gguf_weights_with_tensorrt(block_export: Path) -> None:
+    from octavo.runtime.engine import LLMEngine
+
+    with pytest.raises(InvalidRequestError, match=r"weights='gguf' runs on the onnxruntime backend only \(its "
+                                                  r"octavo\.BlockMatMul op"):
+        EngineArgs(model="m.gguf", backend="tensorrt", weights="gguf").validate()
+    with pytest.raises(InvalidRequestError, match=r"gguf weights, which run on the onnxruntime backend only \(its "
+                                                  r"octavo\.BlockMatMul op has no TensorRT plugin here\)"):
+        LLMEngine(EngineArgs(model=str(block_export), backend="tensorrt"))
