@@ -22,11 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--accuracy-level", type=int, default=4, choices=range(5), metavar="{0..4}",
                    help="MatMulNBits accuracy_level: 4 (default) computes in int8 on CPU, 0 in float32")
     q.add_argument("--quantize-lm-head", action="store_true", help="quantize the vocabulary projection too")
-    q.add_argument("--gguf-kernel", choices=("block", "matmulnbits"), default="block",
-                   help="--weights gguf: block (default) multiplies the file's blocks in float32 (octavo.BlockMatMul); "
-                        "matmulnbits uses ONNX Runtime's MatMulNBits (int8 activations at accuracy level 4)")
+    q.add_argument("--quant-kernel", choices=("block", "matmulnbits"), default="block",
+                   help="quantized weights (gguf, int8, int4): block (default) runs octavo.BlockMatMul (16-bit "
+                        "activations for decode steps, float32 for larger ones); matmulnbits runs ONNX Runtime's "
+                        "MatMulNBits at --accuracy-level (int8 activations at 4)")
     q.add_argument("--residual-rows", type=int, default=None,
-                   help="--gguf-kernel matmulnbits at accuracy level 4: undo the int8 rounding of the activations in steps of "
+                   help="--weights gguf --quant-kernel matmulnbits at accuracy level 4: undo the int8 rounding of the activations in steps of "
                         "at most this many tokens (0 = off; default: 64)")
 
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     manifest = export_model(model_argument(args.src)[0], args.out, progress=not args.no_progress, overwrite=args.force,
                             weights=args.weights, quant_block_size=args.quant_block_size,
                             accuracy_level=args.accuracy_level, quantize_lm_head=args.quantize_lm_head,
-                            gguf_kernel=args.gguf_kernel,
+                            quant_kernel=args.quant_kernel,
                             **({} if args.residual_rows is None else {"residual_rows": args.residual_rows}))
     out = Path(args.out)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

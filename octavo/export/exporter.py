@@ -137,23 +137,23 @@ def _place(tmp: Path, out: Path, overwrite: bool) -> None:
 def export_model(src: str | Path, out: str | Path, *, progress: bool = True, overwrite: bool = False,
                  weights: str | None = None, quant_block_size: int = 32, accuracy_level: int = 4,
                  quantize_lm_head: bool = False, residual_rows: int = RESIDUAL_ROWS,
-                 gguf_kernel: str = "block") -> Manifest:
+                 quant_kernel: str = "block") -> Manifest:
     """Export SRC (HF folder or .gguf file) into the folder OUT; returns the written Manifest.
 
     weights: None (default: a GGUF with quantized layers runs its own blocks, "gguf"; anything else
     "fp32"), "fp32", "gguf" (a .gguf's own blocks, exactly: octavo.export.gguf_blocks; lm_head too), or
     "int8" / "int4" to store the linear layers blockwise-quantized by us (quant_block_size values of K
     per scale; quantize_lm_head also quantizes the vocabulary projection). accuracy_level 4 = int8
-    compute in ONNX Runtime's CPU kernel. gguf_kernel: "block" (default) multiplies a GGUF's blocks with
-    octavo.BlockMatMul in float32; "matmulnbits" with MatMulNBits at accuracy_level, where residual_rows > 0
-    corrects its int8 rounding of the activations in steps of at most that many rows (0 = off). See
-    docs/quantization.md."""
+    compute in ONNX Runtime's CPU kernel. quant_kernel: "block" (default) multiplies quantized weights (int8,
+    int4, a GGUF's blocks) with octavo.BlockMatMul; "matmulnbits" with MatMulNBits at accuracy_level, where for
+    "gguf" residual_rows > 0 corrects its int8 rounding of the activations in steps of at most that many rows
+    (0 = off). See docs/quantization.md."""
     from octavo.export.resolve import default_weights
 
     started = time.perf_counter()
     weights = default_weights(Path(src), weights) or "fp32"
     lm_head = True if weights == "gguf" else quantize_lm_head
-    quant = QuantConfig(weights, quant_block_size, accuracy_level, lm_head, residual_rows, gguf_kernel).validate()
+    quant = QuantConfig(weights, quant_block_size, accuracy_level, lm_head, residual_rows, quant_kernel).validate()
     out = Path(out)
     checkpoint = read_checkpoint(src)
     spec = spec_from_config(checkpoint.config, checkpoint.extra_eos_token_ids)

@@ -9,8 +9,9 @@ tokens pays the vocabulary projection only for the rows that need a next token.
 
 Linear weights stay in HF's [out, in] layout and run as Gemm(transB=1): the bytes are copied straight
 from the checkpoint, and q/k/v (and gate/up) are written back to back as one fused tensor. With a
-QuantConfig (int8/int4) they are blockwise-quantized instead (octavo.export.quantize) and run as ONNX
-Runtime's com.microsoft.MatMulNBits; the embedding (and, unless asked, lm_head) stays float32.
+QuantConfig (int8/int4) they are blockwise-quantized instead (octavo.export.quantize), with "gguf" the file's
+own blocks are kept (octavo.export.gguf_blocks); either runs as octavo.BlockMatMul (the default kernel) or
+ONNX Runtime's com.microsoft.MatMulNBits; the embedding (and, unless asked, lm_head) stays float32.
 
 Gemma 2 / Gemma 3 (ModelSpec options, Llama defaults): embeddings times sqrt(hidden_size), RMSNorm weights
 stored as (1 + w) in float32 (HF computes the same sum in float32), sandwich norms (the attention and MLP
@@ -33,7 +34,7 @@ from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
 from octavo.export.block_layout import panel_weights
 from octavo.export.gguf_blocks import Blocks, promote
-from octavo.export.quantize import MS_DOMAIN, BlockQuantized, QuantConfig, concat, quantize
+from octavo.export.quantize import MS_DOMAIN, BlockQuantized, QuantConfig, concat, quantize, unpacked
 from octavo.export.rope import attention_factor, attention_scale, inv_freq
 from octavo.export.weights_file import WeightsFile
 
@@ -139,9 +140,9 @@ Part = tuple[str, tuple[int, int]]  # (checkpoint tensor name, its [out, in] sha
 def _project(g: _Graph, w: _Weights, x: str, name: str, parts: list[Part], bias: Bias | None,
              quant: QuantConfig | None, output: str | None = None) -> str:
     """x @ W^T (+ bias), W = the PARTS stacked along N: Gemm(transB) over the float32 weight; with an
-    int8/int4 QUANT, MatMulNBits over our blockwise quantization of it; with the "gguf" QUANT,
-    MatMulNBits over the file's own blocks (exact; a float Gemm where a part's type has no exact
-    layout). OUTPUT names the result (default: a fresh name)."""
+    int8/int4 QUANT, our blockwise quantization of it; with the "gguf" QUANT, the file's own blocks (exact;
+    a float Gemm where a part's type has no exact layout). Quantized weights go through octavo.BlockMatMul
+    (quant.kernel "block", the default) or MatMulNBits ("matmulnbits"). OUTPUT names the result."""
     blocks = w.blocks(parts) if quant is not None and quant.native else None
     if blocks is not None:
         return _project_blocks(g, x, name, blocks, bias, quant, output)
@@ -150,6 +151,10 @@ def _project(g: _Graph, w: _Weights, x: str, name: str, parts: list[Part], bias:
         inputs = [x, g.weight(name, floats)] + ([g.weight(*bias)] if bias else [])
         return _emit(g, "Gemm", inputs, output, transB=1)
     q = concat([quantize(p, quant.bits or 0, quant.block_size) for p in floats])
+    if quant.block_kernel and q.k % q.block_size == 0:  # BlockMatMul has no partial last block
+        codes, zero = unpacked(q)
+        blocks = Blocks(codes, q.scales, zero, None, q.bits, (quant.weights,))
+        return _block_matmul(g, x, name, blocks, bias, output)
     return _matmulnbits(g, x, name, q, bias, quant.accuracy_level, output)
 
 
@@ -187,8 +192,8 @@ def _project_blocks(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | N
 
 
 def _block_matmul(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | None, output: str | None) -> str:
-    """octavo.BlockMatMul over the file's blocks (octavo.export.block_layout): float32 activations, weights
-    dequantized in registers to the file's float32 values."""
+    """octavo.BlockMatMul over BLOCKS (a GGUF's own, or octavo's int8/int4 quantization; layout:
+    octavo.export.block_layout)."""
     pw = panel_weights(blocks)
     scale_type = "f2" if pw.scales.dtype == np.float16 else "f4"
     inputs = [x, g.weight(name + ".codes", [pw.codes], "u1"), g.weight(name + ".scales", [pw.scales], scale_type),

@@ -29,9 +29,10 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 com
 # RMSE -13% on SmolLM2's layers), not 8 bits (<1%, so only the full range is tried there)
 CLIP_RATIOS: dict[int, tuple[float, ...]] = {4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), 8: (1.0,)}
 RESIDUAL_ROWS = 64  # see QuantConfig.residual_rows
-# how "gguf" weights are multiplied: "block" = octavo.BlockMatMul (float32 activations, the default);
-# "matmulnbits" = ONNX Runtime's MatMulNBits (int8 activations at accuracy_level 4, + the residual below)
-GGUF_KERNELS = ("block", "matmulnbits")
+# how quantized weights (int8, int4, gguf) are multiplied: "block" = octavo.BlockMatMul (the default: 16-bit
+# activations for decode steps, float32 for larger ones; plugins/onnxruntime/block_matmul_kernel.h);
+# "matmulnbits" = ONNX Runtime's MatMulNBits at accuracy_level (int8 activations at 4; gguf adds the residual)
+QUANT_KERNELS = ("block", "matmulnbits")
 _ROWS_PER_CHUNK = 4096  # rows quantized at once: bounds the float temporaries of a large matrix
 
 
@@ -46,7 +47,7 @@ class QuantConfig:
     # "gguf" with accuracy_level 4: undo the kernel's int8 rounding of the activations (octavo.Int8Residual)
     # in steps of at most this many rows; larger steps (long prefill chunks) keep the plain int8 path. 0 = off
     residual_rows: int = RESIDUAL_ROWS
-    kernel: str = "block"  # "gguf" only: one of GGUF_KERNELS
+    kernel: str = "block"  # one of QUANT_KERNELS
 
     @property
     def bits(self) -> int | None:
@@ -64,8 +65,8 @@ class QuantConfig:
 
     @property
     def block_kernel(self) -> bool:
-        """The GGUF's blocks multiplied by octavo.BlockMatMul (float32 activations, no MatMulNBits)."""
-        return self.native and self.kernel == "block"
+        """Quantized weights multiplied by octavo.BlockMatMul (no MatMulNBits)."""
+        return self.enabled and self.kernel == "block"
 
     @property
     def native(self) -> bool:
@@ -79,8 +80,8 @@ class QuantConfig:
             raise InvalidRequestError(f"quant block size must be a power of two >= 16, got {self.block_size}")
         if self.residual_rows < 0:
             raise InvalidRequestError(f"residual rows must be >= 0 (0 = off), got {self.residual_rows}")
-        if self.kernel not in GGUF_KERNELS:
-            raise InvalidRequestError(f"gguf kernel must be one of {GGUF_KERNELS}, got {self.kernel!r}")
+        if self.kernel not in QUANT_KERNELS:
+            raise InvalidRequestError(f"quantized-weight kernel must be one of {QUANT_KERNELS}, got {self.kernel!r}")
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise InvalidRequestError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
         return self
@@ -89,8 +90,11 @@ class QuantConfig:
         """The manifest's `quantization` entry (None for fp32)."""
         if not self.enabled:
             return None
-        if self.block_kernel:
+        if self.block_kernel and self.native:
             return {"method": "BlockMatMul", "source": "gguf", "lm_head": self.lm_head}
+        if self.block_kernel:
+            return {"method": "BlockMatMul", "bits": self.bits, "block_size": self.block_size, "symmetric": False,
+                    "lm_head": self.lm_head}
         if self.native:
             return {"method": "MatMulNBits", "source": "gguf", "accuracy_level": self.accuracy_level,
                     "lm_head": self.lm_head, "activation_residual_rows": self.residual_rows if self.residual else 0}
@@ -101,8 +105,10 @@ class QuantConfig:
         """Part of a cache folder's name: '' for fp32, e.g. 'int4-b32-a4' (+ '-head') otherwise."""
         if not self.enabled:
             return ""
-        if self.block_kernel:
+        if self.block_kernel and self.native:
             return "gguf-block"
+        if self.block_kernel:
+            return f"{self.weights}-b{self.block_size}-block" + ("-head" if self.lm_head else "")
         if self.native:
             return f"gguf-a{self.accuracy_level}" + (f"-r{self.residual_rows}" if self.residual else "")
         return f"{self.weights}-b{self.block_size}-a{self.accuracy_level}" + ("-head" if self.lm_head else "")
@@ -205,6 +211,11 @@ def quantize(weight: np.ndarray, bits: int, block_size: int) -> BlockQuantized:
         packed[rows] = pack_codes(codes, bits)
         zero_points[rows] = pack_codes(zero, bits)
     return BlockQuantized(packed, scales, zero_points, bits, block_size, k)
+
+
+def unpacked(q: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
+    """(codes uint8 [N, nb, bs], zero points uint8 [N, nb]) of Q, unpacked."""
+    return unpack_codes(q.packed, q.bits, q.block_size), unpack_codes(q.zero_points, q.bits, q.n_blocks)
 
 
 def dequantize(q: BlockQuantized) -> np.ndarray:

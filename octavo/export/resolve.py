@@ -158,5 +158,5 @@ def resolve_model(path: str | Path, *, progress: bool = True, weights: str | Non
         log.info("exporting %s into the cache at %s", source, target)
         export_model(source, target, progress=progress, overwrite=True, weights=quant.weights,
                      quant_block_size=quant.block_size, accuracy_level=quant.accuracy_level,
-                     quantize_lm_head=quant.lm_head, gguf_kernel=quant.kernel)
+                     quantize_lm_head=quant.lm_head, quant_kernel=quant.kernel)
     return target
