@@ -147,17 +147,17 @@ def _encode(folder: Path, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def exports(hf_model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
-    """Factory: (arch, weights, accuracy_level, lm_head) -> export folder (each made once)."""
+    """Factory: (arch, weights, accuracy_level, lm_head, kernel) -> export folder (each made once)."""
     from octavo.export import export_model
 
     made: dict[tuple, Path] = {}
 
-    def get(arch: str, weights: str, accuracy_level: int = 4, lm_head: bool = False) -> Path:
-        key = (arch, weights, accuracy_level, lm_head)
+    def get(arch: str, weights: str, accuracy_level: int = 4, lm_head: bool = False, kernel: str = "block") -> Path:
+        key = (arch, weights, accuracy_level, lm_head, kernel)
         if key not in made:
-            out = tmp_path_factory.mktemp(f"q_{arch}_{weights}_{accuracy_level}_{int(lm_head)}") / "model"
+            out = tmp_path_factory.mktemp(f"q_{arch}_{weights}_{accuracy_level}_{int(lm_head)}_{kernel}") / "model"
             export_model(hf_model_dir(arch), out, progress=False, weights=weights,
-                         accuracy_level=accuracy_level, quantize_lm_head=lm_head)
+                         accuracy_level=accuracy_level, quantize_lm_head=lm_head, quant_kernel=kernel)
             made[key] = out
         return made[key]
 
@@ -179,20 +179,23 @@ def _hf_with_dequantized(src: Path, bits: int, block_size: int, lm_head: bool): 
     return model
 
 
+@pytest.mark.parametrize("kernel", ["block", "matmulnbits"])
 @pytest.mark.parametrize("arch,weights,lm_head", [("llama", "int4", False), ("qwen2", "int8", False),
                                                   ("tied", "int4", True)])
 def test_export_equals_transformers_with_dequantized_weights(exports, hf_model_dir, arch: str, weights: str,
-                                                             lm_head: bool) -> None:
+                                                             lm_head: bool, kernel: str) -> None:
+    """Both kernels: octavo.BlockMatMul (the default) and MatMulNBits at accuracy_level 0 (float compute)."""
     import torch
     from models import hf_greedy
 
     from octavo import LLM
 
-    folder = exports(arch, weights, accuracy_level=0, lm_head=lm_head)
+    folder = exports(arch, weights, accuracy_level=0, lm_head=lm_head, kernel=kernel)
     model = onnx.load(folder / "model.onnx", load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
     layers = json.loads((folder / "octavo.json").read_text())["num_layers"]
-    assert ops.count("MatMulNBits") == 4 * layers + int(lm_head)  # qkv, o, gate_up, down (+ lm_head)
+    op = {"block": "BlockMatMul", "matmulnbits": "MatMulNBits"}[kernel]
+    assert ops.count(op) == 4 * layers + int(lm_head)  # qkv, o, gate_up, down (+ lm_head)
     assert ops.count("Gemm") == int(not lm_head)  # only a float lm_head is left
     assert any(n.op_type == "Gather" and n.input[0] == "model.embed_tokens.weight" for n in model.graph.node)
 
@@ -271,6 +274,8 @@ def test_manifest_cache_folders_and_mismatch(hf_model_dir, exports, tmp_path, mo
     assert Manifest.load(exports("llama", "fp32")).weights == "fp32"
     manifest = Manifest.load(exports("llama", "int4"))
     assert manifest.weights == "int4" and manifest.quantization == {
+        "method": "BlockMatMul", "bits": 4, "block_size": 32, "symmetric": False, "lm_head": False}
+    assert Manifest.load(exports("llama", "int4", kernel="matmulnbits")).quantization == {
         "method": "MatMulNBits", "bits": 4, "block_size": 32, "accuracy_level": 4, "symmetric": False, "lm_head": False}
     assert (exports("llama", "int4") / "model.onnx.data").stat().st_size < (exports("llama", "fp32") / "model.onnx.data").stat().st_size
 
@@ -301,11 +306,12 @@ def test_llm_and_cli_weights_option(hf_model_dir, tmp_path, monkeypatch) -> None
     out = tmp_path / "cli"
     run = subprocess.run([sys.executable, "-m", "octavo.cli", "export", str(hf_model_dir("llama")), str(out),
                           "--weights", "int4", "--quant-block-size", "64", "--accuracy-level", "0",
-                          "--quantize-lm-head", "--no-progress"], capture_output=True, text=True, env=env, timeout=120)
+                          "--quant-kernel", "matmulnbits", "--quantize-lm-head", "--no-progress"],
+                         capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "weights int4" in run.stdout
     q = json.loads((out / "octavo.json").read_text())["quantization"]
-    assert (q["bits"], q["block_size"], q["accuracy_level"], q["lm_head"]) == (4, 64, 0, True)
+    assert (q["method"], q["bits"], q["block_size"], q["accuracy_level"], q["lm_head"]) == ("MatMulNBits", 4, 64, 0, True)
     bad = subprocess.run([sys.executable, "-m", "octavo.cli", "export", str(hf_model_dir("llama")), str(tmp_path / "x"),
                           "--weights", "int4", "--quant-block-size", "24"], capture_output=True, text=True, env=env,
                          timeout=120)
@@ -313,11 +319,11 @@ def test_llm_and_cli_weights_option(hf_model_dir, tmp_path, monkeypatch) -> None
 
 
 def _matmulnbits_attributes(folder: Path) -> set[tuple[int, int]]:
-    """{(bits, block_size)} over the graph's MatMulNBits nodes: what the export really wrote."""
+    """{(bits, block_size)} over the graph's quantized matmuls (BlockMatMul, MatMulNBits): what the export wrote."""
     model = onnx.load(folder / "model.onnx", load_external_data=False)
     return {(helper.get_attribute_value(next(a for a in n.attribute if a.name == "bits")),
              helper.get_attribute_value(next(a for a in n.attribute if a.name == "block_size")))
-            for n in model.graph.node if n.op_type == "MatMulNBits"}
+            for n in model.graph.node if n.op_type in ("MatMulNBits", "BlockMatMul")}
 
 
 def test_llm_quant_block_size_and_lm_head_variants(hf_model_dir, tmp_path, monkeypatch) -> None:
@@ -338,7 +344,7 @@ def test_llm_quant_block_size_and_lm_head_variants(hf_model_dir, tmp_path, monke
     assert qhead is not None and (qhead["block_size"], qhead["lm_head"]) == (32, True)
     assert _matmulnbits_attributes(b64) == {(4, 64)} and _matmulnbits_attributes(head) == {(4, 32)}
     layers = Manifest.load(b64).num_layers
-    count = {f: [n.op_type for n in onnx.load(f / "model.onnx", load_external_data=False).graph.node].count("MatMulNBits")
+    count = {f: [n.op_type for n in onnx.load(f / "model.onnx", load_external_data=False).graph.node].count("BlockMatMul")
              for f in (b64, head)}
     assert count == {b64: 4 * layers, head: 4 * layers + 1}  # the lm_head variant quantizes the vocabulary projection
 
