@@ -12,22 +12,14 @@
 
 #include "block_matmul_kernel.h"
 #include "block_matmul_op.h"
+#include "op_glue.h"
 
 namespace {
 
 constexpr const char* kPrefix = "octavo.BlockMatMul: ";
 
-struct Failure {
-  OrtErrorCode code;
-  std::string message;
-};
-
-void check(const OrtApi* api, OrtStatus* status) {
-  if (status == nullptr) return;
-  Failure f{api->GetErrorCode(status), api->GetErrorMessage(status)};
-  api->ReleaseStatus(status);
-  throw f;
-}
+using octavo::glue::check;
+using octavo::glue::Failure;
 
 [[noreturn]] void fail(const std::string& message) { throw Failure{ORT_INVALID_ARGUMENT, message}; }
 
@@ -148,9 +140,8 @@ struct Kernel {
 
 struct BlockMatMulOp : OrtCustomOp {
   BlockMatMulOp() : OrtCustomOp{} {
-    version = ORT_API_VERSION;
+    octavo::glue::fill_common(*this);
     GetName = [](const OrtCustomOp*) { return "BlockMatMul"; };
-    GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
     GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
     GetInputType = [](const OrtCustomOp*, size_t i) {
       switch (i) {
@@ -161,33 +152,10 @@ struct BlockMatMulOp : OrtCustomOp {
       }
     };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-    GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
       return i < 4 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
     };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-    GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-    GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-    GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-    InferOutputShapeFn = nullptr;
-    GetStartVersion = [](const OrtCustomOp*) { return 1; };
-    GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
-    GetMayInplace = [](int** input_index, int** output_index) -> size_t {
-      *input_index = nullptr;
-      *output_index = nullptr;
-      return 0;
-    };
-    ReleaseMayInplace = [](int*, int*) {};
-    GetAliasMap = [](int** input_index, int** output_index) -> size_t {
-      *input_index = nullptr;
-      *output_index = nullptr;
-      return 0;
-    };
-    ReleaseAliasMap = [](int*, int*) {};
-    CreateKernel = nullptr;
-    KernelCompute = nullptr;
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
       try {
         const int64_t k = attribute(api, info, "K"), n = attribute(api, info, "N");

@@ -21,23 +21,16 @@
 #include <vector>
 
 #include "int8_residual_op.h"
+#include "op_glue.h"
 
 namespace {
 
 constexpr const char* kResidualPrefix = "octavo.Int8Residual: ";
 constexpr const char* kFoldPrefix = "octavo.FoldRows: ";
 
-struct Failure {
-  OrtErrorCode code;
-  std::string message;
-};
-
-void check(const OrtApi* api, OrtStatus* status) {
-  if (status == nullptr) return;
-  Failure f{api->GetErrorCode(status), api->GetErrorMessage(status)};
-  api->ReleaseStatus(status);
-  throw f;
-}
+using octavo::glue::check;
+using octavo::glue::Failure;
+using octavo::glue::fill_common;
 
 std::vector<int64_t> dims_of(const OrtApi* api, const OrtValue* value) {
   OrtTensorTypeAndShapeInfo* info = nullptr;
@@ -172,36 +165,6 @@ OrtStatus* run(void* kernel, OrtKernelContext* context, const char* prefix) {
   } catch (const std::exception& e) {
     return k->api->CreateStatus(ORT_FAIL, (std::string(prefix) + e.what()).c_str());
   }
-}
-
-// Shared callbacks of both schemas: float tensors in and out, CPU, no aliasing.
-void fill_common(OrtCustomOp& op) {
-  op.version = ORT_API_VERSION;
-  op.CreateKernel = nullptr;
-  op.KernelCompute = nullptr;
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.InferOutputShapeFn = nullptr;
-  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
-  op.GetMayInplace = [](int** input_index, int** output_index) -> size_t {
-    *input_index = nullptr;
-    *output_index = nullptr;
-    return 0;
-  };
-  op.ReleaseMayInplace = [](int*, int*) {};
-  op.GetAliasMap = [](int** input_index, int** output_index) -> size_t {
-    *input_index = nullptr;
-    *output_index = nullptr;
-    return 0;
-  };
-  op.ReleaseAliasMap = [](int*, int*) {};
 }
 
 struct ResidualOp : OrtCustomOp {
