@@ -147,3 +147,37 @@ def test_cli_reports_errors_and_exports(hf_model_dir, tmp_path: Path, capsys) ->
         ["model.onnx", "model.onnx.data", MANIFEST_NAME, "tokenizer.json", "chat_template.jinja"]
     )
     assert cli_main(["export", str(hf_model_dir("qwen2")), str(out), "--no-progress", "--force"]) == 0
+
+
+def test_cli_refuses_quantization_flags_that_change_nothing(hf_model_dir, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """`octavo export` with a flag its weight format ignores is a clear error (nothing written), not a silent
+    no-op: --accuracy-level / --residual-rows on the default GGUF block kernel, --quant-kernel on fp32 weights,
+    --quant-block-size on a GGUF's own blocks. The flags that do apply still export."""
+    from octavo.commands import export as export_command
+    from octavo.export import quantize
+    from octavo.export.gguf_writer import write_gguf
+
+    assert (export_command.QUANT_KERNELS, export_command.RESIDUAL_ROWS) == (quantize.QUANT_KERNELS,
+                                                                            quantize.RESIDUAL_ROWS)
+    gguf = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q8_0.gguf", tensor_type="Q8_0")
+    hf = hf_model_dir("llama")
+    refused = [
+        ([gguf, "--accuracy-level", "0"], "--accuracy-level would change nothing for this export (weights gguf, "
+                                          "kernel block)"),
+        ([gguf, "--residual-rows", "0"], "--residual-rows would change nothing"),
+        ([gguf, "--quant-kernel", "block", "--residual-rows", "8"], "--residual-rows would change nothing"),
+        ([gguf, "--quant-block-size", "64", "--quantize-lm-head"], "--quant-block-size, --quantize-lm-head would"),
+        ([hf, "--quant-kernel", "matmulnbits"], "--quant-kernel would change nothing for this export (weights fp32)"),
+        ([hf, "--weights", "int4", "--residual-rows", "4"], "--residual-rows would change nothing"),
+        ([hf, "--accuracy-level", "0"], "--accuracy-level would change nothing"),
+    ]
+    for argv, message in refused:
+        assert cli_main(["export", str(argv[0]), str(tmp_path / "o"), "--no-progress", *argv[1:]]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+        assert not (tmp_path / "o").exists()
+    assert cli_main(["export", str(gguf), str(tmp_path / "mm"), "--no-progress", "--quant-kernel", "matmulnbits",
+                     "--accuracy-level", "4", "--residual-rows", "8"]) == 0
+    quantization = Manifest.load(tmp_path / "mm").quantization
+    assert quantization["method"] == "MatMulNBits" and quantization["activation_residual_rows"] == 8  # type: ignore[index]
+    assert cli_main(["export", str(gguf), str(tmp_path / "block"), "--no-progress", "--quant-kernel", "block"]) == 0
+    assert Manifest.load(tmp_path / "block").quantization["method"] == "BlockMatMul"  # type: ignore[index]

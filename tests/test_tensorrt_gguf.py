@@ -29,8 +29,8 @@ def block_export(hf_model_dir, tmp_path_factory) -> Path:  # noqa: ANN001
 
 
 def test_prepare_onnx_refuses_block_matmul(block_export: Path, tmp_path: Path) -> None:
-    with pytest.raises(ModelFormatError, match=r"\(octavo\.BlockMatMul\): a GGUF's own quantized blocks .* run on "
-                                               r"ONNX Runtime only; " + WAY_OUT):
+    with pytest.raises(ModelFormatError, match=r"\(octavo\.BlockMatMul\): quantized weights \(octavo\.BlockMatMul: a "
+                                               r"GGUF's own blocks.*\) run on ONNX Runtime only; " + WAY_OUT):
         prepare_onnx_for_tensorrt(block_export / "model.onnx", tmp_path / "o.onnx")
     assert not (tmp_path / "o.onnx").exists()
 
@@ -61,9 +61,10 @@ def test_build_refuses_a_gguf_block_export_before_tensorrt(block_export: Path, c
 def test_engine_refuses_gguf_weights_with_tensorrt(block_export: Path) -> None:
     from octavo.runtime.engine import LLMEngine
 
-    with pytest.raises(InvalidRequestError, match=r"weights='gguf' runs on the onnxruntime backend only \(its "
-                                                  r"octavo\.BlockMatMul op"):
-        EngineArgs(model="m.gguf", backend="tensorrt", weights="gguf").validate()
+    for weights in ("gguf", "int8", "int4"):
+        with pytest.raises(InvalidRequestError, match=fr"weights='{weights}' runs on the onnxruntime backend only "
+                                                      r"\(its octavo\.BlockMatMul or MatMulNBits ops"):
+            EngineArgs(model="m.gguf", backend="tensorrt", weights=weights).validate()
     with pytest.raises(InvalidRequestError, match=r"gguf weights, which run on the onnxruntime backend only \(its "
                                                   r"octavo\.BlockMatMul op has no TensorRT plugin here\)"):
         LLMEngine(EngineArgs(model=str(block_export), backend="tensorrt"))

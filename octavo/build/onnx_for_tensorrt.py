@@ -48,8 +48,8 @@ FP32_HOWTO = "export with --weights fp32 for the TensorRT path"
 # ONNX Runtime's contrib ops (MatMulNBits of --weights int8|int4 and --gguf-kernel matmulnbits): no TensorRT importer
 UNSUPPORTED_DOMAINS = {"com.microsoft": f"quantized (MatMulNBits) exports run on ONNX Runtime only; {FP32_HOWTO}"}
 EXPORT_DOMAIN = "octavo"  # the exporter's custom-op domain: PagedAttention has a plugin, its other ops do not
-UNSUPPORTED_OPS = {"BlockMatMul": f"a GGUF's own quantized blocks (octavo.BlockMatMul, the default for a quantized "
-                                  f".gguf) run on ONNX Runtime only; {FP32_HOWTO}"}
+UNSUPPORTED_OPS = {"BlockMatMul": f"quantized weights (octavo.BlockMatMul: a GGUF's own blocks, the default for a "
+                                  f"quantized .gguf, or --weights int8|int4) run on ONNX Runtime only; {FP32_HOWTO}"}
 
 
 def pool_output_name(pool_input: str) -> str:

@@ -5,6 +5,11 @@ import argparse
 import time
 from pathlib import Path
 
+# octavo.export.quantize's QUANT_KERNELS and RESIDUAL_ROWS, spelled out: every `octavo` command line builds this
+# parser, and that module imports numpy (tests/test_export_errors.py checks they agree)
+QUANT_KERNELS = ("block", "matmulnbits")
+RESIDUAL_ROWS = 64
+
 HELP = "export an HF model folder (safetensors) or a .gguf file to ONNX with one PagedAttention node per layer"
 
 
@@ -16,31 +21,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     q = parser.add_argument_group("quantized weights (docs/quantization.md)")
     q.add_argument("--weights", choices=("fp32", "int8", "int4", "gguf"), default=None,
-                   help="linear layers' weights: gguf (a quantized .gguf's own blocks, its default), fp32 (the "
-                        "default otherwise), or blockwise int8/int4 quantized by octavo (ONNX Runtime MatMulNBits)")
-    q.add_argument("--quant-block-size", type=int, default=32, help="values per scale/zero point (power of two >= 16; default: %(default)s)")
-    q.add_argument("--accuracy-level", type=int, default=4, choices=range(5), metavar="{0..4}",
-                   help="MatMulNBits accuracy_level: 4 (default) computes in int8 on CPU, 0 in float32")
-    q.add_argument("--quantize-lm-head", action="store_true", help="quantize the vocabulary projection too")
-    q.add_argument("--quant-kernel", choices=("block", "matmulnbits"), default="block",
-                   help="quantized weights (gguf, int8, int4): block (default) runs octavo.BlockMatMul (16-bit "
-                        "activations for decode steps, float32 for larger ones); matmulnbits runs ONNX Runtime's "
-                        "MatMulNBits at --accuracy-level (int8 activations at 4)")
+                   help="linear layers' weights: gguf (a quantized .gguf's own blocks, exactly as the file holds them; "
+                        "the default for one), fp32 (dequantized to float32; the default otherwise), or int8/int4 "
+                        "(blockwise quantized by octavo)")
+    q.add_argument("--quant-block-size", type=int, default=None,
+                   help="--weights int8|int4: values per scale/zero point (power of two >= 16; default: 32); "
+                        "a GGUF's own blocks keep the file's")
+    q.add_argument("--accuracy-level", type=int, default=None, choices=range(5), metavar="{0..4}",
+                   help="--quant-kernel matmulnbits: MatMulNBits' accuracy_level, 4 (default) computes in int8 on "
+                        "CPU, 0 in float32 (with the block kernel it applies only to int8/int4 layers whose K is "
+                        "not a multiple of --quant-block-size, which stay MatMulNBits)")
+    q.add_argument("--quantize-lm-head", action="store_true",
+                   help="--weights int8|int4: quantize the vocabulary projection too (gguf always runs the file's "
+                        "own lm_head blocks)")
+    q.add_argument("--quant-kernel", choices=QUANT_KERNELS, default=None,
+                   help="quantized weights (gguf, int8, int4): block (default; octavo.BlockMatMul: activations "
+                        "rounded to 16 bits per block for steps of <= 8 tokens, float32 on the exact weight values "
+                        "for larger ones) or matmulnbits (ONNX Runtime's MatMulNBits at --accuracy-level: int8 "
+                        "activations at 4; for gguf their rounding is undone by --residual-rows)")
     q.add_argument("--residual-rows", type=int, default=None,
-                   help="--weights gguf --quant-kernel matmulnbits at accuracy level 4: undo the int8 rounding of the activations in steps of "
-                        "at most this many tokens (0 = off; default: 64)")
+                   help="--weights gguf --quant-kernel matmulnbits at --accuracy-level 4: undo the int8 rounding of "
+                        f"the activations in steps of at most this many tokens (0 = off; default: {RESIDUAL_ROWS})")
+
+
+def _check_quant_flags(args: argparse.Namespace, weights: str) -> None:
+    """A quantization flag that would change nothing for WEIGHTS is refused rather than silently ignored."""
+    from octavo.errors import InvalidRequestError
+
+    kernel = args.quant_kernel or "block"
+    quantized = weights != "fp32"
+    unused = []
+    if weights not in ("int8", "int4"):
+        unused += [flag for flag, given in (("--quant-block-size", args.quant_block_size is not None),
+                                            ("--quantize-lm-head", args.quantize_lm_head)) if given]
+    if args.quant_kernel is not None and not quantized:
+        unused.append("--quant-kernel")
+    if args.accuracy_level is not None and (not quantized or (weights == "gguf" and kernel == "block")):
+        unused.append("--accuracy-level")
+    if args.residual_rows is not None and not (weights == "gguf" and kernel == "matmulnbits"):
+        unused.append("--residual-rows")
+    if unused:
+        raise InvalidRequestError(
+            f"{', '.join(unused)} would change nothing for this export (weights {weights}"
+            f"{', kernel ' + kernel if quantized else ''}): --quant-block-size and --quantize-lm-head apply to "
+            "--weights int8|int4, --quant-kernel to quantized weights, --accuracy-level to MatMulNBits "
+            "(--quant-kernel matmulnbits), --residual-rows to --weights gguf --quant-kernel matmulnbits "
+            "(docs/quantization.md)")
 
 
 def run(args: argparse.Namespace) -> int:
     from octavo.demo.model import model_argument
     from octavo.export.exporter import export_model
+    from octavo.export.resolve import default_weights
 
     started = time.perf_counter()
-    manifest = export_model(model_argument(args.src)[0], args.out, progress=not args.no_progress, overwrite=args.force,
-                            weights=args.weights, quant_block_size=args.quant_block_size,
-                            accuracy_level=args.accuracy_level, quantize_lm_head=args.quantize_lm_head,
-                            quant_kernel=args.quant_kernel,
-                            **({} if args.residual_rows is None else {"residual_rows": args.residual_rows}))
+    src = model_argument(args.src)[0]
+    _check_quant_flags(args, default_weights(Path(src), args.weights) or "fp32")
+    given = {"quant_block_size": args.quant_block_size, "accuracy_level": args.accuracy_level,
+             "quant_kernel": args.quant_kernel, "residual_rows": args.residual_rows}
+    manifest = export_model(src, args.out, progress=not args.no_progress, overwrite=args.force, weights=args.weights,
+                            quantize_lm_head=args.quantize_lm_head,
+                            **{name: value for name, value in given.items() if value is not None})
     out = Path(args.out)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(

@@ -56,6 +56,6 @@ class EngineArgs:
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):
-            op = "octavo.BlockMatMul op, a GGUF's own blocks," if self.weights == "gguf" else "MatMulNBits op"
-            raise InvalidRequestError(f"weights={self.weights!r} runs on the onnxruntime backend only (its {op} has "
-                                      "no TensorRT plugin here); use weights='fp32' with tensorrt")
+            raise InvalidRequestError(f"weights={self.weights!r} runs on the onnxruntime backend only (its "
+                                      "octavo.BlockMatMul or MatMulNBits ops have no TensorRT plugin here); use "
+                                      "weights='fp32' with tensorrt")
