@@ -9,11 +9,19 @@ ort_kv_pools.expose_pool_outputs for why). They are bound ONCE through IOBinding
 memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
 inputs and the logits output are bound.
 
-ORT's intra-op worker threads block between parallel sections instead of spin-waiting (set
-OCTAVO_ORT_SPINNING=1 to spin): measured on this 2-core machine while other processes ran, spinning made
-decode steps slower (batch 1: 28 -> 51 ms median of rounds; batch 8: 86 -> 97 ms), because a spinning
-worker takes the core the thread with the work needs — and in `octavo serve` the HTTP event loop
-shares those cores too. On idle dedicated cores spinning saves a few microseconds per parallel op.
+ORT's intra-op worker threads, OCTAVO_ORT_SPINNING:
+- "run" (the default since 2026-12-01): they spin-wait between the parallel sections of a step and stop
+  spinning when Run() returns (session.intra_op.allow_spinning=1 + session.force_spinning_stop=1), so a
+  step does not pay a thread wake-up per parallel op, and between steps (the engine's Python work, the
+  server's event loop) the cores are free. Measured on the quiet 2-core machine: one decode step of the
+  SmolLM2 GGUF 23 ms with blocking threads -> 14.5 ms; the engine's decode-only step 15.5 ms ("0"), 10.7 ms
+  ("run"), 10.2 ms ("1").
+- "0": block between parallel sections (the default until 2026-12-01). It was chosen on 2026-11-29 on this
+  machine while other processes ran (load ~7), where spinning made decode steps slower (batch 1: 28 -> 51 ms
+  median of rounds; batch 8: 86 -> 97 ms) because a spinning worker took the core the thread with the work
+  needed; that was a loaded machine, not the quiet one above.
+- "1": spin always, also between steps (ORT's own default; slightly faster than "run" when nothing else
+  wants the cores).
 """
 from __future__ import annotations
 
