@@ -68,3 +68,20 @@ def test_engine_refuses_gguf_weights_with_tensorrt(block_export: Path) -> None:
     with pytest.raises(InvalidRequestError, match=r"gguf weights, which run on the onnxruntime backend only \(its "
                                                   r"octavo\.BlockMatMul op has no TensorRT plugin here\)"):
         LLMEngine(EngineArgs(model=str(block_export), backend="tensorrt"))
+
+
+def test_build_exports_a_quantized_gguf_as_fp32(hf_model_dir, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`octavo build model.gguf` resolves the file the way the TensorRT backend does: dequantized to float32
+    (a GGUF's own blocks would be refused); an export folder is taken as it is."""
+    from octavo.commands.build import _resolve
+    from octavo.export.manifest import Manifest
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_0.gguf", tensor_type="Q4_0")
+    folder = _resolve(str(gguf))
+    manifest = Manifest.load(folder)
+    assert manifest.weights == "fp32" and manifest.quantization is None
+    assert prepare_onnx_for_tensorrt(folder / manifest.onnx_file, tmp_path / "o.onnx").is_file()
+    exported_folder = tmp_path / "export"
+    export_model(gguf, exported_folder, progress=False)
+    assert _resolve(str(exported_folder)) == exported_folder  # as it is: build_engine then refuses its blocks
