@@ -50,3 +50,25 @@ def test_bad_pool_size(llama_export: tuple[Path, Manifest]) -> None:
     folder, manifest = llama_export
     with pytest.raises(ValueError, match="positive"):
         OnnxRuntimeBackend(folder, manifest, num_blocks=0, block_size=4)
+
+
+def test_spinning_modes_agree_and_a_typo_is_refused(llama_export: tuple[Path, Manifest],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """OCTAVO_ORT_SPINNING ("run" default, "0", "1") changes how ORT's threads wait, never the numbers;
+    any other value is an error naming the choices, not a silent default."""
+    import numpy as np
+
+    from octavo.bench.roofline import _decode_inputs
+    from octavo.errors import InvalidRequestError
+
+    folder, manifest = llama_export
+    logits = {}
+    for mode in ("run", "0", "1"):
+        monkeypatch.setenv("OCTAVO_ORT_SPINNING", mode)
+        backend = OnnxRuntimeBackend(folder, manifest, num_blocks=8, block_size=8, num_threads=2)
+        logits[mode] = np.array(backend.run(_decode_inputs(2, 5, 8)))
+        backend.close()
+    assert np.array_equal(logits["run"], logits["0"]) and np.array_equal(logits["run"], logits["1"])
+    monkeypatch.setenv("OCTAVO_ORT_SPINNING", "yes")
+    with pytest.raises(InvalidRequestError, match="OCTAVO_ORT_SPINNING.*'run'"):
+        OnnxRuntimeBackend(folder, manifest, num_blocks=8, block_size=8, num_threads=2)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from octavo.errors import ModelFormatError, OpLibraryError
+from octavo.errors import InvalidRequestError, ModelFormatError, OpLibraryError
 from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
@@ -44,6 +44,7 @@ from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 
 log = logging.getLogger(__name__)
 
+SPINNING_MODES = ("run", "0", "1")  # OCTAVO_ORT_SPINNING (module docstring)
 _NUMPY_DTYPE = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32}
 _ORT_KV_TYPE = {"float32": "tensor(float)", "float16": "tensor(float16)"}
 
@@ -78,8 +79,10 @@ class OnnxRuntimeBackend:
             options.intra_op_num_threads = num_threads
         options.inter_op_num_threads = 1
         spinning = os.environ.get("OCTAVO_ORT_SPINNING", "run")
+        if spinning not in SPINNING_MODES:
+            raise InvalidRequestError(f"OCTAVO_ORT_SPINNING must be one of {SPINNING_MODES}, got {spinning!r}")
         options.add_session_config_entry("session.intra_op.allow_spinning", "0" if spinning == "0" else "1")
-        if spinning not in ("0", "1"):  # "run": spin between a step's parallel sections, stop when it returns
+        if spinning == "run":  # spin between a step's parallel sections, stop when it returns
             options.add_session_config_entry("session.force_spinning_stop", "1")
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
