@@ -12,6 +12,7 @@
 #include "block_matmul_kernel.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -26,6 +27,7 @@
 namespace octavo {
 namespace {
 
+constexpr float kMinBlockMax = 0x1p-64f;  // smallest nonzero block max |x| the 16-bit path takes
 #ifndef OCTAVO_CHUNK
 #define OCTAVO_CHUNK 512
 #endif
@@ -363,6 +365,9 @@ void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, Ac
   a.integer = false;
 #if defined(OCTAVO_BLOCK_AVX2)
   if (rows < 1 || rows > kIntRows) return;
+  // A block's int32 sum holds block_size products of |q| <= 32767 and codes < 2^bits: exact only while that
+  // fits (8-bit codes: blocks of up to 256; every GGUF block is 16 or 32). Larger blocks take the float32 path.
+  if (32767 * ((int64_t{1} << w.bits) - 1) * w.block_size > INT32_MAX) return;
   const int64_t nb = w.k / w.block_size;
   a.q.resize(static_cast<size_t>(rows * w.k));
   a.q_scale.resize(static_cast<size_t>(rows * nb));
@@ -388,6 +393,9 @@ void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, Ac
         sum += sm[i];
       }
       if (!std::isfinite(amax) || !std::isfinite(sum)) return;  // inf / nan: the float32 path propagates them
+      // a nonzero block below 2^-64: 32767 / max would overflow (from ~1e-34) and max / 32767 times a weight
+      // scale would be subnormal, losing the per-block relative precision; the float32 path keeps it
+      if (amax > 0.0f && amax < kMinBlockMax) return;
       const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
       a.q_scale[r * nb + b] = amax / 32767.0f;
       a.block_sums[r * nb + b] = sum;

@@ -21,6 +21,8 @@
 //   (scale = max|x| / 32767, error <= 2^-16 of the block's largest value, 256 times finer than MatMulNBits'
 //   int8), multiplied by the integer codes in exact int32 sums, and each block's sum is scaled in float32;
 //   the offsets multiply the exact float32 block sums of x. The weights are read once for all rows.
+//   Not for a step with a non-finite value, a nonzero block whose max |x| is below 2^-64, or blocks too
+//   large for an exact int32 sum (8-bit codes: > 256): those take the float32 path.
 // - more rows: weights dequantized to float32 (the file's values) chunk by chunk, float32 FMA tiles.
 #pragma once
 

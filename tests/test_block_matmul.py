@@ -1,0 +1,243 @@
+"""octavo.BlockMatMul (plugins/onnxruntime/block_matmul_kernel.h) and its layout (octavo/export/block_layout.py).
+
+References, independent of the code under test:
+- `gguf.quants.dequantize` (the gguf package's decoder) on real GGML bytes: the layout's weights, bit for bit;
+- numpy float64 x @ W^T for the op run by a real onnxruntime InferenceSession, within bounds derived from the
+  kernel's arithmetic (`_int_bound`, `_float_bound`), not fitted to what it happens to return:
+  - steps of <= 8 rows round x to int16 per block (scale = max|x| / 32767): per element |x - q s| <= (0.5 +
+    32767 * 2u) / 32767 * max|x| + u * max|x| < 1.02 * 2^-16 * max_block|x| (u = 2^-24: the float32 products
+    x * (32767 / max) and q * s), times |code * scale| (the integer-multiplied part of w = code * scale +
+    offset; the offset meets float32 block sums of x, so |code * scale|, not |w|, bounds this term), plus float32
+    rounding of the block sums, the per-block products and the accumulation over blocks;
+  - larger steps are float32 FMAs over the file's float32 weights: |err| <= (K + 2) u * (sum_k |x||w| + |bias|).
+An int8 rounding of x (MatMulNBits' accuracy_level 4) would miss the first bound by ~2^8; a wrong code, scale
+or panel index misses both by orders of magnitude.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from test_gguf_native import _raw_blocks, _reference
+
+from octavo.export.block_layout import PANEL, PanelWeights, panel_weights
+from octavo.export.gguf_blocks import NATIVE_TYPES, Blocks, parse_blocks, promote
+from octavo.runtime.backends.oplib import library_path
+
+U = 2.0 ** -24  # float32 unit roundoff
+MAX_INT_ROWS = 8  # kIntRows in block_matmul_kernel.h: steps of up to 8 rows take the 16-bit path
+INT_ROWS = (1, 2, 3, 4, 5, 7, 8)  # one pass of 4 rows over a panel, two passes, partial passes
+FLOAT_ROWS = (9, 13, 64, 300)  # float32 tiles: partial 6-row tiles, several tiles, many
+# K-quants need K a multiple of 256; the 32-blocks also run K = 96 and 544 (not multiples of 256) below
+_K = {t: (256 if t.endswith("_K") else 96) for t in NATIVE_TYPES}
+
+
+def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndarray | None = None,
+             **attrs: int) -> ort.InferenceSession:
+    """One BlockMatMul node, as graph.py `_block_matmul` emits it; x [..., K] is the graph's input."""
+    codes = pw.codes if codes is None else codes
+    inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(pw.scales, "scales"),
+             numpy_helper.from_array(pw.offsets, "offsets")]
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias.astype(np.float32), "bias"))
+    attributes = {"K": pw.k, "N": pw.n, "bits": pw.bits, "block_size": pw.block_size, **attrs}
+    node = helper.make_node("BlockMatMul", ["x", "codes", "scales", "offsets"] + (["bias"] if bias is not None else []),
+                            ["y"], domain="octavo", **attributes)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
+    model.ir_version = 8
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library_path()))
+    options.intra_op_num_threads = 2  # the panels split over ParallelFor
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _blocks(type_name: str, n: int, k: int, seed: int = 0) -> tuple[Blocks, np.ndarray]:
+    """(parsed blocks, gguf's float32 dequantization [n, k]) of a real GGML tensor."""
+    raw = _raw_blocks(type_name, n, k, seed)
+    blocks = parse_blocks(type_name, raw, n, k)
+    assert blocks is not None
+    return blocks, _reference(type_name, raw, n, k)
+
+
+def _parts(blocks: Blocks) -> tuple[np.ndarray, np.ndarray]:
+    """float64 |code * scale| and |offset| per element [N, K], from the Blocks (not the panel layout)."""
+    n, nb, bs = blocks.codes.shape
+    scales = blocks.scales.astype(np.float64)[..., None]
+    mins = 0.0 if blocks.mins is None else blocks.mins.astype(np.float64)[..., None]
+    offsets = mins - blocks.zero.astype(np.float64)[..., None] * scales
+    cs = np.abs(blocks.codes.astype(np.float64) * scales)
+    return cs.reshape(n, -1), np.broadcast_to(np.abs(offsets), (n, nb, bs)).reshape(n, -1)
+
+
+def _int_bound(x: np.ndarray, blocks: Blocks, bias: np.ndarray | None) -> np.ndarray:
+    """|y - x @ W^T| bound [rows, N] on the 16-bit path (derivation in the module docstring)."""
+    cs, off = _parts(blocks)
+    bs, nb = blocks.block_size, blocks.k // blocks.block_size
+    ax = np.abs(x.astype(np.float64))
+    amax = np.repeat(ax.reshape(len(x), nb, bs).max(axis=2), bs, axis=1)  # [rows, K]: max |x| of each one's block
+    rounding = 1.02 * 2.0 ** -16 * (amax @ cs.T)
+    magnitude = (ax @ (cs + off).T) * (1 + 2.0 ** -15) + (0 if bias is None else np.abs(bias))
+    return rounding + (nb + bs + 12) * U * magnitude
+
+
+def _float_bound(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    k = w.shape[1]
+    return (k + 2) * U * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+                          + (0 if bias is None else np.abs(bias)))
+
+
+def _want(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    return x.astype(np.float64) @ w.astype(np.float64).T + (0 if bias is None else bias.astype(np.float64))
+
+
+def _check(session: ort.InferenceSession, x: np.ndarray, blocks: Blocks, w: np.ndarray,
+           bias: np.ndarray | None = None) -> None:
+    got = session.run(None, {"x": x})[0]
+    assert got.shape == x.shape[:-1] + (w.shape[0],) and got.dtype == np.float32
+    x2, got2 = x.reshape(-1, x.shape[-1]), got.reshape(-1, w.shape[0])
+    rows = len(x2)
+    bound = _int_bound(x2, blocks, bias) if rows <= MAX_INT_ROWS else _float_bound(x2, w, bias)
+    err = np.abs(got2 - _want(x2, w, bias))
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert (err <= bound).all(), f"rows={rows}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+
+
+@pytest.mark.parametrize("type_name", NATIVE_TYPES)
+def test_layout_equals_gguf_dequantize_and_the_op_equals_x_w(type_name: str) -> None:
+    n = 33  # two full panels and one of a single column
+    k = _K[type_name]
+    blocks, w = _blocks(type_name, n, k)
+    pw = panel_weights(blocks)
+    assert np.array_equal(pw.dequantize(), w)  # bit for bit
+    assert pw.codes.shape == (3, k // 2, 32 * pw.bits // 8) and pw.scales.shape == (3, k // blocks.block_size, PANEL)
+    session = _session(pw)
+    rng = np.random.default_rng(1)
+    for rows in INT_ROWS + FLOAT_ROWS:
+        _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w)
+
+
+def test_scale_dtype_is_float16_only_when_exact() -> None:
+    """Q4_1's d and m are fp16 in the file: kept as fp16. Q4_K's d * 6-bit sub-scale needs up to 17 bits: float32."""
+    q41 = panel_weights(_blocks("Q4_1", 17, 64)[0])
+    q4k = panel_weights(_blocks("Q4_K", 17, 256)[0])
+    q6k = panel_weights(_blocks("Q6_K", 17, 256)[0])
+    assert q41.scales.dtype == q41.offsets.dtype == np.float16
+    assert q4k.scales.dtype == q4k.offsets.dtype == np.float32
+    assert q6k.block_size == 16 and q6k.bits == 8
+
+
+@pytest.mark.parametrize("type_name,n,k", [("Q4_0", 17, 544), ("Q8_0", 17, 544), ("Q4_1", 1, 96),
+                                           ("Q5_1", 16, 32), ("Q6_K", 17, 512), ("Q4_K", 31, 512)])
+def test_shapes_and_bias(type_name: str, n: int, k: int) -> None:
+    """N not a multiple of 16 (padded columns never written), K not a multiple of 256, block 16, a bias."""
+    blocks, w = _blocks(type_name, n, k, seed=2)
+    pw = panel_weights(blocks)
+    assert np.array_equal(pw.dequantize(), w)
+    rng = np.random.default_rng(3)
+    bias = rng.standard_normal(n).astype(np.float32)
+    session = _session(pw, bias)
+    for rows in (1, 3, 8, 9, 13):
+        _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w, bias)
+
+
+def test_promoted_mixed_types() -> None:
+    """A fused projection of Q4_K (4-bit, block 32, mins) and Q6_K (6-bit, block 16, zero point 32) parts."""
+    k = 256
+    (a, wa), (b, wb) = _blocks("Q4_K", 20, k, seed=4), _blocks("Q6_K", 13, k, seed=5)
+    blocks = promote([a, b])
+    w = np.concatenate([wa, wb])
+    pw = panel_weights(blocks)
+    assert (pw.bits, pw.block_size, pw.n) == (8, 16, 33)
+    assert np.array_equal(pw.dequantize(), w)
+    session = _session(pw)
+    rng = np.random.default_rng(6)
+    for rows in (1, 2, 3, 8, 9):
+        _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w)
+
+
+def test_zero_rows_and_a_3d_input() -> None:
+    blocks, w = _blocks("Q4_0", 24, 64)
+    session = _session(panel_weights(blocks))
+    assert session.run(None, {"x": np.zeros((0, 64), np.float32)})[0].shape == (0, 24)
+    assert session.run(None, {"x": np.zeros((2, 0, 64), np.float32)})[0].shape == (2, 0, 24)
+    rng = np.random.default_rng(7)
+    for t in (1, 4, 5):  # [2, 1, K], [2, 4, K]: 2 and 8 rows, the 16-bit path; [2, 5, K]: 10 rows, float32
+        _check(session, rng.standard_normal((2, t, 64)).astype(np.float32), blocks, w)
+
+
+def test_tiny_and_large_activations_keep_their_relative_precision() -> None:
+    """The 16-bit scale is per block: blocks of ~1e-36 (32767 / max overflows float32; found by this test: such a
+    block came back 300% off, now the kernel takes the float32 path below 2^-64) or ~1e30 next to ordinary ones
+    are still within the bound of their own block."""
+    blocks, w = _blocks("Q8_0", 16, 128)
+    session = _session(panel_weights(blocks))
+    rng = np.random.default_rng(8)
+    for magnitude in (1e-36, 1e-30, 1e-19, 1e-10, 1e20, 1e30):
+        x = rng.standard_normal((2, 128)).astype(np.float32)
+        x[:, :32] *= np.float32(magnitude)  # one block of each row
+        x[0, 3] = 0.0  # a zero next to the tiny or huge values
+        _check(session, x, blocks, w)
+        alone = x.copy()
+        alone[:, 32:] = 0.0  # only that block: its error must be relative to its own size
+        _check(session, alone, blocks, w)
+
+
+@pytest.mark.parametrize("bits,block_size", [(8, 256), (8, 512), (4, 2048)])
+def test_large_blocks_do_not_overflow_the_integer_sums(bits: int, block_size: int) -> None:
+    """A block's int32 sum of 32767 * 255 per element overflows past 257 values of 8-bit codes (found by this
+    test: block 512 gave -2064 for 522240); GGUF blocks are 16 or 32, but the op takes any block size."""
+    n, k = 16, 2048
+    nb = k // block_size
+    codes = np.full((n, nb, block_size), 2 ** bits - 1, np.uint8)
+    codes[1] = np.random.default_rng(10).integers(0, 2 ** bits, (nb, block_size))
+    blocks = Blocks(codes, np.full((n, nb), 0.5, np.float32), np.zeros((n, nb), np.uint8), None, bits, ("test",))
+    session = _session(panel_weights(blocks))
+    for rows in (1, 8, 9):
+        _check(session, np.ones((rows, k), np.float32), blocks, blocks.dequantize())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_non_finite_activations_propagate_like_float32(rows: int) -> None:
+    """(rows <= 8: the 16-bit path refuses the step, which goes float32) inf in x gives +-inf where w != 0 and nan where w == 0 (inf * 0), nan gives nan: as IEEE float32."""
+    blocks, w = _blocks("Q4_0", 40, 64)  # Q4_0 code 8 dequantizes to exactly 0
+    session = _session(panel_weights(blocks))
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    k_inf = int(np.argmax((w == 0).sum(axis=0)))  # a column of W with zeros
+    assert (w[:, k_inf] == 0).any() and (w[:, k_inf] != 0).any()
+    x[0, k_inf] = np.inf
+    if rows > 1:
+        x[1, 7] = np.nan
+    got = session.run(None, {"x": x})[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = (x.astype(np.float64)[:, None, :] * w.astype(np.float64)[None]).sum(axis=2)
+    assert np.isnan(want[0]).any() and np.isinf(want[0]).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want).all(axis=1)  # the finite rows still get their float32 product
+    if finite.any():
+        bound = _float_bound(x[finite], w, None)
+        assert (np.abs(got[finite] - want[finite]) <= bound).all()
+
+
+def test_wrong_codes_shape_is_an_error_naming_the_op_and_the_shape() -> None:
+    pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
+    session = _session(pw, codes=pw.codes[:, :-1])
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=r"octavo\.BlockMatMul: codes must be uint8 \[2, 48, 16\], got \[2, 47, 16\]"):
+        session.run(None, {"x": np.ones((1, 96), np.float32)})
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=r"octavo\.BlockMatMul: x \[1, 95\]"):
+        _session(pw).run(None, {"x": np.ones((1, 95), np.float32)})
+
+
+@pytest.mark.parametrize("attrs,message", [({"bits": 5}, r"bits must be 4 or 8, got 5"),
+                                           ({"block_size": 6}, r"block_size \(6\) must be a multiple of 4"),
+                                           ({"block_size": 64}, r"block_size \(64\) .*divides K \(96\)")])
+def test_bad_attributes_fail_at_session_creation(attrs: dict[str, int], message: str) -> None:
+    pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
+    with pytest.raises(Exception, match=r"octavo\.BlockMatMul: " + message):
+        _session(pw, **attrs)
