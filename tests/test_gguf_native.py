@@ -1,10 +1,12 @@
 """A quantized GGUF run on its own blocks (weights="gguf", the default for such a file): octavo.export.gguf_blocks.
 
 References: `gguf.quants.dequantize` (the gguf package's own decoder) for every block layout, value for value,
-and transformers with every weight replaced by that dequantization for the exported graph's logits. The
-exactness of the path is checked at accuracy_level 0 (float32 compute in MatMulNBits); the default
-accuracy_level 4 computes with int8 activations per block, as llama.cpp's own kernels do, and is checked
-for agreement instead.
+and transformers with every weight replaced by that dequantization for the exported graph's logits. The default
+kernel is octavo.BlockMatMul (tests/test_block_matmul.py for the op itself): a prefill step multiplies the file's
+float32 values in float32 (transformers' tolerance), a decode step of <= 3 rows rounds the activations to int16
+per block (a looser, derived tolerance below). gguf_kernel="matmulnbits" keeps ONNX Runtime's MatMulNBits: exact
+at accuracy_level 0; its default accuracy_level 4 computes with int8 activations per block, as llama.cpp's own
+kernels do, plus octavo.Int8Residual, and is checked for agreement instead.
 """
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ from octavo.export.gguf_blocks import NATIVE_TYPES, Blocks, parse_blocks, promot
 from octavo.export.gguf_writer import write_gguf
 
 ATOL = 1e-4
+# Decode steps (<= 3 rows) on BlockMatMul's 16-bit path round each activation to ~2^-16 of its block's max |x|
+# (tests/test_block_matmul.py bounds the op), 256 times finer than MatMulNBits' int8 and as fine as int8 plus
+# Int8Residual's int8 residual, which these deliberately chaotic models (any change of a weight or activation
+# is amplified) turn into 2.2e-2 (Q8_0) / 3.5e-2 (Q4_1) on logits of ~13; measured on the 16-bit path, 40
+# tokens: 9.1e-3 (llama Q4_0), 3.8e-2 (llama Q4_1), 1.9e-2 (qwen2 Q8_0), 3.0e-2 (tied Q4_1), the same for steps
+# of 1 and 3 rows. Plain int8 is 0.71 / 4.0 off, so 0.1 still fails an int8 rounding (or a wrong weight) by 7x+.
+DECODE_ATOL = 0.1
 
 
 def _raw_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -125,11 +134,31 @@ def _nodes(folder: Path) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_0"), ("llama", "Q4_1"), ("qwen2", "Q8_0"), ("tied", "Q4_1")])
+def _stepped_logits(folder: Path, ids: list[int], rows: int, block_size: int = 16) -> np.ndarray:
+    """The export's logits for every position of IDS, run as steps of ROWS tokens (decode-sized steps)."""
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from step_inputs import one_sequence
+
+    blocks = -(-len(ids) // block_size)
+    table = np.arange(blocks, dtype=np.int32)[::-1]
+    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=blocks, block_size=block_size, num_threads=1)
+    try:
+        return np.concatenate([backend.run(one_sequence(ids[i:i + rows], i, table, block_size, all_logits=True))
+                               for i in range(0, len(ids), rows)])
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("arch,qtype,kernel", [("llama", "Q4_0", "block"), ("llama", "Q4_1", "block"),
+                                               ("qwen2", "Q8_0", "block"), ("tied", "Q4_1", "block"),
+                                               ("llama", "Q4_1", "matmulnbits"), ("qwen2", "Q8_0", "matmulnbits")])
 def test_native_export_equals_transformers_on_the_dequantized_weights(hf_model_dir, tmp_path: Path, arch: str,
-                                                                       qtype: str) -> None:  # noqa: ANN001
-    """The default for a quantized GGUF is its own blocks; at accuracy_level 0 the graph's logits are
-    transformers' on the file's dequantized weights (the values are the file's; nothing is re-rounded)."""
+                                                                       qtype: str, kernel: str) -> None:  # noqa: ANN001
+    """The default for a quantized GGUF is its own blocks, multiplied by octavo.BlockMatMul: a prefill's logits
+    are transformers' on the file's dequantized weights (the values are the file's; nothing is re-rounded), and
+    decode-sized steps (1 and 3 rows: 16-bit activations) are within DECODE_ATOL. MatMulNBits at accuracy_level
+    0 is exact too."""
     import torch
     from test_gguf import _with_random_biases
 
@@ -137,34 +166,49 @@ def test_native_export_equals_transformers_on_the_dequantized_weights(hf_model_d
     if arch == "qwen2":
         src = _with_random_biases(src, tmp_path / "biased")
     path = write_gguf(src, tmp_path / f"{arch}.{qtype}.gguf", tensor_type=qtype)
-    manifest = export_model(path, tmp_path / "out", progress=False, accuracy_level=0)
+    manifest = export_model(path, tmp_path / "out", progress=False, accuracy_level=0, gguf_kernel=kernel)
     assert manifest.weights == "gguf"
-    assert manifest.quantization == {"method": "MatMulNBits", "source": "gguf", "accuracy_level": 0, "lm_head": True,
-                                     "activation_residual_rows": 0}
     nodes = _nodes(tmp_path / "out")
-    assert nodes["MatMulNBits"] == 4 * manifest.num_layers + 1 and "Gemm" not in nodes  # lm_head too
-    with_mins = qtype == "Q4_1"  # Q4_1's per-block min: one block-sum MatMul per projection
-    assert nodes.get("MatMul", 0) == (4 * manifest.num_layers + 1 if with_mins else 0)
+    projections = 4 * manifest.num_layers + 1  # qkv, o, gate_up, down per layer, and lm_head
+    with_mins = qtype == "Q4_1"  # Q4_1's per-block min
+    if kernel == "block":
+        assert manifest.quantization == {"method": "BlockMatMul", "source": "gguf", "lm_head": True}
+        assert nodes["BlockMatMul"] == projections and not {"Gemm", "MatMul", "MatMulNBits"} & set(nodes)
+    else:
+        assert manifest.quantization == {"method": "MatMulNBits", "source": "gguf", "accuracy_level": 0,
+                                         "lm_head": True, "activation_residual_rows": 0}
+        assert nodes["MatMulNBits"] == projections and "Gemm" not in nodes and "BlockMatMul" not in nodes
+        assert nodes.get("MatMul", 0) == (projections if with_mins else 0)  # one block-sum MatMul for the mins
     ids = np.random.default_rng(3).integers(0, manifest.vocab_size, 40).tolist()
     with torch.no_grad():
         want = _with_gguf_weights(src, path)(torch.tensor([ids])).logits[0].numpy()
-    # Q4_1's w = d*q + m is summed as (x . d*q) + (block sums . m): another float summation order, which
-    # these deliberately chaotic test models amplify to ~1e-4 on logits of ~10 (1 element in 15,360)
-    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=2 * ATOL if with_mins else ATOL, rtol=0)
+    # MatMulNBits sums Q4_1's w = d*q + m as (x . d*q) + (block sums . m) (BlockMatMul's float32 path multiplies
+    # the dequantized w): another float summation order, which these deliberately chaotic test models amplify
+    # to ~1e-4 on logits of ~10 (1 element in 15,360)
+    atol = 2 * ATOL if with_mins and kernel == "matmulnbits" else ATOL
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=atol, rtol=0)
+    if kernel == "block":
+        for rows in (1, 3):
+            got = _stepped_logits(tmp_path / "out", ids, rows)
+            np.testing.assert_allclose(got, want, atol=DECODE_ATOL, rtol=0)
+            top2 = np.sort(want, axis=-1)[:, -2:]
+            clear = top2[:, 1] - top2[:, 0] > 2 * DECODE_ATOL  # the greedy token wherever the error can't flip it
+            assert clear.sum() >= len(ids) // 2 and (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
-def test_default_int8_activations_with_the_residual_match_the_exact_path(hf_model_dir, tmp_path: Path,
-                                                                        qtype: str) -> None:  # noqa: ANN001
-    """accuracy_level 4 (the default) rounds activations to int8 per block, as llama.cpp does; the default
-    also multiplies what that rounding loses (octavo.Int8Residual / FoldRows), which brings the logits
-    back to the exact path's: far closer than plain int8 (residual_rows=0), and every argmax equal."""
+def test_matmulnbits_int8_activations_with_the_residual_match_the_exact_path(hf_model_dir, tmp_path: Path,
+                                                                            qtype: str) -> None:  # noqa: ANN001
+    """gguf_kernel="matmulnbits": accuracy_level 4 (its default) rounds activations to int8 per block, as
+    llama.cpp does; it also multiplies what that rounding loses (octavo.Int8Residual / FoldRows), which brings
+    the logits back to the exact path's: far closer than plain int8 (residual_rows=0), and every argmax equal."""
     from octavo.export.quantize import RESIDUAL_ROWS
 
     path = write_gguf(hf_model_dir("llama"), tmp_path / f"m.{qtype}.gguf", tensor_type=qtype)
-    export_model(path, tmp_path / "exact", progress=False, accuracy_level=0)
-    default = export_model(path, tmp_path / "default", progress=False)
-    export_model(path, tmp_path / "int8", progress=False, residual_rows=0)
+    mm = {"progress": False, "gguf_kernel": "matmulnbits"}
+    export_model(path, tmp_path / "exact", accuracy_level=0, **mm)
+    default = export_model(path, tmp_path / "default", **mm)
+    export_model(path, tmp_path / "int8", residual_rows=0, **mm)
     assert default.quantization["accuracy_level"] == 4  # type: ignore[index]
     assert default.quantization["activation_residual_rows"] == RESIDUAL_ROWS  # type: ignore[index]
     nodes = _nodes(tmp_path / "default")
@@ -189,7 +233,7 @@ def test_default_int8_activations_with_the_residual_match_the_exact_path(hf_mode
 def test_fp32_and_float_files_keep_float_weights(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     q4 = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_0.gguf", tensor_type="Q4_0")
     assert export_model(q4, tmp_path / "fp32", progress=False, weights="fp32").weights == "fp32"
-    assert "MatMulNBits" not in _nodes(tmp_path / "fp32")
+    assert not {"MatMulNBits", "BlockMatMul"} & set(_nodes(tmp_path / "fp32"))
     f16 = write_gguf(hf_model_dir("llama"), tmp_path / "m.F16.gguf", tensor_type="F16")
     assert export_model(f16, tmp_path / "f16", progress=False).weights == "fp32"  # nothing quantized to keep
     with pytest.raises(InvalidRequestError, match="not a .gguf"):
@@ -203,7 +247,8 @@ def test_llm_defaults_to_the_files_blocks_and_caches_apart(hf_model_dir, tmp_pat
     monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
     path = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_1.gguf", tensor_type="Q4_1")
     native = resolve_model_dir(path)
-    assert "-gguf-a4-" in native.name and Manifest.load(native).weights == "gguf"
+    assert "-gguf-block-" in native.name and Manifest.load(native).weights == "gguf"
+    assert Manifest.load(native).quantization == {"method": "BlockMatMul", "source": "gguf", "lm_head": True}
     assert resolve_model_dir(path, "gguf") == native
     fp32 = resolve_model_dir(path, "fp32")
     assert fp32 != native and Manifest.load(fp32).weights == "fp32"
@@ -224,7 +269,7 @@ def test_an_export_newer_than_the_op_library_says_to_rebuild_it(hf_model_dir, tm
     out = tmp_path / "out"
     export_model(path, out, progress=False)
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    next(n for n in model.graph.node if n.op_type == "Int8Residual").op_type = "Int8ResidualFromTheFuture"
+    next(n for n in model.graph.node if n.op_type == "BlockMatMul").op_type = "BlockMatMulFromTheFuture"
     onnx.save(model, str(out / "model.onnx"))
-    with pytest.raises(OpLibraryError, match=r"octavo\.Int8ResidualFromTheFuture.*make op"):
+    with pytest.raises(OpLibraryError, match=r"octavo\.BlockMatMulFromTheFuture.*make op"):
         OnnxRuntimeBackend(out, Manifest.load(out), num_blocks=4, block_size=16)

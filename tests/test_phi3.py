@@ -250,9 +250,9 @@ def test_gguf_partial_rotary_is_refused(hf_model_dir, tmp_path: Path) -> None:  
         write_gguf(src, tmp_path / "partial.gguf")
 
 
-@pytest.mark.parametrize("weights", ["fp32", "gguf"])
+@pytest.mark.parametrize("weights,kernel", [("fp32", "block"), ("gguf", "block"), ("gguf", "matmulnbits")])
 def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir, tmp_path: Path,
-                                                                 weights: str) -> None:  # noqa: ANN001
+                                                                 weights: str, kernel: str) -> None:  # noqa: ANN001
     """A Q8_0 phi3 GGUF (the fused attn_qkv / ffn_up quantized as one tensor each) exported == transformers'
     Phi3 with every weight replaced by gguf's own dequantization of the file's tensors (transformers then
     slices the fused ones itself)."""
@@ -269,10 +269,15 @@ def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir,
             tensor = raw[_gguf_name(name)]
             values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
             param.copy_(torch.from_numpy(np.array(values, np.float32).reshape(param.shape)))
-    # fp32: dequantized to float32 Gemms; gguf (the default): the file's Q8_0 blocks as MatMulNBits (fused
-    # qkv / gate_up split and re-stacked), float32 compute (accuracy_level 0) for the exactness check
-    manifest = export_model(path, tmp_path / "out", progress=False, weights=weights, accuracy_level=0)
+    # fp32: dequantized to float32 Gemms; gguf (the default): the file's Q8_0 blocks (fused qkv / gate_up split
+    # and re-stacked) multiplied by octavo.BlockMatMul (a prefill: float32 over the file's values), or by
+    # MatMulNBits with float32 compute (accuracy_level 0) for the exactness check
+    manifest = export_model(path, tmp_path / "out", progress=False, weights=weights, accuracy_level=0,
+                            gguf_kernel=kernel)
     assert manifest.weights == weights
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.node}
+    want_op = {"fp32": "Gemm", "block": "BlockMatMul", "matmulnbits": "MatMulNBits"}[kernel if weights == "gguf" else weights]
+    assert want_op in ops and not {"Gemm", "BlockMatMul", "MatMulNBits"} - {want_op} & ops
     ids = _prompt(manifest.vocab_size)
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
