@@ -21,13 +21,22 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def smol_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
-    """The default export: the file's own Q4_1 / Q8_0 blocks (weights="gguf")."""
+    """The default export: the file's own Q4_1 / Q8_0 blocks (weights="gguf") multiplied by octavo.BlockMatMul."""
     from octavo.export import export_model
 
     out = tmp_path_factory.mktemp("smol_gguf") / "model"
     manifest = export_model(SMOL, out, progress=False)
-    assert manifest.weights == "gguf"
+    assert manifest.weights == "gguf" and manifest.quantization["method"] == "BlockMatMul"  # type: ignore[index]
     return out, manifest
+
+
+@pytest.fixture(scope="module")
+def smol_matmulnbits_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
+    """gguf_kernel="matmulnbits": the same blocks through MatMulNBits (int8 activations) + Int8Residual."""
+    from octavo.export import export_model
+
+    out = tmp_path_factory.mktemp("smol_gguf_mm") / "model"
+    return out, export_model(SMOL, out, progress=False, gguf_kernel="matmulnbits")
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +89,19 @@ def _prefill(ids: list[int], block_size: int, num_blocks: int) -> StepInputs:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["fp32", "gguf"])
-def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, smol_fp32_export, hf_gguf_model,
-                                                          weights: str) -> None:  # noqa: ANN001
-    """fp32: transformers' logits to 5e-4 and its greedy tokens. gguf (the default: the file's blocks, int8
-    activations with their rounding residual): within 0.15 on logits of ~25 (measured 0.055) and the same
-    argmax wherever transformers' own top-2 margin exceeds that error."""
+@pytest.mark.parametrize("weights", ["fp32", "gguf", "gguf-matmulnbits"])
+def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, smol_fp32_export, smol_matmulnbits_export,
+                                                          hf_gguf_model, weights: str) -> None:  # noqa: ANN001
+    """fp32 and gguf (the default: the file's blocks through octavo.BlockMatMul, float32 over the file's values
+    for the prompt, 16-bit activations for the decode steps): transformers' logits to 5e-4 and its greedy
+    tokens. gguf-matmulnbits (int8 activations with their rounding residual): within 0.15 on logits of ~25
+    (measured 0.055) and the same argmax wherever transformers' own top-2 margin exceeds that error."""
     import torch
 
     from octavo import LLM, SamplingParams
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    out, manifest = smol_fp32_export if weights == "fp32" else smol_export
+    out, manifest = {"fp32": smol_fp32_export, "gguf": smol_export, "gguf-matmulnbits": smol_matmulnbits_export}[weights]
     model, tokenizer = hf_gguf_model
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt)["input_ids"]
@@ -103,7 +113,7 @@ def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, smol_fp3
     finally:
         backend.close()
     assert got.shape == want.shape
-    if weights == "gguf":
+    if weights == "gguf-matmulnbits":
         assert np.abs(got - want).max() < 0.15
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 0.3
