@@ -32,11 +32,11 @@ def smol_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def smol_matmulnbits_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
-    """gguf_kernel="matmulnbits": the same blocks through MatMulNBits (int8 activations) + Int8Residual."""
+    """quant_kernel="matmulnbits": the same blocks through MatMulNBits (int8 activations) + Int8Residual."""
     from octavo.export import export_model
 
     out = tmp_path_factory.mktemp("smol_gguf_mm") / "model"
-    return out, export_model(SMOL, out, progress=False, gguf_kernel="matmulnbits")
+    return out, export_model(SMOL, out, progress=False, quant_kernel="matmulnbits")
 
 
 @pytest.fixture(scope="module")

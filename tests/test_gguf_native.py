@@ -4,7 +4,7 @@ References: `gguf.quants.dequantize` (the gguf package's own decoder) for every 
 and transformers with every weight replaced by that dequantization for the exported graph's logits. The default
 kernel is octavo.BlockMatMul (tests/test_block_matmul.py for the op itself): a prefill step multiplies the file's
 float32 values in float32 (transformers' tolerance), a decode step of <= 3 rows rounds the activations to int16
-per block (a looser, derived tolerance below). gguf_kernel="matmulnbits" keeps ONNX Runtime's MatMulNBits: exact
+per block (a looser, derived tolerance below). quant_kernel="matmulnbits" keeps ONNX Runtime's MatMulNBits: exact
 at accuracy_level 0; its default accuracy_level 4 computes with int8 activations per block, as llama.cpp's own
 kernels do, plus octavo.Int8Residual, and is checked for agreement instead.
 """
@@ -166,7 +166,7 @@ def test_native_export_equals_transformers_on_the_dequantized_weights(hf_model_d
     if arch == "qwen2":
         src = _with_random_biases(src, tmp_path / "biased")
     path = write_gguf(src, tmp_path / f"{arch}.{qtype}.gguf", tensor_type=qtype)
-    manifest = export_model(path, tmp_path / "out", progress=False, accuracy_level=0, gguf_kernel=kernel)
+    manifest = export_model(path, tmp_path / "out", progress=False, accuracy_level=0, quant_kernel=kernel)
     assert manifest.weights == "gguf"
     nodes = _nodes(tmp_path / "out")
     projections = 4 * manifest.num_layers + 1  # qkv, o, gate_up, down per layer, and lm_head
@@ -199,13 +199,13 @@ def test_native_export_equals_transformers_on_the_dequantized_weights(hf_model_d
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_matmulnbits_int8_activations_with_the_residual_match_the_exact_path(hf_model_dir, tmp_path: Path,
                                                                             qtype: str) -> None:  # noqa: ANN001
-    """gguf_kernel="matmulnbits": accuracy_level 4 (its default) rounds activations to int8 per block, as
+    """quant_kernel="matmulnbits": accuracy_level 4 (its default) rounds activations to int8 per block, as
     llama.cpp does; it also multiplies what that rounding loses (octavo.Int8Residual / FoldRows), which brings
     the logits back to the exact path's: far closer than plain int8 (residual_rows=0), and every argmax equal."""
     from octavo.export.quantize import RESIDUAL_ROWS
 
     path = write_gguf(hf_model_dir("llama"), tmp_path / f"m.{qtype}.gguf", tensor_type=qtype)
-    mm = {"progress": False, "gguf_kernel": "matmulnbits"}
+    mm = {"progress": False, "quant_kernel": "matmulnbits"}
     export_model(path, tmp_path / "exact", accuracy_level=0, **mm)
     default = export_model(path, tmp_path / "default", **mm)
     export_model(path, tmp_path / "int8", residual_rows=0, **mm)

@@ -273,7 +273,7 @@ def test_q8_0_gguf_matches_transformers_on_the_dequantized_weights(hf_model_dir,
     # and re-stacked) multiplied by octavo.BlockMatMul (a prefill: float32 over the file's values), or by
     # MatMulNBits with float32 compute (accuracy_level 0) for the exactness check
     manifest = export_model(path, tmp_path / "out", progress=False, weights=weights, accuracy_level=0,
-                            gguf_kernel=kernel)
+                            quant_kernel=kernel)
     assert manifest.weights == weights
     ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.node}
     want_op = {"fp32": "Gemm", "block": "BlockMatMul", "matmulnbits": "MatMulNBits"}[kernel if weights == "gguf" else weights]
