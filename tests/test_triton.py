@@ -394,11 +394,12 @@ def _lines_until(proc, marker: str, timeout_s: float) -> list[str]:  # noqa: ANN
     return lines
 
 
-def test_cli_weights_int8_serves_the_int8_export(hf_model_dir, reference: dict[str, str], tmp_path: Path,  # noqa: ANN001
+def test_cli_weights_int4_serves_the_int4_export(hf_model_dir, reference: dict[str, str], tmp_path: Path,  # noqa: ANN001
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """`octavo triton HF --weights int8` (weights was not a parameter before: the fp32 export was served, or the
-    load failed) exports the int8 variant and serves it: config.pbtxt points at an export whose manifest says
-    int8, and Triton's greedy text equals octavo.LLM's on that export, not the fp32 model's."""
+    """`octavo triton HF --weights int4` (weights was not a parameter before: the fp32 export was served, or the
+    load failed) exports the int4 variant and serves it: config.pbtxt points at an export whose manifest says
+    int4, and Triton's greedy text equals octavo.LLM's on that export, not the fp32 model's. (int4, not int8:
+    on BlockMatMul int8's greedy text equals fp32's on this prompt, so int8 could not tell them apart.)"""
     import os
     import signal
     import subprocess
@@ -411,7 +412,7 @@ def test_cli_weights_int8_serves_the_int8_export(hf_model_dir, reference: dict[s
     hf = hf_model_dir("llama")
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "octavo", "triton", str(hf), "--weights", "int8", "--num-threads", "1",
+        [sys.executable, "-m", "octavo", "triton", str(hf), "--weights", "int4", "--num-threads", "1",
          "--num-blocks", str(NUM_BLOCKS), "--repo-out", str(tmp_path / "repo"), "--workdir", str(tmp_path / "work"),
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
          "--install-numpy"],
@@ -419,9 +420,9 @@ def test_cli_weights_int8_serves_the_int8_export(hf_model_dir, reference: dict[s
     try:
         _lines_until(proc, "tritonserver ready", 240)
         config = (tmp_path / "repo" / MODEL / "config.pbtxt").read_text()
-        assert 'key: "weights" value: { string_value: "int8" }' in config
+        assert 'key: "weights" value: { string_value: "int4" }' in config
         model_path = Path(config.split('key: "model_path" value: { string_value: "')[1].split('"')[0])
-        assert Manifest.load(model_path).weights == "int8"
+        assert Manifest.load(model_path).weights == "int4"
         srv = TritonServer(tmp_path / "repo", tmp_path / "work", http_port=http_port)
         status, body = http_post(srv, "generate", greedy(PROMPT, exclude_input_in_output=True))
         assert status == 200, body
@@ -433,14 +434,14 @@ def test_cli_weights_int8_serves_the_int8_export(hf_model_dir, reference: dict[s
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    llm = LLM(str(hf), weights="int8", num_threads=1, num_blocks=NUM_BLOCKS)
+    llm = LLM(str(hf), weights="int4", num_threads=1, num_blocks=NUM_BLOCKS)
     try:
         assert llm.engine.model_dir == model_path
         want = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].text
     finally:
         llm.close()
-    assert want != reference[PROMPT], "int8 and fp32 agree on this prompt: the check could not tell them apart"
+    assert want != reference[PROMPT], "int4 and fp32 agree on this prompt: the check could not tell them apart"
     assert served == want
 
 
