@@ -158,7 +158,8 @@ def test_wheel_carries_the_op_builds_and_the_data_files(install: Install) -> Non
     for variant in packaged_variants():
         assert f"octavo/_lib/{variant.file_name}" in names
     for data in ("model_repo/octavo/config.pbtxt", "model_repo/octavo/1/model.py",
-                 "plugins/tensorrt/paged_attention_plugin.py", "plugins/onnxruntime/paged_attention_kernel.cc"):
+                 "plugins/tensorrt/paged_attention_plugin.py", "plugins/onnxruntime/paged_attention_kernel.cc",
+                 "plugins/onnxruntime/block_matmul_kernel.cc", "plugins/onnxruntime/op_glue.h"):
         assert f"octavo/_data/{data}" in names, data
     assert not [n for n in names if n.endswith((".sha256", ".lock", ".o", ".pyc"))]
     assert "octavo/_lib/liboctavo_ort.so" not in names  # no -march=native build in a portable wheel
@@ -250,7 +251,8 @@ def test_sdist_is_complete_and_pip_installs(install: Install, hf_model_dir, refe
     with tarfile.open(install.sdist) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
     for needed in ("setup.py", "pyproject.toml", "README.md", "plugins/onnxruntime/paged_attention_op.cc",
-                   "plugins/onnxruntime/simd.h", "plugins/tensorrt/paged_attention_plugin.py",
+                   "plugins/onnxruntime/simd.h", "plugins/onnxruntime/block_matmul_op.cc",
+                   "plugins/onnxruntime/block_matmul_kernel.h", "plugins/tensorrt/paged_attention_plugin.py",
                    "model_repo/octavo/config.pbtxt", "octavo/build/op.py"):
         assert needed in names, needed
     assert not [n for n in names if n.endswith(".so") or n.startswith(("third_party", "octavo/_lib", "build/"))]
