@@ -19,36 +19,10 @@ namespace {
 constexpr const char* kPrefix = "octavo.BlockMatMul: ";
 
 using octavo::glue::check;
+using octavo::glue::describe;
+using octavo::glue::fail;
 using octavo::glue::Failure;
-
-[[noreturn]] void fail(const std::string& message) { throw Failure{ORT_INVALID_ARGUMENT, message}; }
-
-struct Tensor {
-  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  std::vector<int64_t> dims;
-  void* data = nullptr;
-};
-
-Tensor describe(const OrtApi* api, const OrtValue* value) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  check(api, api->GetTensorTypeAndShape(value, &info));
-  Tensor t;
-  size_t rank = 0;
-  OrtStatus* status = api->GetTensorElementType(info, &t.type);
-  if (status == nullptr) status = api->GetDimensionsCount(info, &rank);
-  t.dims.resize(rank);
-  if (status == nullptr) status = api->GetDimensions(info, t.dims.data(), rank);
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  check(api, status);
-  check(api, api->GetTensorMutableData(const_cast<OrtValue*>(value), &t.data));
-  return t;
-}
-
-std::string shape(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
+using octavo::glue::shape_string;
 
 int64_t attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
   int64_t value = 0;
@@ -83,37 +57,37 @@ struct Kernel {
     for (size_t i = 0; i < 4; ++i) {
       if (values[i] == nullptr) fail("input " + std::to_string(i) + " is missing");
     }
-    const Tensor x = describe(api, values[0]), codes = describe(api, values[1]);
-    const Tensor scales = describe(api, values[2]), offsets = describe(api, values[3]);
+    const octavo::glue::TensorInfo x = describe(api, values[0]), codes = describe(api, values[1]);
+    const octavo::glue::TensorInfo scales = describe(api, values[2]), offsets = describe(api, values[3]);
     if (x.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("x must be float32");
-    if (x.dims.empty() || x.dims.back() != k) fail("x " + shape(x.dims) + " must end in K = " + std::to_string(k));
+    if (x.dims.empty() || x.dims.back() != k) fail("x " + shape_string(x.dims) + " must end in K = " + std::to_string(k));
     const int64_t panels = (n + octavo::kPanel - 1) / octavo::kPanel, nb = k / block_size;
     const std::vector<int64_t> want_codes{panels, k / 2, 32 * bits / 8}, want_scales{panels, nb, octavo::kPanel};
     if (codes.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || codes.dims != want_codes) {
-      fail("codes must be uint8 " + shape(want_codes) + ", got " + shape(codes.dims));
+      fail("codes must be uint8 " + shape_string(want_codes) + ", got " + shape_string(codes.dims));
     }
     const bool half = scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     if ((!half && scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) || scales.dims != want_scales) {
-      fail("scales must be float32 or float16 " + shape(want_scales) + ", got " + shape(scales.dims));
+      fail("scales must be float32 or float16 " + shape_string(want_scales) + ", got " + shape_string(scales.dims));
     }
     if (offsets.type != scales.type || offsets.dims != want_scales) {
-      fail("offsets must have the scales' type and shape " + shape(want_scales) + ", got " + shape(offsets.dims));
+      fail("offsets must have the scales' type and shape " + shape_string(want_scales) + ", got " + shape_string(offsets.dims));
     }
     octavo::BlockWeights w;
-    w.codes = static_cast<const uint8_t*>(codes.data);
-    w.scales = scales.data;
-    w.offsets = offsets.data;
+    w.codes = octavo::glue::data_of<const uint8_t>(api, values[1]);
+    w.scales = octavo::glue::data_of<const void>(api, values[2]);
+    w.offsets = octavo::glue::data_of<const void>(api, values[3]);
     w.half_scales = half;
     w.bits = static_cast<int>(bits);
     w.k = k;
     w.n = n;
     w.block_size = block_size;
     if (count > 4 && values[4] != nullptr) {
-      const Tensor bias = describe(api, values[4]);
+      const octavo::glue::TensorInfo bias = describe(api, values[4]);
       if (bias.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || bias.dims != std::vector<int64_t>{n}) {
-        fail("bias must be float32 [" + std::to_string(n) + "], got " + shape(bias.dims));
+        fail("bias must be float32 [" + std::to_string(n) + "], got " + shape_string(bias.dims));
       }
-      w.bias = static_cast<const float*>(bias.data);
+      w.bias = octavo::glue::data_of<const float>(api, values[4]);
     }
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) rows *= x.dims[i];
@@ -121,20 +95,12 @@ struct Kernel {
     out_dims.back() = n;
     OrtValue* output = nullptr;
     check(api, api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &output));
-    void* out = nullptr;
-    check(api, api->GetTensorMutableData(output, &out));
     if (rows == 0) return;
     octavo::Activations activations;
-    octavo::prepare_activations(w, static_cast<const float*>(x.data), rows, activations);
+    octavo::prepare_activations(w, octavo::glue::data_of<const float>(api, values[0]), rows, activations);
     const int64_t per_task = octavo::block_matmul_task_panels(activations);
-    Job job{&w, &activations, static_cast<float*>(out), per_task, panels};
-    const int64_t tasks = (panels + per_task - 1) / per_task;
-    if (tasks > 1) {
-      OrtStatus* status = api->KernelContext_ParallelFor(context, run_task, static_cast<size_t>(tasks), 0, &job);
-      if (status == nullptr) return;
-      api->ReleaseStatus(status);  // no thread pool: run here
-    }
-    octavo::block_matmul_panels(w, activations, job.y, 0, panels);
+    Job job{&w, &activations, octavo::glue::data_of<float>(api, output), per_task, panels};
+    octavo::glue::parallel_for(api, context, run_task, static_cast<size_t>((panels + per_task - 1) / per_task), &job);
   }
 };
 
@@ -172,16 +138,8 @@ struct BlockMatMulOp : OrtCustomOp {
         return api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());
       }
     };
-    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
-      auto* k = static_cast<Kernel*>(kernel);
-      try {
-        k->compute(context);
-        return nullptr;
-      } catch (const Failure& f) {
-        return k->api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());
-      } catch (const std::exception& e) {
-        return k->api->CreateStatus(ORT_FAIL, (std::string(kPrefix) + e.what()).c_str());
-      }
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) {
+      return octavo::glue::run<Kernel>(kernel, context, kPrefix);
     };
     KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   }

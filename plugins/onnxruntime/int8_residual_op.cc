@@ -31,24 +31,11 @@ constexpr const char* kFoldPrefix = "octavo.FoldRows: ";
 using octavo::glue::check;
 using octavo::glue::Failure;
 using octavo::glue::fill_common;
+using octavo::glue::run;
 
-std::vector<int64_t> dims_of(const OrtApi* api, const OrtValue* value) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  check(api, api->GetTensorTypeAndShape(value, &info));
-  size_t rank = 0;
-  OrtStatus* status = api->GetDimensionsCount(info, &rank);
-  std::vector<int64_t> dims(rank);
-  if (status == nullptr) status = api->GetDimensions(info, dims.data(), rank);
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  check(api, status);
-  return dims;
-}
+std::vector<int64_t> dims_of(const OrtApi* api, const OrtValue* value) { return octavo::glue::describe(api, value).dims; }
 
-float* data_of(const OrtApi* api, const OrtValue* value) {
-  void* ptr = nullptr;
-  check(api, api->GetTensorMutableData(const_cast<OrtValue*>(value), &ptr));
-  return static_cast<float*>(ptr);
-}
+float* data_of(const OrtApi* api, const OrtValue* value) { return octavo::glue::data_of<float>(api, value); }
 
 int64_t attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
   int64_t value = fallback;
@@ -153,19 +140,6 @@ struct FoldKernel {
     }
   }
 };
-
-template <typename Kernel>
-OrtStatus* run(void* kernel, OrtKernelContext* context, const char* prefix) {
-  auto* k = static_cast<Kernel*>(kernel);
-  try {
-    k->compute(context);
-    return nullptr;
-  } catch (const Failure& f) {
-    return k->api->CreateStatus(f.code, (std::string(prefix) + f.message).c_str());
-  } catch (const std::exception& e) {
-    return k->api->CreateStatus(ORT_FAIL, (std::string(prefix) + e.what()).c_str());
-  }
-}
 
 struct ResidualOp : OrtCustomOp {
   ResidualOp() : OrtCustomOp{} {

@@ -11,12 +11,12 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "block_matmul_op.h"
 #include "int8_residual_op.h"
+#include "op_glue.h"
 #include "paged_attention_kernel.h"
 
 static_assert(ORT_API_VERSION >= 20,
@@ -61,52 +61,14 @@ ONNXTensorElementDataType output_type(size_t index, octavo::KvType kv_type) {
   return index == kOutput ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : pool_type(kv_type);
 }
 
-// Thrown inside the kernel, turned into an OrtStatus at the C boundary.
-struct OpError {
-  OrtErrorCode code;
-  std::string message;
-};
-
-[[noreturn]] void fail(const std::string& message, OrtErrorCode code = ORT_INVALID_ARGUMENT) {
-  throw OpError{code, message};
-}
-
-void check(const OrtApi* api, OrtStatus* status) {
-  if (status == nullptr) return;
-  std::string message = api->GetErrorMessage(status);
-  OrtErrorCode code = api->GetErrorCode(status);
-  api->ReleaseStatus(status);
-  fail(message, code);
-}
-
-struct TensorInfo {
-  ONNXTensorElementDataType type;
-  std::vector<int64_t> dims;
-};
-
-TensorInfo describe(const OrtApi* api, const OrtValue* value) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  check(api, api->GetTensorTypeAndShape(value, &info));
-  TensorInfo out{};
-  size_t rank = 0;
-  OrtStatus* status = api->GetTensorElementType(info, &out.type);
-  if (status == nullptr) status = api->GetDimensionsCount(info, &rank);
-  if (status == nullptr) {
-    out.dims.resize(rank);
-    status = api->GetDimensions(info, out.dims.data(), rank);
-  }
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  check(api, status);
-  return out;
-}
-
-std::string shape_string(const std::vector<int64_t>& dims) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
-  s << "]";
-  return s.str();
-}
+using octavo::glue::check;
+using octavo::glue::data_of;
+using octavo::glue::describe;
+using octavo::glue::fail;
+using octavo::glue::parallel_for;
+using octavo::glue::shape_string;
+using octavo::glue::TensorInfo;
+using octavo::glue::Failure;
 
 void expect_rank(const TensorInfo& info, size_t index, size_t rank) {
   if (info.dims.size() != rank) {
@@ -120,13 +82,6 @@ void expect_dim(const TensorInfo& info, size_t index, size_t axis, int64_t expec
     fail(std::string(kInputNames[index]) + " has shape " + shape_string(info.dims) + " but dimension " +
          std::to_string(axis) + " must be " + std::to_string(expected) + " (" + why + ")");
   }
-}
-
-template <typename T>
-T* data_of(const OrtApi* api, const OrtValue* value) {
-  void* ptr = nullptr;
-  check(api, api->GetTensorMutableData(const_cast<OrtValue*>(value), &ptr));
-  return static_cast<T*>(ptr);
 }
 
 struct ParallelJob {
@@ -144,18 +99,6 @@ void run_item(void* user_data, size_t index) {
 void run_combine(void* user_data, size_t index) {
   const auto* job = static_cast<const ParallelJob*>(user_data);
   octavo::combine_split(*job->tensors, *job->params, job->plan->splits[index], *job->partials);
-}
-
-// fn(job, 0..count-1) on ORT's intra-op thread pool, or serially if there is none.
-void parallel_for(const OrtApi* api, OrtKernelContext* context, void (*fn)(void*, size_t), size_t count,
-                  ParallelJob* job) {
-  if (count == 0) return;
-  if (count > 1) {
-    OrtStatus* status = api->KernelContext_ParallelFor(context, fn, count, 0, job);
-    if (status == nullptr) return;
-    api->ReleaseStatus(status);
-  }
-  for (size_t i = 0; i < count; ++i) fn(job, i);
 }
 
 struct PagedAttentionKernel {
@@ -270,7 +213,7 @@ struct PagedAttentionKernel {
   }
 };
 
-OrtStatus* to_status(const OrtApi* api, const OpError& e) {
+OrtStatus* to_status(const OrtApi* api, const Failure& e) {
   return api->CreateStatus(e.code, (std::string(kPrefix) + e.message).c_str());
 }
 
@@ -334,22 +277,14 @@ struct PagedAttentionOp : OrtCustomOp {
       try {
         *kernel = new PagedAttentionKernel{api, read_params(api, info), kv_type_of(op)};
         return nullptr;
-      } catch (const OpError& e) {
+      } catch (const Failure& e) {
         return to_status(api, e);
       } catch (const std::exception& e) {
         return api->CreateStatus(ORT_FAIL, (std::string(kPrefix) + e.what()).c_str());
       }
     };
-    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) -> OrtStatus* {
-      auto* k = static_cast<PagedAttentionKernel*>(kernel);
-      try {
-        k->compute(context);
-        return nullptr;
-      } catch (const OpError& e) {
-        return to_status(k->api, e);
-      } catch (const std::exception& e) {
-        return k->api->CreateStatus(ORT_FAIL, (std::string(kPrefix) + e.what()).c_str());
-      }
+    KernelComputeV2 = [](void* kernel, OrtKernelContext* context) {
+      return octavo::glue::run<PagedAttentionKernel>(kernel, context, kPrefix);
     };
     KernelDestroy = [](void* kernel) { delete static_cast<PagedAttentionKernel*>(kernel); };
     InferOutputShapeFn = nullptr;
