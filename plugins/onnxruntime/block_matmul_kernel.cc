@@ -28,40 +28,14 @@ namespace octavo {
 namespace {
 
 constexpr float kMinBlockMax = 0x1p-64f;  // smallest nonzero block max |x| the 16-bit path takes
-#ifndef OCTAVO_CHUNK
-#define OCTAVO_CHUNK 512
-#endif
-constexpr int64_t kChunk = OCTAVO_CHUNK;  // k values per dequantized panel buffer (32 KiB)
 constexpr int64_t pair_bytes(int bits) { return 32 * bits / 8; }  // one panel's codes for a pair of k
-
-// Scalar access to code(column c of panel, k) (the layout in block_matmul_kernel.h).
-inline int code_at(const uint8_t* panel_codes, int bits, int c, int64_t k) {
-  const int e = (c < 8 ? 2 * c : 16 + 2 * (c - 8)) + static_cast<int>(k & 1);
-  if (bits == 8) return panel_codes[(k / 2) * pair_bytes(8) + e];
-  const uint8_t byte = panel_codes[(k / 4) * 32 + 2 * (e % 16) + (k / 2) % 2];
-  return e < 16 ? (byte & 15) : (byte >> 4);
-}
-
-// The float32 scales (or offsets) of panel p, block b (index = (p * nb + b) * kPanel).
-inline void params_at(const BlockWeights& w, const void* base, int64_t index, float* out) {
-  if (w.half_scales) {
-    half::to_floats(static_cast<const uint16_t*>(base) + index, out, kPanel);
-  } else {
-    std::memcpy(out, static_cast<const float*>(base) + index, kPanel * sizeof(float));
-  }
-}
 
 #if defined(OCTAVO_BLOCK_AVX2)
 
-constexpr int kTileRows = 6;   // rows of the register tile: 6 x 2 accumulators + 2 weights + 1 broadcast
-#ifndef OCTAVO_GROUP
-#define OCTAVO_GROUP 4
-#endif
-constexpr int64_t kGroup = OCTAVO_GROUP;  // panels sharing one pass over a row tile (their chunks: 128 KiB, in L2)
-#ifndef OCTAVO_PREFETCH
-#define OCTAVO_PREFETCH 8192
-#endif
-constexpr int kPrefetchBytes = OCTAVO_PREFETCH;  // how far ahead of the codes being read the decode path prefetches  // panels sharing one pass over a row tile (their chunks: 64 KiB, in L2)
+constexpr int64_t kChunk = 512;   // k values per dequantized panel buffer (32 KiB)
+constexpr int kTileRows = 6;      // rows of the register tile: 6 x 2 accumulators + 2 weights + 1 broadcast
+constexpr int64_t kGroup = 4;     // panels sharing one pass over a row tile (their chunks: 128 KiB, in L2)
+constexpr int kPrefetchBytes = 8192;  // how far ahead of the codes being read the decode path prefetches
 
 struct Vec2 {  // one panel of 16 floats
   __m256 lo, hi;
@@ -277,7 +251,7 @@ void tile_any(int rows, const float* x, int64_t k_stride, const float* buf, int6
 // Panels [p0, p0 + count) (count <= kGroup) over all rows, a chunk of k at a time: the chunk's weights of
 // every panel in the group are dequantized once, then each 6-row tile of x (in L1) meets all of them.
 template <int Bits>
-void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* y, int64_t p0, int64_t count) {  // x: a.x
+void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* y, int64_t p0, int64_t count) {
   struct alignas(64) Buffers {
     float panel[kGroup][kChunk * kPanel];
   };
@@ -331,6 +305,23 @@ void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t fi
 }
 
 #else  // portable scalar fallback (builds without AVX2 + FMA): float32, one value at a time
+
+// Scalar access to code(column c of panel, k) (the layout in block_matmul_kernel.h).
+inline int code_at(const uint8_t* panel_codes, int bits, int c, int64_t k) {
+  const int e = (c < 8 ? 2 * c : 16 + 2 * (c - 8)) + static_cast<int>(k & 1);
+  if (bits == 8) return panel_codes[(k / 2) * pair_bytes(8) + e];
+  const uint8_t byte = panel_codes[(k / 4) * 32 + 2 * (e % 16) + (k / 2) % 2];
+  return e < 16 ? (byte & 15) : (byte >> 4);
+}
+
+// The float32 scales (or offsets) of panel p, block b (index = (p * nb + b) * kPanel).
+inline void params_at(const BlockWeights& w, const void* base, int64_t index, float* out) {
+  if (w.half_scales) {
+    half::to_floats(static_cast<const uint16_t*>(base) + index, out, kPanel);
+  } else {
+    std::memcpy(out, static_cast<const float*>(base) + index, kPanel * sizeof(float));
+  }
+}
 
 template <int Bits>
 void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last) {
@@ -400,11 +391,9 @@ void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, Ac
       a.q_scale[r * nb + b] = amax / 32767.0f;
       a.block_sums[r * nb + b] = sum;
       int16_t* q = a.q.data() + r * w.k + b * w.block_size;
-      const __m256 inv = _mm256_set1_ps(inverse), top = _mm256_set1_ps(32767.0f);
+      const __m128 inv = _mm_set1_ps(inverse), top = _mm_set1_ps(32767.0f), bottom = _mm_set1_ps(-32767.0f);
       for (int64_t i = 0; i < w.block_size; i += 4) {  // round to nearest even (MXCSR default), as lrint
-        const __m128 e = _mm_min_ps(_mm_max_ps(_mm_mul_ps(_mm_loadu_ps(v + i), _mm256_castps256_ps128(inv)),
-                                               _mm_sub_ps(_mm_setzero_ps(), _mm256_castps256_ps128(top))),
-                                    _mm256_castps256_ps128(top));
+        const __m128 e = _mm_min_ps(_mm_max_ps(_mm_mul_ps(_mm_loadu_ps(v + i), inv), bottom), top);
         const __m128i q32 = _mm_cvtps_epi32(e);
         _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi32(q32, q32));
       }
