@@ -45,7 +45,7 @@ KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bflo
 POOL_PREFIXES = ("key_cache.", "value_cache.")
 POOL_OUTPUT_SUFFIX = ".out"  # graph output aliased to pool input NAME is NAME + ".out"
 FP32_HOWTO = "export with --weights fp32 for the TensorRT path"
-# ONNX Runtime's contrib ops (MatMulNBits of --weights int8|int4 and --gguf-kernel matmulnbits): no TensorRT importer
+# ONNX Runtime's contrib ops (MatMulNBits of --weights int8|int4 and --quant-kernel matmulnbits): no TensorRT importer
 UNSUPPORTED_DOMAINS = {"com.microsoft": f"quantized (MatMulNBits) exports run on ONNX Runtime only; {FP32_HOWTO}"}
 EXPORT_DOMAIN = "octavo"  # the exporter's custom-op domain: PagedAttention has a plugin, its other ops do not
 UNSUPPORTED_OPS = {"BlockMatMul": f"quantized weights (octavo.BlockMatMul: a GGUF's own blocks, the default for a "

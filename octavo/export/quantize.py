@@ -220,9 +220,8 @@ def unpacked(q: BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize(q: BlockQuantized) -> np.ndarray:
     """The float32 [N, K] weight that MatMulNBits multiplies by (the numpy reference)."""
-    codes = unpack_codes(q.packed, q.bits, q.block_size).astype(np.float32)  # [N, nb, bs]
-    zero = unpack_codes(q.zero_points, q.bits, q.n_blocks).astype(np.float32)  # [N, nb]
-    w = (codes - zero[..., None]) * q.scales[..., None]
+    codes, zero = unpacked(q)  # [N, nb, bs], [N, nb]
+    w = (codes.astype(np.float32) - zero[..., None].astype(np.float32)) * q.scales[..., None]
     return w.reshape(q.n, -1)[:, : q.k]
 
 
