@@ -36,6 +36,8 @@ constexpr int64_t kChunk = 512;   // k values per dequantized panel buffer (32 K
 constexpr int kTileRows = 6;      // rows of the register tile: 6 x 2 accumulators + 2 weights + 1 broadcast
 constexpr int64_t kGroup = 4;     // panels sharing one pass over a row tile (their chunks: 128 KiB, in L2)
 constexpr int kPrefetchBytes = 8192;  // how far ahead of the codes being read the decode path prefetches
+// Largest block whose int32 sums hold 16 x 4-bit codes times 16-bit activations: 2^31 / (32767 * 240) = 273.
+constexpr int64_t kMaxScaledBlock = 256;
 
 struct Vec2 {  // one panel of 16 floats
   __m256 lo, hi;
@@ -88,6 +90,19 @@ inline void quad_codes(const uint8_t* p, __m256i& a0, __m256i& a1, __m256i& b0, 
   b1 = _mm256_srli_epi16(v, 12);
 }
 
+// quad_codes for the decode path: the same four registers, but b0 and b1 hold 16 x their codes (no shift).
+// The sums they feed are scaled back by 1/16 in float32, which is exact, so the result equals quad_codes'.
+// Needs 16 x the int32 headroom (kMaxScaledBlock).
+inline void quad_codes_x16(const uint8_t* p, __m256i& a0, __m256i& a1, __m256i& b0, __m256i& b1) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x00F0);
+  const __m256i v8 = _mm256_srli_epi16(v, 8);
+  a0 = _mm256_and_si256(v, low);
+  a1 = _mm256_and_si256(v, high);
+  b0 = _mm256_and_si256(v8, low);
+  b1 = _mm256_and_si256(v8, high);
+}
+
 inline int32_t pair_of(const int16_t* q) {  // two adjacent int16 as one 32-bit lane
   int32_t v;
   std::memcpy(&v, q, sizeof v);
@@ -95,7 +110,8 @@ inline int32_t pair_of(const int16_t* q) {  // two adjacent int16 as one 32-bit 
 }
 
 // Rows [r0, r0 + Rows) of y's panel p on the 16-bit path (Rows <= 4: int32 sums and codes fill the registers).
-template <int Bits, int Rows>
+// X16 (4-bit only): codes of columns 8-15 widened as 16 x code (quad_codes_x16), one shift fewer per 64 codes.
+template <int Bits, int Rows, bool X16 = false>
 void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_t p, int64_t valid, int64_t r0) {
   static_assert(Rows >= 1 && Rows <= 4, "integer rows per pass");
   const int64_t nb = w.k / w.block_size, pairs = w.block_size / 2;
@@ -108,6 +124,7 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
     const uint8_t* cb = codes + b * pairs * pair_bytes(Bits);
     const int16_t* q = a.q.data() + r0 * w.k + b * w.block_size;
     if constexpr (Bits == 8) {
+#pragma GCC unroll 4
       for (int64_t j = 0; j < pairs; ++j) {
         __m256i c0, c1;
         _mm_prefetch(reinterpret_cast<const char*>(cb + j * pair_bytes(Bits)) + kPrefetchBytes, _MM_HINT_T0);
@@ -119,10 +136,15 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
         }
       }
     } else {
+#pragma GCC unroll 4
       for (int64_t j = 0; j < pairs; j += 2) {
         __m256i a0, a1, b0, b1;
         _mm_prefetch(reinterpret_cast<const char*>(cb + j * pair_bytes(Bits)) + kPrefetchBytes, _MM_HINT_T0);
-        quad_codes(cb + j * pair_bytes(Bits), a0, a1, b0, b1);
+        if constexpr (X16) {
+          quad_codes_x16(cb + j * pair_bytes(Bits), a0, a1, b0, b1);
+        } else {
+          quad_codes(cb + j * pair_bytes(Bits), a0, a1, b0, b1);
+        }
         for (int r = 0; r < Rows; ++r) {
           const __m256i xa = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j));
           const __m256i xb = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j + 2));
@@ -131,7 +153,8 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
         }
       }
     }
-    const Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
+    Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
+    if constexpr (X16) scale.hi = _mm256_mul_ps(scale.hi, _mm256_set1_ps(0.0625f));  // exact: a power of two
     const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
     for (int r = 0; r < Rows; ++r) {
       const int64_t at = (r0 + r) * nb + b;
@@ -285,23 +308,31 @@ void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* 
   }
 }
 
+template <int Bits, bool X16>
+void integer_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last) {
+  for (int64_t p = first; p < last; ++p) {
+    const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
+    for (int64_t r0 = 0; r0 < a.rows; r0 += 4) {  // a second pass re-reads the panel's codes from L1
+      switch (std::min<int64_t>(4, a.rows - r0)) {
+        case 1: integer_panel<Bits, 1, X16>(w, a, y, p, valid, r0); break;
+        case 2: integer_panel<Bits, 2, X16>(w, a, y, p, valid, r0); break;
+        case 3: integer_panel<Bits, 3, X16>(w, a, y, p, valid, r0); break;
+        default: integer_panel<Bits, 4, X16>(w, a, y, p, valid, r0); break;
+      }
+    }
+  }
+}
+
 template <int Bits>
 void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last) {
   if (!a.integer) {
     for (int64_t p = first; p < last; p += kGroup) buffered_group<Bits>(w, a.x, a.rows, y, p, std::min(kGroup, last - p));
     return;
   }
-  for (int64_t p = first; p < last; ++p) {
-    const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
-    for (int64_t r0 = 0; r0 < a.rows; r0 += 4) {  // a second pass re-reads the panel's codes from L1
-      switch (std::min<int64_t>(4, a.rows - r0)) {
-        case 1: integer_panel<Bits, 1>(w, a, y, p, valid, r0); break;
-        case 2: integer_panel<Bits, 2>(w, a, y, p, valid, r0); break;
-        case 3: integer_panel<Bits, 3>(w, a, y, p, valid, r0); break;
-        default: integer_panel<Bits, 4>(w, a, y, p, valid, r0); break;
-      }
-    }
+  if constexpr (Bits == 4) {
+    if (w.block_size <= kMaxScaledBlock) return integer_range<Bits, true>(w, a, y, first, last);
   }
+  integer_range<Bits, false>(w, a, y, first, last);
 }
 
 #else  // portable scalar fallback (builds without AVX2 + FMA): float32, one value at a time
