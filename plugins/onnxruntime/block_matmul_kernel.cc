@@ -3,7 +3,8 @@
 // One panel (16 output columns) at a time, all rows of x against it:
 // - decode steps (<= kIntRows rows): per pair of k, the 32 codes of the panel widen to int16 and meet the
 //   rows' 16-bit activations in _mm256_madd_epi16 (16 multiply-adds an instruction, exact int32 sums); each
-//   block's sums are scaled once in float32. The weights are streamed once, at ~11 instructions per 32.
+//   block's sums are scaled once in float32. The weights are streamed once, at ~11 instructions per 32 (4-bit
+//   blocks of up to 256: the codes of columns 8-15 stay 16 x code, which saves a shift per 64 codes).
 // - larger steps: a chunk of kChunk k's of a group of kGroup panels is dequantized into float32 buffers
 //   (L1/L2), then register-blocked 6 x 16 tiles of y accumulate over them with FMAs; the dequantization is
 //   paid once per panel and chunk, not per row.
