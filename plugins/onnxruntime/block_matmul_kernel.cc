@@ -222,6 +222,7 @@ void tile(const float* x, int64_t k_stride, const float* buf, int64_t len, __m25
   const float* x3 = x + 3 * k_stride;
   const float* x4 = x + 4 * k_stride;
   const float* x5 = x + 5 * k_stride;
+#pragma GCC unroll 4
   for (int64_t k = 0; k < len; ++k) {
     const __m256 w0 = _mm256_load_ps(buf + k * kPanel), w1 = _mm256_load_ps(buf + k * kPanel + 8);
     __m256 b = _mm256_broadcast_ss(x + k);
