@@ -3,9 +3,15 @@
 //
 // Rows are the item's (query token, query head of the group) pairs. Scores are kept transposed,
 // [key][row], so the softmax and the prefill score GEMM vectorise across rows:
-//   prefill (>= kGemmRows rows): scores^T[j][rows] = sum_d K[j][d] * Q^T[d][rows]  (Q^T built once)
+//   prefill (>= kGemmRows rows): scores^T[j][rows] = sum_d K[j][d] * Q^T[d][rows]  (Q^T built once),
+//     in register tiles of 6 keys x kVecsPerTile row vectors
 //   decode  (few rows): kWidth dot products at a time, summed by one shuffle tree
-//   out[row][:] += sum_j p^T[j][row] * V[j][:]
+//   out[row][:] += sum_j p^T[j][row] * V[j][:], in tiles of 6 rows x kVecsPerTile dim vectors
+// Prefill items hold up to ~192 rows (paged_attention_plan.cc) and work through each key chunk in
+// passes of kRowsPerPass rows: a pass's scores, queries and outputs fit L1, and the chunk's K/V
+// rows, fetched from L3 once, are reused from L2 by the next pass (long contexts ~1.2x faster than
+// one pass per item). Every tile shape sums in the same order (over d, then over keys), so the
+// results do not depend on the tiling.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -26,9 +32,16 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kKeyChunk = 64;
 // From this many rows on, scores are computed as a GEMM vectorised across rows.
 constexpr int64_t kGemmRows = 16;
-// Register blocking of the micro-kernels (at most 16 accumulators with 16 lanes, 8 with fewer).
-constexpr int kKeysPerTile = 4;   // GEMM scores: keys per tile (broadcast operands)
-constexpr int kRowsPerTile = 4;   // out += p v: rows per tile (broadcast operands)
+// GEMM rows are processed in passes of this many (a multiple of every vector width): one pass's
+// queries, scores and outputs stay in L1 while a chunk's key/value rows, read once from L3 per
+// item, serve all of the item's passes from L2.
+constexpr int64_t kRowsPerPass = 64;
+// Register blocking of the micro-kernels: 6 broadcast operands x kVecsPerTile vectors = 12
+// accumulators with 8 lanes (16 registers), 24 with 16 lanes (32 registers). Two FMA pipes of
+// latency 4 need 8 independent chains just to stay busy; 12 leave slack for late loads (8 ran the
+// prefill GEMMs ~25% slower).
+constexpr int kKeysPerTile = 6;   // GEMM scores: keys per tile (broadcast operands)
+constexpr int kRowsPerTile = 6;   // out += p v: rows per tile (broadcast operands)
 constexpr int kVecsPerTile = kWidth >= 16 ? 4 : 2;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -41,12 +54,13 @@ struct Scratch {
   std::vector<float> row_max;  // [heads][rows_p]
   std::vector<float> row_sum;  // [heads][rows_p]
   std::vector<float> alpha;    // [rows_p] rescale factors of the current chunk
-  std::vector<float> scores;   // [kKeyChunk][rows_p] scores, then probabilities (one head at a time)
+  std::vector<float> scores;   // [kKeyChunk][pass width] scores, then probabilities (one head and pass at a time)
   std::vector<float> v_pad;    // [kKeyChunk][dim_p] value rows when head_dim % kWidth != 0
   std::vector<float> k_conv;   // [kKeyChunk][heads][dim_p] the chunk's key rows, widened (float16 pools)
   std::vector<float> v_conv;   // [kKeyChunk][heads][dim_p] ... value rows (padding columns zero)
   std::vector<float> zeros;    // [head_dim] stands in for missing keys of a short chunk
   std::vector<int64_t> slots;  // [kKeyChunk] pool slot of each key of the chunk
+  std::vector<int64_t> next_slots;  // [kKeyChunk] ... of the next chunk (GEMM path; -1 past the end)
   std::vector<const float*> k_rows, v_rows;  // [kKeyChunk] this head's pool rows of the chunk's keys
   std::vector<const uint16_t*> k_rows16, v_rows16;  // ... read straight from a float16 pool (decode)
   std::vector<uint16_t> zeros16;  // [head_dim] float16 zeros
@@ -57,15 +71,16 @@ Scratch& thread_scratch() {
   return scratch;
 }
 
-// scores^T[j0 + i][col..col + NV*kWidth) = sum_d k_rows[j0 + i][d] * q_t[d][col..] for KB keys.
+// scores^T[i][col..col + NV*kWidth) = sum_d k_rows[i][d] * q_t[d][col..] for KB keys; q_t rows are
+// q_stride floats apart, score rows width.
 template <int KB, int NV>
-void qk_gemm_tile(const float* const* k_rows, const float* __restrict__ q_t, int64_t rows_p, int64_t head_dim,
-                  int64_t col, float* __restrict__ scores) {
+void qk_gemm_tile(const float* const* k_rows, const float* __restrict__ q_t, int64_t q_stride, int64_t width,
+                  int64_t head_dim, int64_t col, float* __restrict__ scores) {
   vf acc[KB][NV] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
     vf q[NV];
     for (int v = 0; v < NV; ++v) {
-      q[v] = simd::load(q_t + d * rows_p + col + v * kWidth);
+      q[v] = simd::load(q_t + d * q_stride + col + v * kWidth);
       simd::keep_in_register(q[v]);
     }
     for (int i = 0; i < KB; ++i) {
@@ -74,19 +89,21 @@ void qk_gemm_tile(const float* const* k_rows, const float* __restrict__ q_t, int
     }
   }
   for (int i = 0; i < KB; ++i)
-    for (int v = 0; v < NV; ++v) simd::store(scores + i * rows_p + col + v * kWidth, acc[i][v]);
+    for (int v = 0; v < NV; ++v) simd::store(scores + i * width + col + v * kWidth, acc[i][v]);
 }
 
+// KB keys' scores for `width` (a multiple of kWidth) query columns.
 template <int KB>
-void qk_gemm_keys(const float* const* k_rows, const float* q_t, int64_t rows_p, int64_t head_dim, float* scores) {
+void qk_gemm_keys(const float* const* k_rows, const float* q_t, int64_t q_stride, int64_t width, int64_t head_dim,
+                  float* scores) {
   int64_t col = 0;
-  for (; col + kVecsPerTile * kWidth <= rows_p; col += kVecsPerTile * kWidth)
-    qk_gemm_tile<KB, kVecsPerTile>(k_rows, q_t, rows_p, head_dim, col, scores);
-  switch ((rows_p - col) / kWidth) {
+  for (; col + kVecsPerTile * kWidth <= width; col += kVecsPerTile * kWidth)
+    qk_gemm_tile<KB, kVecsPerTile>(k_rows, q_t, q_stride, width, head_dim, col, scores);
+  switch ((width - col) / kWidth) {
     case 0: break;
-    case 1: qk_gemm_tile<KB, 1>(k_rows, q_t, rows_p, head_dim, col, scores); break;
-    case 2: qk_gemm_tile<KB, 2>(k_rows, q_t, rows_p, head_dim, col, scores); break;
-    default: qk_gemm_tile<KB, 3>(k_rows, q_t, rows_p, head_dim, col, scores); break;
+    case 1: qk_gemm_tile<KB, 1>(k_rows, q_t, q_stride, width, head_dim, col, scores); break;
+    case 2: qk_gemm_tile<KB, 2>(k_rows, q_t, q_stride, width, head_dim, col, scores); break;
+    default: qk_gemm_tile<KB, 3>(k_rows, q_t, q_stride, width, head_dim, col, scores); break;
   }
 }
 
@@ -226,43 +243,51 @@ void pv_rows(const float* probs, ProbLayout layout, const T* const* v_rows, int6
   }
 }
 
-// out[m][:] += sum_j prob(j, m) * v_rows[j][:] for all rows: 4-row tiles, then 2, then 1.
+// out[m][:] += sum_j prob(j, m) * v_rows[j][:] for all rows: kRowsPerTile-row tiles, then one tile
+// of the rest (decode: a GQA group's rows share every V load).
 template <typename T>
 void pv_chunk(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t rows, int64_t keys, float* out,
               int64_t dim_p) {
   int64_t m = 0;
   for (; m + kRowsPerTile <= rows; m += kRowsPerTile)
     pv_rows<kRowsPerTile>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p);
-  if (m + 2 <= rows) {  // decode with GQA groups of 2 (or a tail of 2): both rows share each V load
-    pv_rows<2>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p);
-    m += 2;
+  const float* const p = probs + m * layout.row_stride;
+  float* const o = out + m * dim_p;
+  static_assert(kRowsPerTile == 6, "the tail below covers 1..5 rows");
+  switch (rows - m) {
+    case 0: break;
+    case 1: pv_rows<1>(p, layout, v_rows, keys, o, dim_p); break;
+    case 2: pv_rows<2>(p, layout, v_rows, keys, o, dim_p); break;
+    case 3: pv_rows<3>(p, layout, v_rows, keys, o, dim_p); break;
+    case 4: pv_rows<4>(p, layout, v_rows, keys, o, dim_p); break;
+    default: pv_rows<5>(p, layout, v_rows, keys, o, dim_p); break;
   }
-  for (; m < rows; ++m) pv_rows<1>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p);
 }
 
-// Masks scores^T of keys [c0, c0 + keys) that row m may not see: keys after its position
-// (causal) or at/before position - window. Row m is query token m / group at pos_first + m / group;
-// for each key the hidden rows form a prefix (causal) and a suffix (window).
-void mask_chunk(float* scores, int64_t rows_p, int64_t keys, int64_t c0, int64_t pos_first, int64_t group,
-                int64_t window) {
+// Masks scores^T of keys [c0, c0 + keys) that a row may not see: keys after its position
+// (causal) or at/before position - window. Column i is the item's row m = row0 + i, query token
+// m / group at pos_first + m / group; for each key the hidden rows form a prefix (causal) and a
+// suffix (window).
+void mask_chunk(float* scores, int64_t width, int64_t keys, int64_t c0, int64_t pos_first, int64_t row0,
+                int64_t group, int64_t window) {
   for (int64_t j = 0; j < keys; ++j) {
     const int64_t key = c0 + j;
-    float* row = scores + j * rows_p;
-    const int64_t first_seeing = std::clamp<int64_t>((key - pos_first) * group, 0, rows_p);
+    float* row = scores + j * width;
+    const int64_t first_seeing = std::clamp<int64_t>((key - pos_first) * group - row0, 0, width);
     std::fill(row, row + first_seeing, kNegInf);
     if (window > 0) {
-      const int64_t last_seeing = std::clamp<int64_t>((key + window - pos_first) * group, 0, rows_p);
-      std::fill(row + last_seeing, row + rows_p, kNegInf);
+      const int64_t last_seeing = std::clamp<int64_t>((key + window - pos_first) * group - row0, 0, width);
+      std::fill(row + last_seeing, row + width, kNegInf);
     }
   }
 }
 
-// Online softmax over one chunk: scores^T become probabilities; per-row max/sum are updated and
-// the factor each row's running output must be rescaled by is left in alpha.
-void softmax_chunk(float* scores, int64_t rows_p, int64_t keys, float* row_max, float* row_sum, float* alpha) {
-  for (int64_t c = 0; c < rows_p; c += kWidth) {
+// Online softmax over one chunk of `width` rows: scores^T become probabilities; per-row max/sum are
+// updated and the factor each row's running output must be rescaled by is left in alpha.
+void softmax_chunk(float* scores, int64_t width, int64_t keys, float* row_max, float* row_sum, float* alpha) {
+  for (int64_t c = 0; c < width; c += kWidth) {
     vf chunk_max = simd::splat(kNegInf);
-    for (int64_t j = 0; j < keys; ++j) chunk_max = simd::max(chunk_max, simd::load(scores + j * rows_p + c));
+    for (int64_t j = 0; j < keys; ++j) chunk_max = simd::max(chunk_max, simd::load(scores + j * width + c));
     const vf old_max = simd::load(row_max + c);
     const vf new_max = simd::max(old_max, chunk_max);
     // Rows that have seen nothing yet keep max -inf; subtracting 0 instead keeps exp(-inf) = 0.
@@ -270,7 +295,7 @@ void softmax_chunk(float* scores, int64_t rows_p, int64_t keys, float* row_max, 
     const vf scale = simd::exp(old_max - base);
     vf sum = simd::splat(0.0f);
     for (int64_t j = 0; j < keys; ++j) {
-      float* x = scores + j * rows_p + c;
+      float* x = scores + j * width + c;
       const vf prob = simd::exp(simd::load(x) - base);
       simd::store(x, prob);
       sum += prob;
@@ -308,6 +333,43 @@ void softmax_rows(float* scores, int64_t rows, int64_t keys, int64_t c0, int64_t
   }
 }
 
+// Pool slots of keys [c0, c0 + keys) of a sequence, walking its block table (no division per key).
+void chunk_slots(const StepTensors& t, const int32_t* table, int64_t c0, int64_t keys, int64_t* slots) {
+  const int64_t bs = t.block_size;
+  int64_t block = c0 / bs, offset = c0 % bs;
+  int64_t base = static_cast<int64_t>(table[block]) * bs;
+  for (int64_t j = 0; j < keys; ++j) {
+    slots[j] = base + offset;
+    if (++offset == bs && j + 1 < keys) {  // never reads a table entry past the chunk's last block
+      offset = 0;
+      base = static_cast<int64_t>(table[++block]) * bs;
+    }
+  }
+}
+
+// Asks for bytes [first, first + span) of the K and V pool rows of `count` slots (negative: none).
+void prefetch_rows(const StepTensors& t, int64_t slot_bytes, const int64_t* slots, int64_t count, int64_t first,
+                   int64_t span) {
+  for (int64_t j = 0; j < count; ++j) {
+    if (slots[j] < 0) continue;
+    const int64_t off = slots[j] * slot_bytes + first;
+    for (int64_t b = 0; b < span; b += 64) {
+      __builtin_prefetch(static_cast<const char*>(t.key_cache) + off + b, 0, 2);
+      __builtin_prefetch(static_cast<const char*>(t.value_cache) + off + b, 0, 2);
+    }
+  }
+}
+
+// out[m][:] *= alpha[m] for `rows` running outputs (rows whose maximum did not move are left alone).
+void rescale(float* out, const float* alpha, int64_t rows, int64_t dim_p) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float a = alpha[m];
+    if (a == 1.0f) continue;
+    float* o = out + m * dim_p;
+    for (int64_t d = 0; d < dim_p; d += kWidth) simd::store(o + d, simd::load(o + d) * a);
+  }
+}
+
 }  // namespace
 
 void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials) {
@@ -338,8 +400,9 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   s.row_max.assign(heads * rows_p, kNegInf);
   s.row_sum.assign(heads * rows_p, 0.0f);
   s.alpha.resize(rows_p);
-  s.scores.resize(kKeyChunk * rows_p);  // also holds [rows][kKeyChunk] on the decode path
+  s.scores.resize(kKeyChunk * std::min(rows_p, kRowsPerPass));  // also holds [rows][kKeyChunk] (decode)
   s.slots.resize(kKeyChunk);
+  s.next_slots.resize(kKeyChunk);
   s.k_rows.resize(kKeyChunk);
   s.v_rows.resize(kKeyChunk);
   s.zeros.assign(D, 0.0f);
@@ -382,23 +445,22 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
 
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
     const int64_t keys = std::min(key_hi - c0, kKeyChunk);
-    {  // pool slot of each key, walking the block table (no division per key)
-      const int64_t bs = t.block_size;
-      int64_t block = c0 / bs, offset = c0 % bs;
-      int64_t base = static_cast<int64_t>(table[block]) * bs;
-      int64_t* slots = s.slots.data();
-      for (int64_t j = 0; j < keys; ++j) {
-        slots[j] = base + offset;
-        if (++offset == bs && j + 1 < keys) {  // never reads a table entry past the chunk's last block
-          offset = 0;
-          base = static_cast<int64_t>(table[++block]) * bs;
-        }
-      }
+    if (gemm && c0 != key_lo) {
+      std::swap(s.slots, s.next_slots);  // found by the previous chunk
+    } else {
+      chunk_slots(t, table, c0, keys, s.slots.data());
     }
     // Ask for the pool rows (all heads of the item) of this chunk, when it is the first, and of
     // the next one, so many cache lines are in flight while this chunk is computed head by head.
+    // The GEMM path asks for the next chunk's rows a key tile at a time instead (below): a burst of
+    // hundreds of prefetches stalls on the few outstanding misses the core tracks.
     const int64_t span = heads * D * itemsize;  // bytes of one slot row the item reads
-    {
+    if (gemm) {
+      if (c0 == key_lo) prefetch_rows(t, kv_row * itemsize, s.slots.data(), keys, item.kv_head_begin * D * itemsize, span);
+      const int64_t next_keys = std::min(key_hi - (c0 + kKeyChunk), kKeyChunk);
+      if (next_keys > 0) chunk_slots(t, table, c0 + kKeyChunk, next_keys, s.next_slots.data());
+      std::fill(s.next_slots.begin() + std::max<int64_t>(next_keys, 0), s.next_slots.end(), -1);
+    } else {
       const int64_t bs = t.block_size;
       const int64_t p0 = c0 == key_lo ? c0 : c0 + kKeyChunk, p1 = std::min(key_hi, c0 + 2 * kKeyChunk);
       if (p0 < p1) {
@@ -437,9 +499,6 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
         }
       }
     }
-    // Whether some row of the item cannot see some key of this chunk.
-    const bool needs_mask = c0 + keys - 1 > pos_first || (window > 0 && c0 <= pos_last - window);
-
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t head_offset = (item.kv_head_begin + h) * D;
       if (f16_direct) {
@@ -462,47 +521,75 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
       float* const out = s.out.data() + h * rows * dim_p;
       const float* const q = s.q.data() + h * q_size;
 
-      // 1. Raw scores, 2. softcap, mask and online softmax (scores become probabilities).
       float* const row_max = s.row_max.data() + h * rows_p;
       float* const row_sum = s.row_sum.data() + h * rows_p;
-      const int64_t score_count = gemm ? keys * rows_p : rows * kKeyChunk;
-      if (gemm) {
-        int64_t j = 0;
-        for (; j + kKeysPerTile <= keys; j += kKeysPerTile)
-          qk_gemm_keys<kKeysPerTile>(s.k_rows.data() + j, q, rows_p, D, scores + j * rows_p);
-        for (; j < keys; ++j) qk_gemm_keys<1>(s.k_rows.data() + j, q, rows_p, D, scores + j * rows_p);
-      } else {
-        if (f16_direct) {
-          qk_dot(s.k_rows16.data(), s.zeros16.data(), q, rows, D, keys, scores);
-        } else {
-          qk_dot(s.k_rows.data(), s.zeros.data(), q, rows, D, keys, scores);
-        }
-      }
-      if (p.softcap > 0.0f) {
-        for (int64_t i = 0; i < score_count; i += kWidth)
-          simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
-      }
-      if (gemm) {
-        if (needs_mask) mask_chunk(scores, rows_p, keys, c0, pos_first, group, window);
-        softmax_chunk(scores, rows_p, keys, row_max, row_sum, s.alpha.data());
-      } else {
-        softmax_rows(scores, rows, keys, c0, pos_first, group, window, row_max, row_sum, s.alpha.data());
-      }
-      for (int64_t m = 0; m < rows; ++m) {  // rescale the running outputs
-        const float a = s.alpha[m];
-        if (a == 1.0f) continue;
-        float* o = out + m * dim_p;
-        for (int64_t d = 0; d < dim_p; d += kWidth) simd::store(o + d, simd::load(o + d) * a);
-      }
-
-      // 3. out += probabilities x values.
-      if (!direct_v && !f16) {  // widened fp16 rows are already padded
+      if (!direct_v && !f16) {  // value rows padded to dim_p (widened fp16 rows already are)
         for (int64_t j = 0; j < keys; ++j) {
           std::memcpy(s.v_pad.data() + j * dim_p, s.v_rows[j], sizeof(float) * D);
           s.v_rows[j] = s.v_pad.data() + j * dim_p;
         }
       }
-      const ProbLayout layout = gemm ? ProbLayout{rows_p, 1} : ProbLayout{1, kKeyChunk};
+
+      if (gemm) {
+        // The rows in passes of kRowsPerPass: each pass scores, normalises and accumulates its
+        // rows on its own, while the chunk's K/V rows stay in cache for the next pass.
+        for (int64_t r0 = 0; r0 < rows_p; r0 += kRowsPerPass) {
+          const int64_t width = std::min(rows_p - r0, kRowsPerPass);
+          const int64_t pass_rows = std::min(rows, r0 + width) - r0;
+          const int64_t first = pos_first + r0 / group, last = pos_first + (r0 + pass_rows - 1) / group;
+          if (c0 > last || (window > 0 && c0 + keys - 1 <= first - window)) continue;  // sees none of it
+          // 1. Raw scores. The last pass asks for the next chunk's rows of this head, a key tile
+          // at a time.
+          const bool ask = r0 + width == rows_p;
+          const int64_t* const next = s.next_slots.data();
+          const int64_t head_bytes = head_offset * itemsize, row_bytes = D * itemsize;
+          const float* const qp = q + r0;
+          int64_t j = 0;
+          for (; j + kKeysPerTile <= keys; j += kKeysPerTile) {
+            if (ask) prefetch_rows(t, kv_row * itemsize, next + j, kKeysPerTile, head_bytes, row_bytes);
+            qk_gemm_keys<kKeysPerTile>(s.k_rows.data() + j, qp, rows_p, width, D, scores + j * width);
+          }
+          if (ask) prefetch_rows(t, kv_row * itemsize, next + j, kKeyChunk - j, head_bytes, row_bytes);
+          const float* const* const k = s.k_rows.data() + j;
+          float* const sc = scores + j * width;
+          static_assert(kKeysPerTile == 6, "the tail below covers 1..5 keys");
+          switch (keys - j) {  // one tile of the rest
+            case 0: break;
+            case 1: qk_gemm_keys<1>(k, qp, rows_p, width, D, sc); break;
+            case 2: qk_gemm_keys<2>(k, qp, rows_p, width, D, sc); break;
+            case 3: qk_gemm_keys<3>(k, qp, rows_p, width, D, sc); break;
+            case 4: qk_gemm_keys<4>(k, qp, rows_p, width, D, sc); break;
+            default: qk_gemm_keys<5>(k, qp, rows_p, width, D, sc); break;
+          }
+          // 2. Softcap, mask and online softmax (scores become probabilities).
+          if (p.softcap > 0.0f) {
+            for (int64_t i = 0; i < keys * width; i += kWidth)
+              simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
+          }
+          // Whether some row of the pass cannot see some key of this chunk.
+          if (c0 + keys - 1 > first || (window > 0 && c0 <= last - window))
+            mask_chunk(scores, width, keys, c0, pos_first, r0, group, window);
+          softmax_chunk(scores, width, keys, row_max + r0, row_sum + r0, s.alpha.data());
+          rescale(out + r0 * dim_p, s.alpha.data(), pass_rows, dim_p);
+          // 3. out += probabilities x values.
+          pv_chunk(scores, ProbLayout{width, 1}, s.v_rows.data(), pass_rows, keys, out + r0 * dim_p, dim_p);
+        }
+        continue;
+      }
+
+      // Decode: 1. raw scores, 2. softcap, mask and online softmax, 3. out += probabilities x values.
+      if (f16_direct) {
+        qk_dot(s.k_rows16.data(), s.zeros16.data(), q, rows, D, keys, scores);
+      } else {
+        qk_dot(s.k_rows.data(), s.zeros.data(), q, rows, D, keys, scores);
+      }
+      if (p.softcap > 0.0f) {
+        for (int64_t i = 0; i < rows * kKeyChunk; i += kWidth)
+          simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
+      }
+      softmax_rows(scores, rows, keys, c0, pos_first, group, window, row_max, row_sum, s.alpha.data());
+      rescale(out, s.alpha.data(), rows, dim_p);
+      const ProbLayout layout{1, kKeyChunk};
       if (f16_direct) {
         pv_chunk(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p);
       } else {

@@ -83,7 +83,7 @@ inline vf reduce_lanes(const vf* v) {
 }
 
 // exp(x) in float, relative error ~1e-7 (Cephes-style polynomial); inputs below -87.3 give exactly 0.
-inline vf exp(vf x) {
+__attribute__((always_inline)) inline vf exp(vf x) {
   const vf lo = splat(-87.3f);
   const vf xc = min(max(x, lo), splat(88.3f));
   const vf rounded = xc * 1.44269504088896341f + 12582912.0f;  // round(x / ln 2) via the 1.5*2^23 trick
