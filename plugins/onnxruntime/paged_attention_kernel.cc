@@ -538,6 +538,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
           const int64_t pass_rows = std::min(rows, r0 + width) - r0;
           const int64_t first = pos_first + r0 / group, last = pos_first + (r0 + pass_rows - 1) / group;
           if (c0 > last || (window > 0 && c0 + keys - 1 <= first - window)) continue;  // sees none of it
+          const int64_t pass_keys = std::min(keys, last + 1 - c0);  // keys after the pass's last token: unseen
           // 1. Raw scores. The last pass asks for the next chunk's rows of this head, a key tile
           // at a time.
           const bool ask = r0 + width == rows_p;
@@ -545,7 +546,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
           const int64_t head_bytes = head_offset * itemsize, row_bytes = D * itemsize;
           const float* const qp = q + r0;
           int64_t j = 0;
-          for (; j + kKeysPerTile <= keys; j += kKeysPerTile) {
+          for (; j + kKeysPerTile <= pass_keys; j += kKeysPerTile) {
             if (ask) prefetch_rows(t, kv_row * itemsize, next + j, kKeysPerTile, head_bytes, row_bytes);
             qk_gemm_keys<kKeysPerTile>(s.k_rows.data() + j, qp, rows_p, width, D, scores + j * width);
           }
@@ -553,7 +554,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
           const float* const* const k = s.k_rows.data() + j;
           float* const sc = scores + j * width;
           static_assert(kKeysPerTile == 6, "the tail below covers 1..5 keys");
-          switch (keys - j) {  // one tile of the rest
+          switch (pass_keys - j) {  // one tile of the rest
             case 0: break;
             case 1: qk_gemm_keys<1>(k, qp, rows_p, width, D, sc); break;
             case 2: qk_gemm_keys<2>(k, qp, rows_p, width, D, sc); break;
@@ -563,16 +564,16 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
           }
           // 2. Softcap, mask and online softmax (scores become probabilities).
           if (p.softcap > 0.0f) {
-            for (int64_t i = 0; i < keys * width; i += kWidth)
+            for (int64_t i = 0; i < pass_keys * width; i += kWidth)
               simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
           }
           // Whether some row of the pass cannot see some key of this chunk.
-          if (c0 + keys - 1 > first || (window > 0 && c0 <= last - window))
-            mask_chunk(scores, width, keys, c0, pos_first, r0, group, window);
-          softmax_chunk(scores, width, keys, row_max + r0, row_sum + r0, s.alpha.data());
+          if (c0 + pass_keys - 1 > first || (window > 0 && c0 <= last - window))
+            mask_chunk(scores, width, pass_keys, c0, pos_first, r0, group, window);
+          softmax_chunk(scores, width, pass_keys, row_max + r0, row_sum + r0, s.alpha.data());
           rescale(out + r0 * dim_p, s.alpha.data(), pass_rows, dim_p);
           // 3. out += probabilities x values.
-          pv_chunk(scores, ProbLayout{width, 1}, s.v_rows.data(), pass_rows, keys, out + r0 * dim_p, dim_p);
+          pv_chunk(scores, ProbLayout{width, 1}, s.v_rows.data(), pass_rows, pass_keys, out + r0 * dim_p, dim_p);
         }
         continue;
       }
