@@ -30,6 +30,12 @@ class InvalidRequestError(OctavoError, ValueError):
     """A request's prompt or sampling parameters are invalid (maps to HTTP 400)."""
 
 
+class ExportMismatchError(ModelFormatError, InvalidRequestError):
+    """An export folder was named with a weight format, kernel or quantization option other than the one it was
+    exported with (fixed at export time). Both a model-format and an invalid-request error: the folder is fine,
+    what was asked of it is not."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus max_tokens) does not fit the model's context or the KV pool. `param` names the request
     field to change ("prompt" or "max_tokens"), for the server's error body."""

@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from octavo.errors import InvalidRequestError
+from octavo.export.quant_options import QUANT_KERNEL_HELP, QUANT_KERNELS
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.kv_dtype import KV_CACHE_DTYPES
 from octavo.serving.engine_params import convert_value, engine_parameter_names
@@ -33,9 +34,11 @@ HELP: dict[str, str] = {
     "backend": "onnxruntime (CPU) or tensorrt (NVIDIA GPU, after `octavo build`)",
     "seed": "seed of sampled requests that bring none",
     "trace_path": "write one JSON line per engine step here (draw it with `octavo trace FILE`)",
-    "weights": "fp32, int8 or int4: the weight format when exporting an HF folder / .gguf (own cache folder)",
+    "weights": "fp32, int8, int4 or gguf (a .gguf's own blocks): the weight format when exporting an HF folder / "
+               ".gguf (own cache folder)",
     "quant_block_size": "with --weights int8/int4: values per scale / zero point (a power of two >= 16)",
     "quantize_lm_head": "with --weights int8/int4: quantize the LM head too",
+    "quant_kernel": QUANT_KERNEL_HELP + " (own cache folder)",
     "kv_cache_dtype": "KV pool element type: auto (the model's: float32 on onnxruntime) or float16 (half the memory)",
 }
 # what a default of None means, for --help
@@ -45,7 +48,8 @@ NONE_MEANS: dict[str, str] = {
     "max_model_len": "the model's",
     "num_threads": "all cores",
     "trace_path": "none",
-    "weights": "fp32",
+    "weights": "gguf for a quantized .gguf, else fp32",
+    "quant_kernel": "block",
     "quant_block_size": "32",
 }
 METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES"}
@@ -53,6 +57,7 @@ METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES"}
 CHOICES: dict[str, tuple[str, ...]] = {
     "backend": ("onnxruntime", "tensorrt"),
     "weights": ("fp32", "int8", "int4", "gguf"),
+    "quant_kernel": QUANT_KERNELS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 ALIASES: dict[str, tuple[str, ...]] = {  # earlier spellings, still accepted

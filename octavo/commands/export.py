@@ -5,10 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-# octavo.export.quantize's QUANT_KERNELS and RESIDUAL_ROWS, spelled out: every `octavo` command line builds this
-# parser, and that module imports numpy (tests/test_export_errors.py checks they agree)
-QUANT_KERNELS = ("block", "matmulnbits")
-RESIDUAL_ROWS = 64
+from octavo.export.quant_options import QUANT_KERNEL_HELP, QUANT_KERNELS, RESIDUAL_ROWS  # no numpy: see there
 
 HELP = "export an HF model folder (safetensors) or a .gguf file to ONNX with one PagedAttention node per layer"
 
@@ -35,38 +32,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--weights int8|int4: quantize the vocabulary projection too (gguf always runs the file's "
                         "own lm_head blocks)")
     q.add_argument("--quant-kernel", choices=QUANT_KERNELS, default=None,
-                   help="quantized weights (gguf, int8, int4): block (default; octavo.BlockMatMul: activations "
-                        "rounded to 16 bits per block for steps of <= 8 tokens, float32 on the exact weight values "
-                        "for larger ones) or matmulnbits (ONNX Runtime's MatMulNBits at --accuracy-level: int8 "
-                        "activations at 4; for gguf their rounding is undone by --residual-rows)")
+                   help=QUANT_KERNEL_HELP + "; --accuracy-level and --residual-rows change those")
     q.add_argument("--residual-rows", type=int, default=None,
                    help="--weights gguf --quant-kernel matmulnbits at --accuracy-level 4: undo the int8 rounding of "
                         f"the activations in steps of at most this many tokens (0 = off; default: {RESIDUAL_ROWS})")
 
 
 def _check_quant_flags(args: argparse.Namespace, weights: str) -> None:
-    """A quantization flag that would change nothing for WEIGHTS is refused rather than silently ignored."""
-    from octavo.errors import InvalidRequestError
+    """A quantization flag that would change nothing for WEIGHTS is refused rather than silently ignored
+    (the rule the engine's --weights / --quant-kernel share: octavo.export.quant_options)."""
+    from octavo.export.quant_options import check_quant_options
 
-    kernel = args.quant_kernel or "block"
-    quantized = weights != "fp32"
-    unused = []
-    if weights not in ("int8", "int4"):
-        unused += [flag for flag, given in (("--quant-block-size", args.quant_block_size is not None),
-                                            ("--quantize-lm-head", args.quantize_lm_head)) if given]
-    if args.quant_kernel is not None and not quantized:
-        unused.append("--quant-kernel")
-    if args.accuracy_level is not None and (not quantized or (weights == "gguf" and kernel == "block")):
-        unused.append("--accuracy-level")
-    if args.residual_rows is not None and not (weights == "gguf" and kernel == "matmulnbits"):
-        unused.append("--residual-rows")
-    if unused:
-        raise InvalidRequestError(
-            f"{', '.join(unused)} would change nothing for this export (weights {weights}"
-            f"{', kernel ' + kernel if quantized else ''}): --quant-block-size and --quantize-lm-head apply to "
-            "--weights int8|int4, --quant-kernel to quantized weights, --accuracy-level to MatMulNBits "
-            "(--quant-kernel matmulnbits), --residual-rows to --weights gguf --quant-kernel matmulnbits "
-            "(docs/quantization.md)")
+    given = [name for name in ("quant_block_size", "accuracy_level", "quant_kernel", "residual_rows")
+             if getattr(args, name) is not None] + (["quantize_lm_head"] if args.quantize_lm_head else [])
+    check_quant_options(weights, given, args.quant_kernel)
 
 
 def run(args: argparse.Namespace) -> int:

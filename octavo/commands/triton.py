@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         ea.trace_path = str(Path(ea.trace_path).resolve())
     params = {k: value_text(v) for k, v in changed_fields(ea).items()}
     # export once now (in the format asked for: --weights int8 exports the int8 variant), not in every instance
-    model = resolve_model_dir(ea.model, ea.weights, ea.quant_block_size, ea.quantize_lm_head)
+    model = resolve_model_dir(ea.model, ea.weights, ea.quant_block_size, ea.quantize_lm_head, ea.quant_kernel)
     repo = Path(args.repo_out) if args.repo_out else Path(tempfile.mkdtemp(prefix="octavo-triton-repo-"))
     write_model_repository(repo, model, parameters=params, instance_count=args.instances, template=args.template)
     print(f"model repository: {repo} (model {model})", flush=True)

@@ -152,7 +152,7 @@ def run_demo(config: DemoConfig, profiles: Sequence[Profile] = SEED_PROFILES,
     from octavo.runtime.tokenizer import Tokenizer
 
     extra = dict(config.engine_extra)
-    quant = {k: extra.pop(k) for k in ("quant_block_size", "quantize_lm_head") if k in extra}
+    quant = {k: extra.pop(k) for k in ("quant_block_size", "quantize_lm_head", "quant_kernel") if k in extra}
     model_dir = Path(resolve_model(config.model, weights=config.weights, **quant))
     manifest = Manifest.load(model_dir)
     tokenizer = Tokenizer(model_dir, manifest)

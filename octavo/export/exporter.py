@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import onnx
 from tqdm import tqdm
 
 from octavo.errors import ModelFormatError
@@ -69,7 +70,8 @@ def read_checkpoint(src: str | Path) -> Checkpoint:
     raise ModelFormatError(f"{src}: expected an HF model folder (config.json + *.safetensors) or a .gguf file")
 
 
-def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConfig) -> Manifest:
+def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConfig,
+              fallback_layers: list[str]) -> Manifest:
     windows = {w for w in spec.sliding_windows if w}
     return Manifest(
         architecture=spec.architecture,
@@ -94,7 +96,7 @@ def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConf
         chat_template_file=CHAT_TEMPLATE_NAME if has_template else None,
         source=source,
         weights=quant.weights,
-        quantization=quant.describe(),
+        quantization=quant.describe(fallback_layers),
     )
 
 
@@ -107,9 +109,19 @@ def _write_folder(checkpoint: Checkpoint, spec: ModelSpec, folder: Path, progres
     (folder / TOKENIZER_NAME).write_text(checkpoint.tokenizer_json, encoding="utf-8")
     if checkpoint.chat_template:
         (folder / CHAT_TEMPLATE_NAME).write_text(checkpoint.chat_template, encoding="utf-8")
-    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant)
+    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant, _fallback_layers(model, quant))
     manifest.save(folder)
     return manifest
+
+
+def _fallback_layers(model: onnx.ModelProto, quant: QuantConfig) -> list[str]:
+    """With the block kernel, the projections the graph multiplies with MatMulNBits all the same (an int8/int4
+    layer whose K is not a multiple of the block size), named as their weights are: read from the graph written,
+    so the manifest says what runs."""
+    if not quant.block_kernel:
+        return []
+    return [node.input[1].removesuffix(".qweight").removesuffix(".weight") for node in model.graph.node
+            if node.op_type == "MatMulNBits"]
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

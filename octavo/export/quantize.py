@@ -14,11 +14,13 @@ block is padded with zeros, which the kernel never reads against A.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from octavo.errors import InvalidRequestError
+from octavo.export.quant_options import DEFAULT_QUANT_KERNEL, QUANT_KERNELS, RESIDUAL_ROWS
 
 MS_DOMAIN = "com.microsoft"
 # "gguf": a GGUF file's own quantized blocks, re-laid exactly (octavo.export.gguf_blocks); no bits of its own
@@ -28,11 +30,7 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 com
 # range shrink factors tried per block (least squared error wins): clipping helps 4 bits (weight
 # RMSE -13% on SmolLM2's layers), not 8 bits (<1%, so only the full range is tried there)
 CLIP_RATIOS: dict[int, tuple[float, ...]] = {4: (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7), 8: (1.0,)}
-RESIDUAL_ROWS = 64  # see QuantConfig.residual_rows
-# how quantized weights (int8, int4, gguf) are multiplied: "block" = octavo.BlockMatMul (the default: 16-bit
-# activations for decode steps, float32 for larger ones; plugins/onnxruntime/block_matmul_kernel.h);
-# "matmulnbits" = ONNX Runtime's MatMulNBits at accuracy_level (int8 activations at 4; gguf adds the residual)
-QUANT_KERNELS = ("block", "matmulnbits")
+# QUANT_KERNELS (how quantized weights are multiplied) and RESIDUAL_ROWS live in octavo.export.quant_options
 _ROWS_PER_CHUNK = 4096  # rows quantized at once: bounds the float temporaries of a large matrix
 
 
@@ -47,7 +45,7 @@ class QuantConfig:
     # "gguf" with accuracy_level 4: undo the kernel's int8 rounding of the activations (octavo.Int8Residual)
     # in steps of at most this many rows; larger steps (long prefill chunks) keep the plain int8 path. 0 = off
     residual_rows: int = RESIDUAL_ROWS
-    kernel: str = "block"  # one of QUANT_KERNELS
+    kernel: str = DEFAULT_QUANT_KERNEL  # one of QUANT_KERNELS
 
     @property
     def bits(self) -> int | None:
@@ -86,15 +84,22 @@ class QuantConfig:
             raise InvalidRequestError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
         return self
 
-    def describe(self) -> dict[str, object] | None:
-        """The manifest's `quantization` entry (None for fp32)."""
+    def describe(self, fallback_layers: Sequence[str] = ()) -> dict[str, object] | None:
+        """The manifest's `quantization` entry (None for fp32). FALLBACK_LAYERS: with the block kernel, the
+        projections that are MatMulNBits nonetheless (int8/int4 with K not a multiple of the block size:
+        BlockMatMul has no partial last block); the entry then says so with `fallback_method`,
+        `fallback_accuracy_level` and `fallback_layers`, beside the keys older readers know."""
         if not self.enabled:
             return None
+        if fallback_layers and not self.block_kernel:
+            raise ValueError("only the block kernel falls back to MatMulNBits")
+        fallback: dict[str, object] = {"fallback_method": "MatMulNBits", "fallback_accuracy_level": self.accuracy_level,
+                                       "fallback_layers": list(fallback_layers)} if fallback_layers else {}
         if self.block_kernel and self.native:
-            return {"method": "BlockMatMul", "source": "gguf", "lm_head": self.lm_head}
+            return {"method": "BlockMatMul", "source": "gguf", "lm_head": self.lm_head, **fallback}
         if self.block_kernel:
             return {"method": "BlockMatMul", "bits": self.bits, "block_size": self.block_size, "symmetric": False,
-                    "lm_head": self.lm_head}
+                    "lm_head": self.lm_head, **fallback}
         if self.native:
             return {"method": "MatMulNBits", "source": "gguf", "accuracy_level": self.accuracy_level,
                     "lm_head": self.lm_head, "activation_residual_rows": self.residual_rows if self.residual else 0}

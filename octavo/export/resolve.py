@@ -6,11 +6,13 @@ folder or a .gguf file is exported once into the cache, `$OCTAVO_CACHE` (default
 The fingerprint hashes the octavo format version and the source files' names, sizes and contents
 (files over 64 MiB: their first and last 16 MiB), so an edited checkpoint gets a fresh export without
 rereading gigabytes on every start. A file lock keeps two processes from exporting the same model at once.
-A quantized GGUF runs on its own blocks by default (`weights="gguf"`, cache folder `<name>-gguf-a4-...`;
+A quantized GGUF runs on its own blocks by default (`weights="gguf"`, cache folder `<name>-gguf-block-...`;
 `weights="fp32"` dequantizes it as before). `weights="int8"|"int4"` exports the quantized variant into its own folder,
-`<name>-<format>-b<block>-a<accuracy>[-head]-<fingerprint>` (QuantConfig.cache_tag: the format, quant
-block size and lm_head choice are part of the name and of the fingerprint); for an export folder what
-the caller names must match the folder's manifest.
+`<name>-<format>-b<block>-block[-head]-<fingerprint>` (QuantConfig.cache_tag: the format, quant block size, kernel
+and lm_head choice are part of the name and of the fingerprint); `quant_kernel="matmulnbits"` tags the folder with
+MatMulNBits' accuracy level instead of `block` (`<name>-gguf-a4-r64-...`, `<name>-int4-b32-a4-...`), so two kernels
+never share a folder. For an export folder what the caller names must match the folder's manifest
+(ExportMismatchError otherwise).
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ import os
 import re
 from pathlib import Path
 
-from octavo.errors import InvalidRequestError, ModelFormatError
+from octavo.errors import ExportMismatchError, InvalidRequestError, ModelFormatError
 from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from octavo.export.quant_options import DEFAULT_QUANT_KERNEL, KERNEL_METHODS, check_quant_kernel, check_quant_options
 from octavo.export.quantize import GGUF_NATIVE, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -71,14 +74,22 @@ def _is_export_folder(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST_NAME).is_file()
 
 
-def _quant_config(weights: str | None, quant_block_size: int | None, quantize_lm_head: bool) -> QuantConfig:
+def _quant_config(weights: str | None, quant_block_size: int | None, quantize_lm_head: bool,
+                  quant_kernel: str | None) -> QuantConfig:
     if (quant_block_size is not None or quantize_lm_head) and weights not in ("int8", "int4"):
         raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
                                   f"weights='int8' or 'int4' with them (got weights={weights!r})")
     block_size = QuantConfig().block_size if quant_block_size is None else quant_block_size
+    kernel = quant_kernel or DEFAULT_QUANT_KERNEL
     if weights == GGUF_NATIVE:  # block sizes and lm_head are the file's
-        return QuantConfig(GGUF_NATIVE, block_size, lm_head=True).validate()
-    return QuantConfig(weights or "fp32", block_size, lm_head=quantize_lm_head).validate()
+        return QuantConfig(GGUF_NATIVE, block_size, lm_head=True, kernel=kernel).validate()
+    return QuantConfig(weights or "fp32", block_size, lm_head=quantize_lm_head, kernel=kernel).validate()
+
+
+def _check_kernel_applies(source: Path, weights: str, quant_kernel: str | None) -> None:
+    """quant_kernel with weights it does not apply to (fp32) is refused, by the rule `octavo export` applies."""
+    check_quant_options(weights, ["quant_kernel"] if quant_kernel is not None else [], quant_kernel,
+                        subject=str(source), spell=lambda option: option)
 
 
 def default_weights(source: Path, weights: str | None) -> str | None:
@@ -97,37 +108,46 @@ def default_weights(source: Path, weights: str | None) -> str | None:
 
 
 def _check_export_matches(source: Path, manifest: Manifest, weights: str | None, quant_block_size: int | None,
-                          quantize_lm_head: bool) -> None:
+                          quantize_lm_head: bool, quant_kernel: str | None) -> None:
     """An export folder's weight format is fixed: what the caller named must be what it holds."""
     howto = ("the weight format is chosen at export time: pass the HF folder or .gguf file instead, or "
              f"`octavo export SRC OUT --weights {weights or manifest.weights}`")
     if weights is not None and manifest.weights != weights:
-        raise ModelFormatError(f"{source} is an export with {manifest.weights} weights, not {weights}; {howto}")
+        raise ExportMismatchError(f"{source} is an export with {manifest.weights} weights, not {weights}; {howto}")
+    _check_kernel_applies(source, manifest.weights, quant_kernel)
     quantization = manifest.quantization or {}
     if quant_block_size is not None and quantization.get("block_size") != quant_block_size:
-        raise ModelFormatError(f"{source} was exported with quant block size {quantization.get('block_size')}, "
-                               f"not {quant_block_size}; {howto} --quant-block-size {quant_block_size}")
+        raise ExportMismatchError(f"{source} was exported with quant block size {quantization.get('block_size')}, "
+                                  f"not {quant_block_size}; {howto} --quant-block-size {quant_block_size}")
     if quantize_lm_head and not quantization.get("lm_head"):
-        raise ModelFormatError(f"{source} was exported without a quantized lm_head; {howto} --quantize-lm-head")
+        raise ExportMismatchError(f"{source} was exported without a quantized lm_head; {howto} --quantize-lm-head")
+    method = quantization.get("method", KERNEL_METHODS["matmulnbits"])  # exports older than BlockMatMul: MatMulNBits
+    if quant_kernel is not None and method != KERNEL_METHODS[quant_kernel]:
+        raise ExportMismatchError(f"{source} multiplies its {manifest.weights} weights with {method}, not "
+                                  f"{KERNEL_METHODS[quant_kernel]} (quant_kernel={quant_kernel!r}); {howto} "
+                                  f"--quant-kernel {quant_kernel}")
 
 
 def resolve_model(path: str | Path, *, progress: bool = True, weights: str | None = None,
-                  quant_block_size: int | None = None, quantize_lm_head: bool = False) -> Path:
+                  quant_block_size: int | None = None, quantize_lm_head: bool = False,
+                  quant_kernel: str | None = None) -> Path:
     """An octavo export folder for PATH (an export folder, an HF folder or a .gguf file).
 
     weights: None (a quantized GGUF: its own blocks, "gguf"; anything else: float32), "fp32", "int8" /
     "int4" (our quantization, docs/quantization.md) or "gguf" (a .gguf file's own blocks, exact);
-    quant_block_size (None = 32) and quantize_lm_head only with int8/int4. For an export folder None
-    accepts any format; whatever is named must match its manifest."""
+    quant_block_size (None = 32) and quantize_lm_head only with int8/int4; quant_kernel (None = "block",
+    octavo.BlockMatMul; "matmulnbits", ONNX Runtime's MatMulNBits) only with quantized weights. For an export
+    folder None accepts any format; whatever is named must match its manifest (ExportMismatchError)."""
     from octavo.demo.model import default_model_path, is_embedded_name
 
+    check_quant_kernel(quant_kernel)
     source = default_model_path() if is_embedded_name(path) else Path(path).expanduser()
     if source.exists():
         weights = default_weights(source, weights)
-    quant = _quant_config(weights, quant_block_size, quantize_lm_head)
+    quant = _quant_config(weights, quant_block_size, quantize_lm_head, quant_kernel)
     if _is_export_folder(source) and not (source / "config.json").is_file():
         manifest = Manifest.load(source)  # raises a clear ModelFormatError (e.g. newer format version)
-        _check_export_matches(source, manifest, weights, quant_block_size, quantize_lm_head)
+        _check_export_matches(source, manifest, weights, quant_block_size, quantize_lm_head, quant_kernel)
         return source
     if not source.exists():  # say so: "not a model" sends the user looking at the file's contents
         raise ModelFormatError(
@@ -140,6 +160,7 @@ def resolve_model(path: str | Path, *, progress: bool = True, weights: str | Non
             f"{source} is not a model: expected an octavo export folder (octavo.json), an HF model "
             f"folder (config.json + *.safetensors) or a .gguf file"
         )
+    _check_kernel_applies(source, quant.weights, quant_kernel)
     from octavo.export.exporter import export_model
 
     root = cache_root()

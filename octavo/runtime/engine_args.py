@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.errors import InvalidRequestError
+from octavo.export.quant_options import check_quant_kernel, check_quant_options
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
 
 
@@ -30,6 +31,9 @@ class EngineArgs:
     weights: str | None = None
     quant_block_size: int | None = None  # int8/int4 only: values per scale, a power of two >= 16 (None = the exporter's 32)
     quantize_lm_head: bool = False  # int8/int4 only: quantize the vocabulary projection too (docs/quantization.md)
+    # quantized weights (gguf, int8, int4) only: "block" (octavo.BlockMatMul) or "matmulnbits" (ONNX Runtime's
+    # MatMulNBits at accuracy_level 4); None = "block". Part of the cache folder's name; must match an export folder
+    quant_kernel: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the manifest's dtype: float32 on onnxruntime) | "float16" (half the KV memory)
 
     def validate(self) -> None:
@@ -53,9 +57,16 @@ class EngineArgs:
         if (self.quant_block_size is not None or self.quantize_lm_head) and self.weights not in ("int8", "int4"):
             raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
                                       f"weights='int8' or 'int4' with them (got weights={self.weights!r})")
+        check_quant_kernel(self.quant_kernel)
+        if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")
+            check_quant_options(self.weights, ["quant_kernel"] if self.quant_kernel is not None else [],
+                                self.quant_kernel, subject="these engine arguments", spell=lambda option: option)
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):
             raise InvalidRequestError(f"weights={self.weights!r} runs on the onnxruntime backend only (its "
                                       "octavo.BlockMatMul or MatMulNBits ops have no TensorRT plugin here); use "
                                       "weights='fp32' with tensorrt")
+        if self.backend == "tensorrt" and self.quant_kernel is not None:
+            raise InvalidRequestError(f"quant_kernel={self.quant_kernel!r} chooses the onnxruntime backend's kernel "
+                                      "for quantized weights; tensorrt runs float weights only (leave it unset)")

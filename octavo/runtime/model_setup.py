@@ -10,6 +10,7 @@ from pathlib import Path
 
 from octavo.errors import InvalidRequestError
 from octavo.export.manifest import MANIFEST_NAME, Manifest
+from octavo.export.quant_options import methods_of
 from octavo.runtime.backends.base import Backend
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
@@ -36,14 +37,14 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     weights = args.weights
     if weights is None and args.backend == "tensorrt" and not (Path(args.model) / MANIFEST_NAME).is_file():
         weights = "fp32"  # TensorRT runs float weights only: a quantized GGUF is dequantized for it
-    model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head)
+    model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head, args.quant_kernel)
     manifest = Manifest.load(model_dir)
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
-        method = (manifest.quantization or {}).get("method", "MatMulNBits")  # BlockMatMul or MatMulNBits
-        op = f"octavo.{method}" if method == "BlockMatMul" else method
+        ops = [f"octavo.{method}" if method == "BlockMatMul" else method for method in methods_of(manifest.quantization)]
         raise InvalidRequestError(f"{model_dir} holds {manifest.weights} weights, which run on the "
-                                  f"onnxruntime backend only (its {op} op has no TensorRT plugin here); "
-                                  "use backend='onnxruntime', or an fp32 export with tensorrt")
+                                  f"onnxruntime backend only (its {' and '.join(ops)} "
+                                  f"{'ops have' if len(ops) > 1 else 'op has'} no TensorRT plugin here); use "
+                                  "backend='onnxruntime', or an fp32 export with tensorrt")
     tokenizer = Tokenizer(model_dir, manifest)
     if args.max_model_len is not None and not 1 <= args.max_model_len <= manifest.max_context:
         raise InvalidRequestError(f"max_model_len must be in [1, {manifest.max_context}] (the model's "
@@ -57,16 +58,17 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
 
 
 def resolve_model_dir(model: str | Path, weights: str | None = None, quant_block_size: int | None = None,
-                      quantize_lm_head: bool = False) -> Path:
-    """An export folder as is; anything else (HF folder, .gguf) is exported once into the cache
-    (with WEIGHTS int8/int4: the quantized variant, in its own cache folder)."""
+                      quantize_lm_head: bool = False, quant_kernel: str | None = None) -> Path:
+    """An export folder as is (checked against WEIGHTS / QUANT_KERNEL when they are named); anything else (HF
+    folder, .gguf) is exported once into the cache (with WEIGHTS int8/int4 or QUANT_KERNEL: that variant, in its
+    own cache folder)."""
     path = Path(model)
-    if (path / MANIFEST_NAME).is_file() and weights is None:
+    if (path / MANIFEST_NAME).is_file() and weights is None and quant_kernel is None:
         return path
     from octavo.export.resolve import resolve_model
 
     return Path(resolve_model(path, weights=weights, quant_block_size=quant_block_size,
-                              quantize_lm_head=quantize_lm_head))
+                              quantize_lm_head=quantize_lm_head, quant_kernel=quant_kernel))
 
 
 def default_num_blocks(args: EngineArgs, manifest: Manifest, max_model_len: int, kv_dtype: str | None = None) -> int:
