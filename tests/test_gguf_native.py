@@ -259,6 +259,64 @@ def test_llm_defaults_to_the_files_blocks_and_caches_apart(hf_model_dir, tmp_pat
         EngineArgs(model=str(path), weights="gguf", backend="tensorrt").validate()
 
 
+def test_llm_quant_kernel_matches_octavo_export_and_caches_apart(hf_model_dir, tmp_path: Path, monkeypatch,
+                                                                 capsys) -> None:  # noqa: ANN001
+    """LLM(gguf, quant_kernel="matmulnbits") exports the MatMulNBits variant into its own cache folder and generates
+    what the same export made by `octavo export --quant-kernel matmulnbits` does (greedy text and tokens, through
+    `octavo generate --quant-kernel` too); an export folder must match the kernel asked for; bad values and a
+    kernel for float weights are refused with the choices / the rule `octavo export` applies."""
+    from octavo import LLM, SamplingParams
+    from octavo.cli import main as cli_main
+    from octavo.errors import ExportMismatchError, ModelFormatError
+    from octavo.export.manifest import Manifest
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q8_0.gguf", tensor_type="Q8_0")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = "The quick brown fox"
+
+    mm = LLM(str(path), quant_kernel="matmulnbits", num_threads=1, num_blocks=16)
+    mm_dir = mm.engine.model_dir
+    assert mm_dir.parent == tmp_path / "cache" and "-gguf-a4-r64-" in mm_dir.name
+    assert Manifest.load(mm_dir).quantization["method"] == "MatMulNBits"  # type: ignore[index]
+    assert "MatMulNBits" in _nodes(mm_dir) and "BlockMatMul" not in _nodes(mm_dir)
+    got = mm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+    assert cli_main(["export", str(path), str(tmp_path / "cli"), "--no-progress", "--quant-kernel", "matmulnbits"]) == 0
+    assert Manifest.load(tmp_path / "cli").quantization == Manifest.load(mm_dir).quantization
+    want = LLM(str(tmp_path / "cli"), num_threads=1, num_blocks=16).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, list(got.token_ids)) == (want.text, list(want.token_ids))
+
+    block_dir = LLM(str(path), num_threads=1, num_blocks=16).engine.model_dir  # the default kernel: another folder
+    assert block_dir != mm_dir and "-gguf-block-" in block_dir.name
+    assert LLM(str(path), quant_kernel="block", num_threads=1, num_blocks=16).engine.model_dir == block_dir
+    assert LLM(str(path), quant_kernel="matmulnbits", num_threads=1, num_blocks=16).engine.model_dir == mm_dir  # cached
+    capsys.readouterr()
+    assert cli_main(["generate", str(path), prompt, "--quant-kernel", "matmulnbits", "--max-tokens", "12",
+                     "--ignore-eos", "--num-blocks", "16", "--num-threads", "1"]) == 0
+    assert capsys.readouterr().out == want.text + "\n"
+
+    # an export folder holds one kernel: the same is accepted, the other refused (both error kinds match)
+    assert LLM(str(mm_dir), quant_kernel="matmulnbits", num_threads=1, num_blocks=16).engine.model_dir == mm_dir
+    for error in (ExportMismatchError, InvalidRequestError, ModelFormatError):
+        with pytest.raises(error, match="with MatMulNBits, not BlockMatMul .*--quant-kernel block"):
+            LLM(str(mm_dir), quant_kernel="block")
+    with pytest.raises(InvalidRequestError, match="with BlockMatMul, not MatMulNBits"):
+        LLM(str(block_dir), quant_kernel="matmulnbits")
+    with pytest.raises(InvalidRequestError, match="'block', 'matmulnbits'"):
+        LLM(str(path), quant_kernel="fast")
+    with pytest.raises(SystemExit) as refused:  # argparse: the usage line and the choices, exit status 2
+        cli_main(["generate", str(path), prompt, "--quant-kernel", "fast"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "invalid choice: 'fast'" in err and "block" in err and "matmulnbits" in err
+    fp32 = LLM(str(path), weights="fp32", num_threads=1, num_blocks=16).engine.model_dir
+    for model, kwargs in ((path, {"weights": "fp32"}), (hf_model_dir("llama"), {}), (fp32, {})):
+        with pytest.raises(InvalidRequestError, match=r"quant_kernel would change nothing .*\(weights fp32\)"):
+            LLM(str(model), quant_kernel="matmulnbits", **kwargs)
+    with pytest.raises(InvalidRequestError, match="tensorrt runs float weights only"):
+        LLM(str(path), quant_kernel="matmulnbits", backend="tensorrt")
+
+
 def test_an_export_newer_than_the_op_library_says_to_rebuild_it(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     """An op the built library lacks (an export made by newer sources, e.g. after `git pull` without `make op`)
     is an OpLibraryError naming the op and the fix, not ONNX Runtime's bare 'not a registered function/op'."""

@@ -361,6 +361,80 @@ def test_llm_quant_block_size_and_lm_head_variants(hf_model_dir, tmp_path, monke
         LLM(src, weights="fp32", quantize_lm_head=True)
 
 
+def test_llm_and_serve_quant_kernel_for_int8_int4(hf_model_dir, tmp_path, monkeypatch) -> None:
+    """quant_kernel with weights int8/int4: its own cache folder (tagged with the kernel), the manifest and graph
+    of that kernel; `octavo serve` takes the flag as the other engine commands do, with the same choices."""
+    from octavo import LLM
+    from octavo.cli import build_parser
+    from octavo.commands.engine_flags import engine_args
+    from octavo.errors import InvalidRequestError
+    from octavo.export.manifest import Manifest
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
+    src = str(hf_model_dir("llama"))
+    block = LLM(src, weights="int4", num_threads=1).engine.model_dir
+    mm = LLM(src, weights="int4", quant_kernel="matmulnbits", num_threads=1).engine.model_dir
+    assert "-int4-b32-block-" in block.name and "-int4-b32-a4-" in mm.name and block.parent == mm.parent
+    assert LLM(src, weights="int4", quant_kernel="block", num_threads=1).engine.model_dir == block
+    assert [Manifest.load(f).quantization["method"] for f in (block, mm)] == ["BlockMatMul", "MatMulNBits"]  # type: ignore[index]
+    ops = {f: {n.op_type for n in onnx.load(f / "model.onnx", load_external_data=False).graph.node} for f in (block, mm)}
+    assert "BlockMatMul" in ops[block] - ops[mm] and "MatMulNBits" in ops[mm] - ops[block]
+    with pytest.raises(InvalidRequestError, match="quant_kernel would change nothing for these engine arguments "
+                                                  r"\(weights fp32\)"):
+        LLM(src, weights="fp32", quant_kernel="block")
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", src, "--weights", "int8", "--quant-kernel", "matmulnbits"])
+    assert (engine_args(args).weights, engine_args(args).quant_kernel) == ("int8", "matmulnbits")
+    assert engine_args(parser.parse_args(["serve", src])).quant_kernel is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", src, "--quant-kernel", "int8"])
+    with pytest.raises(InvalidRequestError, match="would change nothing"):
+        engine_args(parser.parse_args(["serve", src, "--weights", "fp32", "--quant-kernel", "block"]))
+
+
+def test_manifest_names_the_layers_the_block_kernel_leaves_to_matmulnbits(tmp_path) -> None:
+    """BlockMatMul has no partial last block: with intermediate_size 48, down_proj's K is not a multiple of 32 and
+    stays MatMulNBits. The manifest says so (fallback_layers, beside the keys older readers know), the graph agrees,
+    the logits still equal transformers on the dequantized weights, and the TensorRT refusals name both ops."""
+    import torch
+
+    from octavo.build.onnx_for_tensorrt import prepare_onnx_for_tensorrt
+    from octavo.build.tensorrt_builder import check_float_weights
+    from octavo.errors import InvalidRequestError, ModelFormatError
+    from octavo.export import export_model
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.engine import LLMEngine
+    from octavo.runtime.engine_args import EngineArgs
+    from models import make_random_model
+
+    src = make_random_model(tmp_path / "odd", intermediate_size=48)
+    folder = tmp_path / "int8"
+    manifest = export_model(src, folder, progress=False, weights="int8", accuracy_level=0)
+    down = [f"model.layers.{i}.mlp.down_proj" for i in range(manifest.num_layers)]
+    assert Manifest.load(folder).quantization == manifest.quantization == {
+        "method": "BlockMatMul", "bits": 8, "block_size": 32, "symmetric": False, "lm_head": False,
+        "fallback_method": "MatMulNBits", "fallback_accuracy_level": 0, "fallback_layers": down}
+    nodes = onnx.load(folder / "model.onnx", load_external_data=False).graph.node
+    assert [n.input[1] for n in nodes if n.op_type == "MatMulNBits"] == [d + ".weight.qweight" for d in down]
+    assert [n.op_type for n in nodes].count("BlockMatMul") == 3 * manifest.num_layers  # qkv, o, gate_up
+    mm = export_model(src, tmp_path / "mm", progress=False, weights="int8", quant_kernel="matmulnbits")
+    assert mm.quantization is not None and "fallback_layers" not in mm.quantization  # nothing falls back there
+
+    ref = _hf_with_dequantized(src, 8, 32, lm_head=False)
+    ids = _encode(folder, PROMPTS[0])
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(_full_logits(folder, ids) - want).max() < 1e-4 * max(1.0, float(np.abs(want).max()))
+
+    with pytest.raises(ModelFormatError, match=r"int8 weights \(BlockMatMul \+ MatMulNBits\)"):
+        check_float_weights(folder, manifest)
+    with pytest.raises(InvalidRequestError, match="octavo.BlockMatMul and MatMulNBits ops have no TensorRT plugin"):
+        LLMEngine(EngineArgs(model=str(folder), backend="tensorrt"))
+    with pytest.raises(ModelFormatError, match=r"\(octavo\.BlockMatMul\): .*; node .*\(com\.microsoft\.MatMulNBits\)"):
+        prepare_onnx_for_tensorrt(folder / "model.onnx", tmp_path / "trt" / "model.onnx")
+
+
 def test_quantized_export_folder_refused_with_tensorrt(exports) -> None:
     """weights unset, so EngineArgs.validate cannot know the format: the engine refuses it once the
     manifest is read, before the TensorRT backend (or TensorRT itself) is imported."""

@@ -192,8 +192,12 @@ def _load_graph(model_path: Path) -> onnx.ModelProto:
 
 def _refuse_unsupported(model_path: Path, graph: onnx.GraphProto) -> None:
     """A node TensorRT's parser has no importer or plugin for is a ModelFormatError naming it and the way out,
-    before anything is rewritten."""
+    before anything is rewritten. The first node of every such op is named (an int8/int4 export on the block kernel
+    runs octavo.BlockMatMul and, for layers whose K is not a multiple of the block, MatMulNBits: both are said)."""
+    refused: dict[tuple[str, str], str] = {}
     for node in graph.node:
+        if (node.domain, node.op_type) in refused:
+            continue
         if node.domain in UNSUPPORTED_DOMAINS:
             why = UNSUPPORTED_DOMAINS[node.domain]
         elif node.domain == EXPORT_DOMAIN and node.op_type != OP_TYPE:
@@ -201,7 +205,9 @@ def _refuse_unsupported(model_path: Path, graph: onnx.GraphProto) -> None:
                                                     f"with no TensorRT plugin; {FP32_HOWTO}")
         else:
             continue
-        raise ModelFormatError(f"{model_path}: node {node.name!r} ({node.domain}.{node.op_type}): {why}")
+        refused[(node.domain, node.op_type)] = f"node {node.name!r} ({node.domain}.{node.op_type}): {why}"
+    if refused:
+        raise ModelFormatError(f"{model_path}: " + "; ".join(refused.values()))
 
 
 def _link_external_data(model: onnx.ModelProto, src_dir: Path, dst_dir: Path) -> None:
