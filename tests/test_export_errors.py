@@ -157,8 +157,11 @@ def test_cli_refuses_quantization_flags_that_change_nothing(hf_model_dir, tmp_pa
     from octavo.export import quantize
     from octavo.export.gguf_writer import write_gguf
 
+    from octavo.commands.engine_flags import CHOICES
+
     assert (export_command.QUANT_KERNELS, export_command.RESIDUAL_ROWS) == (quantize.QUANT_KERNELS,
                                                                             quantize.RESIDUAL_ROWS)
+    assert CHOICES["quant_kernel"] == quantize.QUANT_KERNELS  # serve/generate/... take the same choices
     gguf = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q8_0.gguf", tensor_type="Q8_0")
     hf = hf_model_dir("llama")
     refused = [
