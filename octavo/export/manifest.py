@@ -41,7 +41,9 @@ class Manifest:
     chat_template_file: str | None = "chat_template.jinja"
     source: str = ""  # where it was exported from (informational)
     weights: str = "fp32"  # linear layers' weights: "fp32" | "int8" | "int4" | "gguf" (MatMulNBits; export.quantize)
-    quantization: dict[str, Any] | None = None  # bits, block_size, accuracy_level, lm_head (None for fp32)
+    # method, bits, block_size, accuracy_level, lm_head, and fallback_* when the block kernel leaves layers to
+    # MatMulNBits (QuantConfig.describe; free-form keys, so new ones need no format version); None for fp32
+    quantization: dict[str, Any] | None = None
     magic: str = MAGIC
     format_version: int = FORMAT_VERSION
 
