@@ -25,7 +25,8 @@ from pathlib import Path
 
 from octavo.errors import ExportMismatchError, InvalidRequestError, ModelFormatError
 from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
-from octavo.export.quant_options import DEFAULT_QUANT_KERNEL, KERNEL_METHODS, check_quant_kernel, check_quant_options
+from octavo.export.quant_options import (DEFAULT_QUANT_KERNEL, KERNEL_METHODS, check_quant_kernel, check_quant_options,
+                                         methods_of)
 from octavo.export.quantize import GGUF_NATIVE, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def _check_export_matches(source: Path, manifest: Manifest, weights: str | None,
                                   f"not {quant_block_size}; {howto} --quant-block-size {quant_block_size}")
     if quantize_lm_head and not quantization.get("lm_head"):
         raise ExportMismatchError(f"{source} was exported without a quantized lm_head; {howto} --quantize-lm-head")
-    method = quantization.get("method", KERNEL_METHODS["matmulnbits"])  # exports older than BlockMatMul: MatMulNBits
+    method = methods_of(quantization)[0]  # the kernel it was exported for (older exports: MatMulNBits)
     if quant_kernel is not None and method != KERNEL_METHODS[quant_kernel]:
         raise ExportMismatchError(f"{source} multiplies its {manifest.weights} weights with {method}, not "
                                   f"{KERNEL_METHODS[quant_kernel]} (quant_kernel={quant_kernel!r}); {howto} "
