@@ -86,7 +86,9 @@ def test_loose_slo_finds_a_capacity_from_measured_points(server, model: str) -> 
         assert p.completed == p.sent == SHAPE.num_requests and p.failed == 0
         assert p.output_tokens == want_tokens  # the server's own usage counts: every token was generated
         assert 0 < p.ttft_p50 <= p.ttft_p99 and p.e2e_mean > 0
-        assert 0 < p.tpot_p50 <= p.tpot_p99
+        # a request whose tokens all came in one streamed chunk (the server coalesces deltas the client has
+        # not read yet, as vLLM's does) has a TPOT of 0 as a client sees it: >= 0, never above the SLO
+        assert 0 <= p.tpot_p50 <= p.tpot_p99 <= LOOSE.tpot_s
         assert p.users == pytest.approx(p.rate * p.e2e_mean)
     if kind == engines.NAIVE:  # the replay of its requests alone, beside the points measured
         assert res.estimate is not None and res.estimate.best is not None and res.estimate.best.estimated
