@@ -191,14 +191,17 @@ def test_pool_type_must_match_the_graph(library: str) -> None:
         make_session(library, **attrs).run(None, half_pools(step.feeds()))
 
 
-def test_sequence_result_is_bit_identical_alone_or_in_any_batch(library: str) -> None:
+@pytest.mark.parametrize("batch_seqs", [
+    [(1500, 1), (40, 30), (3, 1), (0, 70), (700, 2)],
+    [(past, 1) for past in range(100, 1300, 100)],  # a decode batch: both kv heads in one item, alone one each
+])
+def test_sequence_result_is_bit_identical_alone_or_in_any_batch(library: str, batch_seqs: list) -> None:
     """How work is split (kv heads per item, key-range parts) may depend on the batch, but a
     sequence's numbers may not: the engine promises batch-invariant greedy output."""
     heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
     attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.125)
     session = make_session(library, **attrs)
     rng = np.random.default_rng(11)
-    batch_seqs = [(1500, 1), (40, 30), (3, 1), (0, 70), (700, 2)]
     batch = random_step(rng, batch_seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
                         block_size=block_size)
     (batch_out, *_) = session.run(None, batch.feeds())
