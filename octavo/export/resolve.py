@@ -26,7 +26,7 @@ from pathlib import Path
 from octavo.errors import ExportMismatchError, InvalidRequestError, ModelFormatError
 from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from octavo.export.quant_options import (DEFAULT_QUANT_KERNEL, KERNEL_METHODS, check_quant_kernel, check_quant_options,
-                                         methods_of)
+                                         check_weight_options, methods_of)
 from octavo.export.quantize import GGUF_NATIVE, QuantConfig
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,7 @@ def _is_export_folder(path: Path) -> bool:
 
 def _quant_config(weights: str | None, quant_block_size: int | None, quantize_lm_head: bool,
                   quant_kernel: str | None) -> QuantConfig:
-    if (quant_block_size is not None or quantize_lm_head) and weights not in ("int8", "int4"):
-        raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
-                                  f"weights='int8' or 'int4' with them (got weights={weights!r})")
+    check_weight_options(weights, quant_block_size, quantize_lm_head)
     block_size = QuantConfig().block_size if quant_block_size is None else quant_block_size
     kernel = quant_kernel or DEFAULT_QUANT_KERNEL
     if weights == GGUF_NATIVE:  # block sizes and lm_head are the file's

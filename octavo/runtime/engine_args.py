@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.errors import InvalidRequestError
-from octavo.export.quant_options import check_quant_kernel, check_quant_options
+from octavo.export.quant_options import check_quant_kernel, check_quant_options, check_weight_options
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
 
 
@@ -51,12 +51,7 @@ class EngineArgs:
         if self.weights not in (None, "fp32", "int8", "int4", "gguf"):
             raise InvalidRequestError(f"weights must be 'fp32', 'int8', 'int4' or 'gguf', got {self.weights!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.quant_block_size is not None and (self.quant_block_size < 16
-                                                  or self.quant_block_size & (self.quant_block_size - 1)):
-            raise InvalidRequestError(f"quant_block_size must be a power of two >= 16, got {self.quant_block_size}")
-        if (self.quant_block_size is not None or self.quantize_lm_head) and self.weights not in ("int8", "int4"):
-            raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
-                                      f"weights='int8' or 'int4' with them (got weights={self.weights!r})")
+        check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")
             check_quant_options(self.weights, ["quant_kernel"] if self.quant_kernel is not None else [],
