@@ -72,3 +72,39 @@ def test_spinning_modes_agree_and_a_typo_is_refused(llama_export: tuple[Path, Ma
     monkeypatch.setenv("OCTAVO_ORT_SPINNING", "yes")
     with pytest.raises(InvalidRequestError, match="OCTAVO_ORT_SPINNING.*'run'"):
         OnnxRuntimeBackend(folder, manifest, num_blocks=8, block_size=8, num_threads=2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_logits_rows_from_the_buffer_and_from_ort_agree_and_are_the_callers(
+        llama_export: tuple[Path, Manifest], kv_cache_dtype: str) -> None:
+    """Steps of up to 64 logits rows write them into the backend's own buffer, larger ones into arrays ORT
+    allocates: the same rows come out bit-identical either way, and an array a step returned is the caller's
+    (the next step does not overwrite it)."""
+    import numpy as np
+
+    from octavo.bench.roofline import _decode_inputs
+    from octavo.runtime.backends.base import StepInputs
+
+    folder, manifest = llama_export
+    backend = OnnxRuntimeBackend(folder, manifest, num_blocks=32, block_size=8, num_threads=2,
+                                 kv_cache_dtype=kv_cache_dtype)
+    try:
+        t = 70  # one prompt of 70 tokens, a logits row for each (as prompt logprobs ask)
+        table = np.arange(9, dtype=np.int32).reshape(1, 9)
+
+        def prefill(rows: int) -> np.ndarray:
+            return backend.run(StepInputs(
+                input_ids=np.arange(5, 5 + t, dtype=np.int64), position_ids=np.arange(t, dtype=np.int64),
+                cumulative_sequence_length=np.array([0, t], np.int32), past_seqlens=np.zeros(1, np.int32),
+                block_table=table, slot_mapping=np.arange(t, dtype=np.int64),
+                logits_indices=np.arange(rows, dtype=np.int64)))
+
+        everything, first64 = prefill(t), prefill(64)
+        assert everything.shape == (t, manifest.vocab_size) and first64.shape == (64, manifest.vocab_size)
+        np.testing.assert_array_equal(first64, everything[:64])
+        kept = first64.copy()
+        decoded = backend.run(_decode_inputs(2, 5, 8, first_block=12))
+        assert decoded.shape == (2, manifest.vocab_size) and np.isfinite(decoded).all()
+        np.testing.assert_array_equal(first64, kept)
+    finally:
+        backend.close()
