@@ -106,5 +106,6 @@ def test_logits_rows_from_the_buffer_and_from_ort_agree_and_are_the_callers(
         decoded = backend.run(_decode_inputs(2, 5, 8, first_block=12))
         assert decoded.shape == (2, manifest.vocab_size) and np.isfinite(decoded).all()
         np.testing.assert_array_equal(first64, kept)
+        np.testing.assert_array_equal(prefill(t), everything)  # ORT's path again, after the buffer's: logits first
     finally:
         backend.close()
