@@ -28,11 +28,6 @@ constexpr int64_t kMinItemsFloor = 8;
 // this many keys (a multiple of the kernel's key chunk).
 constexpr int64_t kMinKeysPerPart = 256;
 
-// Key parts of a tile's key range: more than one only for a sequence whose step is one tile.
-int64_t key_parts(int64_t keys, bool single_tile) {
-  return single_tile ? std::max<int64_t>(1, keys / kMinKeysPerPart) : 1;
-}
-
 int64_t min_items() {
   static const int64_t n = std::max<int64_t>(kMinItemsFloor, kItemsPerThread * std::thread::hardware_concurrency());
   return n;
@@ -114,6 +109,7 @@ WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
     int32_t seq, begin, end;
     int64_t key_lo, key_hi;  // keys any of its tokens sees
     int64_t cost;            // query tokens x keys
+    int64_t parts;           // key-range parts (see below)
   };
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < t.num_seqs; ++b) {
@@ -125,17 +121,20 @@ WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
       const int64_t first = past + (tile_begin - begin);
       const int64_t key_hi = past + (tile_end - begin);
       const int64_t key_lo = p.sliding_window > 0 ? std::max<int64_t>(0, first - p.sliding_window + 1) : 0;
+      // A sequence with one tile (decode, a short chunk) but a long context has too little work
+      // per item for a thread pool: its keys are split into parts, combined afterwards. The split
+      // depends only on the sequence itself, never on the rest of the batch, so a sequence's
+      // result is bit-identical whatever batch it runs in.
+      const bool single_tile = tile_begin == begin && tile_end == end;
+      const int64_t parts = single_tile ? std::max<int64_t>(1, (key_hi - key_lo) / kMinKeysPerPart) : 1;
       tiles.push_back({static_cast<int32_t>(b), tile_begin, tile_end, key_lo, key_hi,
-                       (key_hi - key_lo) * (tile_end - tile_begin)});
+                       (key_hi - key_lo) * (tile_end - tile_begin), parts});
     }
   }
   // As many kv heads per item as still leaves min_items() items, key parts counted (a divisor of
   // kv_num_heads). Which heads share an item never changes a result.
-  auto single_tile = [&t](const Tile& tl) {
-    return tl.end - tl.begin == t.cumulative_sequence_length[tl.seq + 1] - t.cumulative_sequence_length[tl.seq];
-  };
   int64_t units = 0;
-  for (const Tile& tl : tiles) units += key_parts(tl.key_hi - tl.key_lo, single_tile(tl));
+  for (const Tile& tl : tiles) units += tl.parts;
   int64_t heads_per_item = p.kv_num_heads;
   while (heads_per_item > 1 &&
          (p.kv_num_heads % heads_per_item != 0 || units * (p.kv_num_heads / heads_per_item) < min_items())) {
@@ -145,12 +144,8 @@ WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   WorkPlan plan;
   for (const Tile& tl : tiles) {
-    // A sequence with one tile (decode, a short chunk) but a long context has too little work
-    // per item for a thread pool: its keys are split into parts, combined afterwards. The split
-    // depends only on the sequence itself, never on the rest of the batch, so a sequence's
-    // result is bit-identical whatever batch it runs in.
     const int64_t keys = tl.key_hi - tl.key_lo;
-    const int64_t parts = key_parts(keys, single_tile(tl));
+    const int64_t parts = tl.parts;
     const int64_t step = ((keys + parts - 1) / parts + 63) / 64 * 64;  // part length, chunk-aligned
     for (int64_t g = 0; g < p.kv_num_heads; g += heads_per_item) {
       const WorkItem whole{tl.seq, tl.begin, tl.end, static_cast<int32_t>(g), static_cast<int32_t>(g + heads_per_item),
