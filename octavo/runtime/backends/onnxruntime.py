@@ -203,6 +203,7 @@ class OnnxRuntimeBackend:
         self._binding.bind_output("logits", "cpu")  # many prompt-logprob rows: ORT allocates them for this step
         self.session.run_with_iobinding(self._binding)
         logits = self._binding.get_outputs()[0].numpy()
+        self._binding.bind_output("logits", "cpu")  # the binding would hold ORT's array until the next step
         del keep
         return logits
 
