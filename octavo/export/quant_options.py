@@ -39,11 +39,17 @@ def check_quant_kernel(kernel: object) -> None:
                                   f"(None = {DEFAULT_QUANT_KERNEL!r}), got {kernel!r}")
 
 
+def check_quant_block_size(block_size: int) -> None:
+    """Values per scale of int8/int4 weights: a power of two >= 16 (InvalidRequestError otherwise)."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise InvalidRequestError(f"quant_block_size must be a power of two >= 16, got {block_size}")
+
+
 def check_weight_options(weights: str | None, quant_block_size: int | None, quantize_lm_head: bool) -> None:
     """quant_block_size (a power of two >= 16) and quantize_lm_head are for --weights int8|int4 only: the one
     check EngineArgs.validate and the exporter's resolve both make (InvalidRequestError)."""
-    if quant_block_size is not None and (quant_block_size < 16 or quant_block_size & (quant_block_size - 1)):
-        raise InvalidRequestError(f"quant_block_size must be a power of two >= 16, got {quant_block_size}")
+    if quant_block_size is not None:
+        check_quant_block_size(quant_block_size)
     if (quant_block_size is not None or quantize_lm_head) and weights not in ("int8", "int4"):
         raise InvalidRequestError(f"quant_block_size / quantize_lm_head apply to quantized weights only; pass "
                                   f"weights='int8' or 'int4' with them (got weights={weights!r})")

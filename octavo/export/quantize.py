@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from octavo.errors import InvalidRequestError
-from octavo.export.quant_options import DEFAULT_QUANT_KERNEL, QUANT_KERNELS, RESIDUAL_ROWS
+from octavo.export.quant_options import DEFAULT_QUANT_KERNEL, QUANT_KERNELS, RESIDUAL_ROWS, check_quant_block_size
 
 MS_DOMAIN = "com.microsoft"
 # "gguf": a GGUF file's own quantized blocks, re-laid exactly (octavo.export.gguf_blocks); no bits of its own
@@ -74,8 +74,7 @@ class QuantConfig:
     def validate(self) -> "QuantConfig":
         if self.weights not in WEIGHT_FORMATS:
             raise InvalidRequestError(f"weights must be one of {sorted(WEIGHT_FORMATS)}, got {self.weights!r}")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise InvalidRequestError(f"quant block size must be a power of two >= 16, got {self.block_size}")
+        check_quant_block_size(self.block_size)
         if self.residual_rows < 0:
             raise InvalidRequestError(f"residual rows must be >= 0 (0 = off), got {self.residual_rows}")
         if self.kernel not in QUANT_KERNELS:
