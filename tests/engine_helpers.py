@@ -107,7 +107,8 @@ def prefill_logits(folder: Path, ids: list[int], block_size: int = 16) -> "np.nd
     from step_inputs import one_sequence
 
     blocks = -(-len(ids) // block_size)
-    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=blocks, block_size=block_size, num_threads=1)
+    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=blocks, block_size=block_size, num_threads=1,
+                                 kv_cache_dtype="float32")  # the weights' exactness, whatever "auto" picks
     try:
         table = np.arange(blocks, dtype=np.int32)[::-1]
         return backend.run(one_sequence(ids, 0, table, block_size, all_logits=True))

@@ -107,7 +107,7 @@ def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, smol_fp3
     ids = tokenizer(prompt)["input_ids"]
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    backend = OnnxRuntimeBackend(out, manifest, num_blocks=8, block_size=16)
+    backend = OnnxRuntimeBackend(out, manifest, num_blocks=8, block_size=16, kv_cache_dtype="float32")  # the weights alone
     try:
         got = backend.run(_prefill(ids, 16, 8))
     finally:
@@ -156,7 +156,7 @@ def test_tiny_gguf_export_logits_match_hf(hf_model_dir, tmp_path: Path, arch: st
     ids = np.random.default_rng(3).integers(0, manifest.vocab_size, 40).tolist()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    backend = OnnxRuntimeBackend(tmp_path / "out", manifest, num_blocks=4, block_size=16)
+    backend = OnnxRuntimeBackend(tmp_path / "out", manifest, num_blocks=4, block_size=16, kv_cache_dtype="float32")
     try:
         got = backend.run(_prefill(ids, 16, 4))
     finally:

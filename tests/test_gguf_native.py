@@ -142,7 +142,8 @@ def _stepped_logits(folder: Path, ids: list[int], rows: int, block_size: int = 1
 
     blocks = -(-len(ids) // block_size)
     table = np.arange(blocks, dtype=np.int32)[::-1]
-    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=blocks, block_size=block_size, num_threads=1)
+    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=blocks, block_size=block_size, num_threads=1,
+                                 kv_cache_dtype="float32")  # float32 pools: the blocks' exactness alone
     try:
         return np.concatenate([backend.run(one_sequence(ids[i:i + rows], i, table, block_size, all_logits=True))
                                for i in range(0, len(ids), rows)])

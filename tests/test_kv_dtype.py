@@ -131,13 +131,37 @@ def test_kv_cache_memory_gives_twice_the_blocks(model) -> None:  # noqa: ANN001
     assert capped16 in (2 * capped32, 2 * capped32 + 1)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "fp16", "float32", ""])
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "fp16", "Float32", ""])
 def test_unknown_kv_cache_dtype_refused(model, dtype: str) -> None:  # noqa: ANN001
     _, folder = model
-    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be 'auto'.*or 'float16'"):
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be 'auto'.*'float32' or 'float16'"):
         EngineArgs(model=str(folder), kv_cache_dtype=dtype).validate()
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         LLM(str(folder), kv_cache_dtype=dtype)
+
+
+def test_auto_is_float16_for_a_ggufs_own_blocks_only(hf_model_dir, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """"auto" (the default): float16 pools for a quantized GGUF run on its own blocks (llama.cpp's K/V type for
+    the same file), float32 for the same file exported to fp32 or int4 and for HF exports; "float32" keeps
+    float32 pools on the GGUF's blocks. The memory sizing follows the pool actually made."""
+    from octavo.export.gguf_writer import write_gguf
+    from octavo.runtime.kv_dtype import auto_kv_cache_dtype
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_1.gguf", tensor_type="Q4_1")
+    pools = {}
+    for name, kwargs in {"gguf": {}, "gguf-float32": {"kv_cache_dtype": "float32"}, "fp32": {"weights": "fp32"},
+                         "int4": {"weights": "int4"}, "hf": {"model": str(hf_model_dir("llama"))}}.items():
+        llm = LLM(**{"model": str(path), **kwargs}, num_threads=1, kv_cache_memory=1 << 20)
+        engine = llm.engine
+        manifest = Manifest.load(engine.model_dir)
+        dtype = engine.backend.key_caches[0].dtype
+        assert engine.num_blocks == (1 << 20) // manifest.kv_bytes_per_block(16, dtype.name)
+        if "kv_cache_dtype" not in kwargs:
+            assert auto_kv_cache_dtype(manifest) == dtype.name
+        pools[name] = dtype.name
+        llm.close()
+    assert pools == {"gguf": "float16", "gguf-float32": "float32", "fp32": "float32", "int4": "float32", "hf": "float32"}
 
 
 def test_cli_flag_reaches_engine_args() -> None:
@@ -148,6 +172,7 @@ def test_cli_flag_reaches_engine_args() -> None:
     add_engine_arguments(parser)
     assert engine_args(parser.parse_args(["m"])).kv_cache_dtype == "auto"
     assert engine_args(parser.parse_args(["m", "--kv-cache-dtype", "float16"])).kv_cache_dtype == "float16"
+    assert engine_args(parser.parse_args(["m", "--kv-cache-dtype", "float32"])).kv_cache_dtype == "float32"
     with pytest.raises((argparse.ArgumentError, SystemExit)):
         parser.parse_args(["m", "--kv-cache-dtype", "int8"])
 

@@ -39,7 +39,7 @@ HELP: dict[str, str] = {
     "quant_block_size": "with --weights int8/int4: values per scale / zero point (a power of two >= 16)",
     "quantize_lm_head": "with --weights int8/int4: quantize the LM head too",
     "quant_kernel": QUANT_KERNEL_HELP + " (own cache folder)",
-    "kv_cache_dtype": "KV pool element type: auto (the model's: float32 on onnxruntime) or float16 (half the memory)",
+    "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
 }
 # what a default of None means, for --help
 NONE_MEANS: dict[str, str] = {

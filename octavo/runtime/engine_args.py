@@ -34,7 +34,7 @@ class EngineArgs:
     # quantized weights (gguf, int8, int4) only: "block" (octavo.BlockMatMul) or "matmulnbits" (ONNX Runtime's
     # MatMulNBits at accuracy_level 4); None = "block". Part of the cache folder's name; must match an export folder
     quant_kernel: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (the manifest's dtype: float32 on onnxruntime) | "float16" (half the KV memory)
+    kv_cache_dtype: str = "auto"  # "auto" (float16 for a GGUF's own blocks, else float32: runtime/kv_dtype.py) | "float32" | "float16"
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -67,7 +67,7 @@ class OnnxRuntimeBackend:
         kv_cache_dtype: str = "auto",
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
-        kv_cache_dtype: "auto" (the manifest's dtype), "float32" or "float16" pools."""
+        kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32" or "float16" pools."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.model_dir = Path(model_dir)
