@@ -444,7 +444,7 @@ def test_quantized_export_folder_refused_with_tensorrt(exports) -> None:
 
     before = {m for m in ("tensorrt", "octavo.runtime.backends.tensorrt") if m in sys.modules}
     for weights in ("int8", "int4"):
-        with pytest.raises(InvalidRequestError, match=f"{weights} weights, which run on the onnxruntime backend only"):
+        with pytest.raises(InvalidRequestError, match=f"{weights} weights, which run on ONNX Runtime only .* no TensorRT plugin"):
             LLMEngine(EngineArgs(model=str(exports("llama", weights)), backend="tensorrt"))
     assert {m for m in ("tensorrt", "octavo.runtime.backends.tensorrt") if m in sys.modules} == before
 

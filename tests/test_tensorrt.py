@@ -185,7 +185,8 @@ def test_prepare_onnx_refuses_quantized_export(tmp_path) -> None:  # noqa: ANN00
     model = onnx.load(str(tmp_path / "model.onnx"))
     model.graph.node.append(helper.make_node("MatMulNBits", ["x", "s0"], ["q"], name="mm", domain="com.microsoft"))
     onnx.save(model, str(tmp_path / "q.onnx"))
-    with pytest.raises(ModelFormatError, match="quantized .MatMulNBits. exports run on ONNX Runtime only"):
+    with pytest.raises(ModelFormatError, match=r"quantized exports \(--weights int8\|int4, --quant-kernel matmulnbits\) run on ONNX Runtime only "
+                                               r"\(MatMulNBits has no TensorRT plugin\)"):
         prepare_onnx_for_tensorrt(tmp_path / "q.onnx", tmp_path / "o.onnx")
 
 

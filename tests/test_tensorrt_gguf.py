@@ -3,6 +3,7 @@ every way onto the TensorRT path refuses it with the reason and the way out (--w
 anything TensorRT is imported, so the same error comes on a machine without TensorRT."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import onnx
@@ -16,7 +17,7 @@ from octavo.export import export_model
 from octavo.export.gguf_writer import write_gguf
 from octavo.runtime.engine_args import EngineArgs
 
-WAY_OUT = "export with --weights fp32 for the TensorRT path"
+WAY_OUT = "export with --weights fp32 (weights='fp32') for the TensorRT path"  # quant_options.not_on_tensorrt
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,9 @@ def block_export(hf_model_dir, tmp_path_factory) -> Path:  # noqa: ANN001
 
 
 def test_prepare_onnx_refuses_block_matmul(block_export: Path, tmp_path: Path) -> None:
-    with pytest.raises(ModelFormatError, match=r"\(octavo\.BlockMatMul\): quantized weights \(octavo\.BlockMatMul: a "
-                                               r"GGUF's own blocks.*\) run on ONNX Runtime only; " + WAY_OUT):
+    with pytest.raises(ModelFormatError, match=r"\(octavo\.BlockMatMul\): quantized weights \(a GGUF's own blocks.*\) run on "
+                                               r"ONNX Runtime only \(octavo\.BlockMatMul has no TensorRT plugin\); "
+                                               + re.escape(WAY_OUT)):
         prepare_onnx_for_tensorrt(block_export / "model.onnx", tmp_path / "o.onnx")
     assert not (tmp_path / "o.onnx").exists()
 
@@ -43,7 +45,7 @@ def test_prepare_onnx_refuses_other_octavo_ops_but_not_paged_attention(hf_model_
     model.graph.node.append(helper.make_node("FoldRows", ["a", "b"], ["c"], name="fold", domain="octavo"))
     onnx.save(model, str(tmp_path / "extra.onnx"))
     with pytest.raises(ModelFormatError, match=r"octavo\.FoldRows is an ONNX Runtime custom op with no TensorRT "
-                                               r"plugin; " + WAY_OUT):
+                                               r"plugin; " + re.escape(WAY_OUT)):
         prepare_onnx_for_tensorrt(tmp_path / "extra.onnx", tmp_path / "o.onnx")
 
 
@@ -51,7 +53,8 @@ def test_build_refuses_a_gguf_block_export_before_tensorrt(block_export: Path, c
     from octavo.build.tensorrt_builder import build_engine
     from octavo.cli import main
 
-    with pytest.raises(ModelFormatError, match=r"holds gguf weights \(BlockMatMul\), which run on ONNX Runtime only"):
+    with pytest.raises(ModelFormatError, match=r"holds gguf weights, which run on ONNX Runtime only \(octavo\.BlockMatMul has no "
+                                                  r"TensorRT plugin\); " + re.escape(WAY_OUT)):
         build_engine(block_export)
     assert main(["build", str(block_export)]) == 2
     err = capsys.readouterr().err
@@ -62,11 +65,12 @@ def test_engine_refuses_gguf_weights_with_tensorrt(block_export: Path) -> None:
     from octavo.runtime.engine import LLMEngine
 
     for weights in ("gguf", "int8", "int4"):
-        with pytest.raises(InvalidRequestError, match=fr"weights='{weights}' runs on the onnxruntime backend only "
-                                                      r"\(its octavo\.BlockMatMul or MatMulNBits ops"):
+        with pytest.raises(InvalidRequestError, match=fr"weights='{weights}': quantized weights run on ONNX Runtime only "
+                                                      r"\(octavo\.BlockMatMul and MatMulNBits have no TensorRT plugin\); "
+                                                      + re.escape(WAY_OUT)):
             EngineArgs(model="m.gguf", backend="tensorrt", weights=weights).validate()
-    with pytest.raises(InvalidRequestError, match=r"gguf weights, which run on the onnxruntime backend only \(its "
-                                                  r"octavo\.BlockMatMul op has no TensorRT plugin here\)"):
+    with pytest.raises(InvalidRequestError, match=r"gguf weights, which run on ONNX Runtime only \(octavo\.BlockMatMul has no "
+                                                  r"TensorRT plugin\); " + re.escape(WAY_OUT)):
         LLMEngine(EngineArgs(model=str(block_export), backend="tensorrt"))
 
 

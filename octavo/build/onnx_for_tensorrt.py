@@ -33,6 +33,7 @@ from onnx import TensorProto, helper
 
 from octavo.build.half_weights import convert_weights_to_half
 from octavo.errors import ModelFormatError
+from octavo.export.quant_options import TENSORRT_FP32_HOWTO, not_on_tensorrt
 
 PLUGIN_NAMESPACE = "octavo"
 PLUGIN_VERSION = "1"
@@ -44,12 +45,12 @@ ATTRIBUTE_DEFAULTS: dict[str, int | float | None] = {
 KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 POOL_PREFIXES = ("key_cache.", "value_cache.")
 POOL_OUTPUT_SUFFIX = ".out"  # graph output aliased to pool input NAME is NAME + ".out"
-FP32_HOWTO = "export with --weights fp32 for the TensorRT path"
 # ONNX Runtime's contrib ops (MatMulNBits of --weights int8|int4 and --quant-kernel matmulnbits): no TensorRT importer
-UNSUPPORTED_DOMAINS = {"com.microsoft": f"quantized (MatMulNBits) exports run on ONNX Runtime only; {FP32_HOWTO}"}
+UNSUPPORTED_DOMAINS = {"com.microsoft": not_on_tensorrt("quantized exports (--weights int8|int4, --quant-kernel "
+                                                        "matmulnbits)", ["MatMulNBits"])}
 EXPORT_DOMAIN = "octavo"  # the exporter's custom-op domain: PagedAttention has a plugin, its other ops do not
-UNSUPPORTED_OPS = {"BlockMatMul": f"quantized weights (octavo.BlockMatMul: a GGUF's own blocks, the default for a "
-                                  f"quantized .gguf, or --weights int8|int4) run on ONNX Runtime only; {FP32_HOWTO}"}
+UNSUPPORTED_OPS = {"BlockMatMul": not_on_tensorrt("quantized weights (a GGUF's own blocks, the default for a quantized "
+                                                  ".gguf, or --weights int8|int4)", ["BlockMatMul"])}
 
 
 def pool_output_name(pool_input: str) -> str:
@@ -202,7 +203,7 @@ def _refuse_unsupported(model_path: Path, graph: onnx.GraphProto) -> None:
             why = UNSUPPORTED_DOMAINS[node.domain]
         elif node.domain == EXPORT_DOMAIN and node.op_type != OP_TYPE:
             why = UNSUPPORTED_OPS.get(node.op_type, f"{EXPORT_DOMAIN}.{node.op_type} is an ONNX Runtime custom op "
-                                                    f"with no TensorRT plugin; {FP32_HOWTO}")
+                                                    f"with no TensorRT plugin; {TENSORRT_FP32_HOWTO}")
         else:
             continue
         refused[(node.domain, node.op_type)] = f"node {node.name!r} ({node.domain}.{node.op_type}): {why}"

@@ -217,11 +217,10 @@ def check_float_weights(model_dir: Path, manifest: Manifest) -> None:
     octavo.BlockMatMul) is a ModelFormatError saying so, checked before TensorRT is imported so that a machine
     without it gets this reason rather than "TensorRT is not installed"."""
     if manifest.weights != "fp32":
-        from octavo.export.quant_options import methods_of
+        from octavo.export.quant_options import methods_of, not_on_tensorrt
 
-        methods = " + ".join(methods_of(manifest.quantization))  # e.g. BlockMatMul + MatMulNBits (fallback layers)
-        raise ModelFormatError(f"{model_dir} holds {manifest.weights} weights ({methods}), which run on ONNX Runtime "
-                               "only; export with --weights fp32 for the TensorRT path")
+        raise ModelFormatError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
+                                               methods_of(manifest.quantization)))
 
 
 def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = None) -> Path:

@@ -7,7 +7,7 @@ names, and EngineArgs.validate checks against them.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from octavo.errors import InvalidRequestError
@@ -89,6 +89,19 @@ def check_quant_options(weights: str, given: Collection[str], kernel: str | None
         f"apply to {s('weights')} int8|int4, {s('quant_kernel')} to quantized weights, {s('accuracy_level')} to "
         f"MatMulNBits ({s('quant_kernel')} matmulnbits), {s('residual_rows')} to {s('weights')} gguf "
         f"{s('quant_kernel')} matmulnbits (docs/quantization.md)")
+
+
+TENSORRT_FP32_HOWTO = "export with --weights fp32 (weights='fp32') for the TensorRT path"
+
+
+def not_on_tensorrt(subject: str, ops: Sequence[str]) -> str:
+    """The one wording of "quantized weights do not run on TensorRT", for every place that refuses them before
+    TensorRT is touched (engine arguments, a loaded export, the engine builder, the ONNX prepared for TensorRT):
+    SUBJECT (what was asked for) runs on ONNX Runtime only, OPS (the graph's quantized matmul ops) have no
+    TensorRT plugin, and the way out."""
+    names = " and ".join(f"octavo.{op}" if op == KERNEL_METHODS["block"] else op for op in ops)
+    return (f"{subject} run on ONNX Runtime only ({names} {'have' if len(ops) > 1 else 'has'} no TensorRT "
+            f"plugin); {TENSORRT_FP32_HOWTO}")
 
 
 def methods_of(quantization: Mapping[str, Any] | None) -> list[str]:

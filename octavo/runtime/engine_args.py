@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.errors import InvalidRequestError
-from octavo.export.quant_options import check_quant_kernel, check_quant_options, check_weight_options
+from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, check_quant_options, check_weight_options,
+                                         not_on_tensorrt)
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
 
 
@@ -59,9 +60,8 @@ class EngineArgs:
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):
-            raise InvalidRequestError(f"weights={self.weights!r} runs on the onnxruntime backend only (its "
-                                      "octavo.BlockMatMul or MatMulNBits ops have no TensorRT plugin here); use "
-                                      "weights='fp32' with tensorrt")
+            raise InvalidRequestError(not_on_tensorrt(f"weights={self.weights!r}: quantized weights",
+                                                      list(KERNEL_METHODS.values())))
         if self.backend == "tensorrt" and self.quant_kernel is not None:
             raise InvalidRequestError(f"quant_kernel={self.quant_kernel!r} chooses the onnxruntime backend's kernel "
                                       "for quantized weights; tensorrt runs float weights only (leave it unset)")

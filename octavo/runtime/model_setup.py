@@ -10,7 +10,7 @@ from pathlib import Path
 
 from octavo.errors import InvalidRequestError
 from octavo.export.manifest import MANIFEST_NAME, Manifest
-from octavo.export.quant_options import methods_of
+from octavo.export.quant_options import methods_of, not_on_tensorrt
 from octavo.runtime.backends.base import Backend
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
@@ -40,11 +40,8 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head, args.quant_kernel)
     manifest = Manifest.load(model_dir)
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
-        ops = [f"octavo.{method}" if method == "BlockMatMul" else method for method in methods_of(manifest.quantization)]
-        raise InvalidRequestError(f"{model_dir} holds {manifest.weights} weights, which run on the "
-                                  f"onnxruntime backend only (its {' and '.join(ops)} "
-                                  f"{'ops have' if len(ops) > 1 else 'op has'} no TensorRT plugin here); use "
-                                  "backend='onnxruntime', or an fp32 export with tensorrt")
+        raise InvalidRequestError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
+                                                  methods_of(manifest.quantization)))
     tokenizer = Tokenizer(model_dir, manifest)
     if args.max_model_len is not None and not 1 <= args.max_model_len <= manifest.max_context:
         raise InvalidRequestError(f"max_model_len must be in [1, {manifest.max_context}] (the model's "
