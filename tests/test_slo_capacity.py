@@ -77,7 +77,7 @@ def test_loose_slo_finds_a_capacity_from_measured_points(server, model: str) -> 
     opts = RunOptions(max_points=2, start_rate=20.0, max_point_s=60.0)
     measure_server(res, srv, SHAPE, allowed_ids(model), LOOSE, opts, one_at_a_time=kind == engines.NAIVE)
     cap = res.capacity
-    assert res.alone_e2e_s > res.alone_ttft_s > 0
+    assert res.alone_e2e_s >= res.alone_ttft_s > 0  # equal when the whole answer came in one chunk (deltas coalesce)
     assert [p.rate for p in cap.points] == [20.0, 40.0]  # both met the loose SLO: the search went up
     assert cap.best is cap.points[-1] and cap.lowest_miss is None and "capacity >=" in cap.note
     want_tokens = sum(o for _, o in SHAPE.lengths())
