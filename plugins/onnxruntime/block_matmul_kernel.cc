@@ -33,9 +33,10 @@ constexpr int64_t pair_bytes(int bits) { return 32 * bits / 8; }  // one panel's
 
 #if defined(OCTAVO_BLOCK_AVX2)
 
-constexpr int64_t kChunk = 512;   // k values per dequantized panel buffer (32 KiB)
+constexpr int64_t kChunk = 1536;  // most k values per dequantized panel buffer (96 KiB; SmolLM2's K = 576, 1536: one)
 constexpr int kTileRows = 6;      // rows of the register tile: 6 x 2 accumulators + 2 weights + 1 broadcast
-constexpr int64_t kGroup = 4;     // panels sharing one pass over a row tile (their chunks: 128 KiB, in L2)
+constexpr int64_t kGroup = 4;     // panels sharing one pass over a row tile (their chunks: up to 384 KiB, in L2)
+static_assert(kChunk % 4 == 0, "chunks of whole 4-k steps (dequantize_chunk)");
 constexpr int kPrefetchBytes = 8192;  // how far ahead of the codes being read the decode path prefetches
 // Largest block whose int32 sums hold 16 x 4-bit codes times 16-bit activations: 2^31 / (32767 * 240) = 273.
 constexpr int64_t kMaxScaledBlock = 256;
@@ -274,13 +275,14 @@ void tile_any(int rows, const float* x, int64_t k_stride, const float* buf, int6
 }
 
 // Panels [p0, p0 + count) (count <= kGroup) over all rows, a chunk of k at a time: the chunk's weights of
-// every panel in the group are dequantized once, then each 6-row tile of x (in L1) meets all of them.
+// every panel in the group are dequantized once, then each 6-row tile of x (in L1) meets all of them. Each
+// output sums over k in order, one FMA per k, so the chunk length does not change its bits.
 template <int Bits>
 void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* y, int64_t p0, int64_t count) {
   struct alignas(64) Buffers {
     float panel[kGroup][kChunk * kPanel];
   };
-  thread_local std::unique_ptr<Buffers> buffers;  // one per thread, kept: 128 KiB is too much for a stack
+  thread_local std::unique_ptr<Buffers> buffers;  // one per thread, kept: 384 KiB is too much for a stack
   if (!buffers) buffers = std::make_unique<Buffers>();
   auto& buf = buffers->panel;
   Vec2 bias[kGroup];
@@ -290,8 +292,13 @@ void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* 
     bias[g] = w.bias != nullptr ? load_panel(w.bias + (p0 + g) * kPanel, valid[g])
                                 : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
   }
-  for (int64_t k0 = 0; k0 < w.k; k0 += kChunk) {
-    const int64_t k1 = std::min(w.k, k0 + kChunk);
+  // chunks of equal length (multiples of 4, at most kChunk): each chunk is one more pass of the tiles over y
+  // (at 2048 rows, megabytes out of L2), so a short last one costs a whole pass for a few k (K = 2048 is 2 x 1024,
+  // not 1536 + 512)
+  const int64_t chunks = (w.k + kChunk - 1) / kChunk;
+  const int64_t chunk = std::min(kChunk, ((w.k + chunks - 1) / chunks + 3) / 4 * 4);
+  for (int64_t k0 = 0; k0 < w.k; k0 += chunk) {
+    const int64_t k1 = std::min(w.k, k0 + chunk);
     for (int64_t g = 0; g < count; ++g) dequantize_chunk<Bits>(w, p0 + g, k0, k1, buf[g]);
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
