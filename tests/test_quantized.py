@@ -429,7 +429,7 @@ def test_manifest_names_the_layers_the_block_kernel_leaves_to_matmulnbits(tmp_pa
 
     with pytest.raises(ModelFormatError, match=r"int8 weights, which run on ONNX Runtime only \(octavo\.BlockMatMul and MatMulNBits have"):
         check_float_weights(folder, manifest)
-    with pytest.raises(InvalidRequestError, match="octavo.BlockMatMul and MatMulNBits ops have no TensorRT plugin"):
+    with pytest.raises(InvalidRequestError, match="octavo.BlockMatMul and MatMulNBits have no TensorRT plugin"):
         LLMEngine(EngineArgs(model=str(folder), backend="tensorrt"))
     with pytest.raises(ModelFormatError, match=r"\(octavo\.BlockMatMul\): .*; node .*\(com\.microsoft\.MatMulNBits\)"):
         prepare_onnx_for_tensorrt(folder / "model.onnx", tmp_path / "trt" / "model.onnx")
