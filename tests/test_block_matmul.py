@@ -4,12 +4,15 @@ References, independent of the code under test:
 - `gguf.quants.dequantize` (the gguf package's decoder) on real GGML bytes: the layout's weights, bit for bit;
 - numpy float64 x @ W^T for the op run by a real onnxruntime InferenceSession, within bounds derived from the
   kernel's arithmetic (`_int_bound`, `_float_bound`), not fitted to what it happens to return:
-  - steps of <= 8 rows round x to int16 per block (scale = max|x| / 32767): per element |x - q s| <= (0.5 +
+  - steps of <= 8 rows, and decode-only steps of any size (the graph's decode_step input), round x to int16 per
+    block (scale = max|x| / 32767): per element |x - q s| <= (0.5 +
     32767 * 2u) / 32767 * max|x| + u * max|x| < 1.02 * 2^-16 * max_block|x| (u = 2^-24: the float32 products
     x * (32767 / max) and q * s), times |code * scale| (the integer-multiplied part of w = code * scale +
     offset; the offset meets float32 block sums of x, so |code * scale|, not |w|, bounds this term), plus float32
     rounding of the block sums, the per-block products and the accumulation over blocks;
-  - larger steps are float32 FMAs over the file's float32 weights: |err| <= (K + 2) u * (sum_k |x||w| + |bias|).
+  - other steps past 8 rows (a prompt's), and a step the 16-bit path refuses (a non-finite value, int32 sums that
+    could overflow, a block longer than the kernel's chunk), are float32 FMAs over the file's float32 weights:
+    |err| <= (K + 2) u * (sum_k |x||w| + |bias|).
 An int8 rounding of x (MatMulNBits' accuracy_level 4) would miss the first bound by ~2^8; a wrong code, scale
 or panel index misses both by orders of magnitude.
 """
@@ -28,22 +31,26 @@ from octavo.runtime.backends.oplib import library_path
 U = 2.0 ** -24  # float32 unit roundoff
 MAX_INT_ROWS = 8  # kIntRows in block_matmul_kernel.h: steps of up to 8 rows take the 16-bit path
 INT_ROWS = (1, 2, 3, 4, 5, 7, 8)  # one pass of 4 rows over a panel, two passes, partial passes
-FLOAT_ROWS = (9, 13, 64, 300)  # float32 tiles: partial 6-row tiles, several tiles, many
+FLOAT_ROWS = (9, 13, 64, 300)  # float32 tiles (or, decode steps, 16-bit 6-row tiles): partial, several, many
 # K-quants need K a multiple of 256; the 32-blocks also run K = 96 and 544 (not multiples of 256) below
 _K = {t: (256 if t.endswith("_K") else 96) for t in NATIVE_TYPES}
 
 
 def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndarray | None = None,
-             **attrs: int) -> ort.InferenceSession:
-    """One BlockMatMul node, as graph.py `_block_matmul` emits it; x [..., K] is the graph's input."""
+             decode: bool | None = None, **attrs: int) -> ort.InferenceSession:
+    """One BlockMatMul node, as graph.py `_block_matmul` emits it; x [..., K] is the graph's input, DECODE (if
+    given) the constant decode_step input (graph.py computes it per step)."""
     codes = pw.codes if codes is None else codes
     inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(pw.scales, "scales"),
              numpy_helper.from_array(pw.offsets, "offsets")]
     if bias is not None:
         inits.append(numpy_helper.from_array(bias.astype(np.float32), "bias"))
     attributes = {"K": pw.k, "N": pw.n, "bits": pw.bits, "block_size": pw.block_size, **attrs}
-    node = helper.make_node("BlockMatMul", ["x", "codes", "scales", "offsets"] + (["bias"] if bias is not None else []),
-                            ["y"], domain="octavo", **attributes)
+    names = ["x", "codes", "scales", "offsets"] + (["bias"] if bias is not None else [])
+    if decode is not None:
+        inits.append(numpy_helper.from_array(np.array([decode]), "decode_step"))
+        names += ([] if bias is not None else [""]) + ["decode_step"]
+    node = helper.make_node("BlockMatMul", names, ["y"], domain="octavo", **attributes)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
@@ -94,12 +101,14 @@ def _want(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
 
 
 def _check(session: ort.InferenceSession, x: np.ndarray, blocks: Blocks, w: np.ndarray,
-           bias: np.ndarray | None = None) -> None:
+           bias: np.ndarray | None = None, *, float32: bool | None = None) -> None:
+    """The op's y within the bound of its path (FLOAT32: the float32 one; default: float32 past 8 rows)."""
     got = session.run(None, {"x": x})[0]
     assert got.shape == x.shape[:-1] + (w.shape[0],) and got.dtype == np.float32
     x2, got2 = x.reshape(-1, x.shape[-1]), got.reshape(-1, w.shape[0])
     rows = len(x2)
-    bound = _int_bound(x2, blocks, bias) if rows <= MAX_INT_ROWS else _float_bound(x2, w, bias)
+    float32 = rows > MAX_INT_ROWS if float32 is None else float32
+    bound = _float_bound(x2, w, bias) if float32 else _int_bound(x2, blocks, bias)
     err = np.abs(got2 - _want(x2, w, bias))
     worst = np.unravel_index(np.argmax(err / bound), err.shape)
     assert (err <= bound).all(), f"rows={rows}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
@@ -113,10 +122,12 @@ def test_layout_equals_gguf_dequantize_and_the_op_equals_x_w(type_name: str) -> 
     pw = panel_weights(blocks)
     assert np.array_equal(pw.dequantize(), w)  # bit for bit
     assert pw.codes.shape == (3, k // 2, 32 * pw.bits // 8) and pw.scales.shape == (3, k // blocks.block_size, PANEL)
-    session = _session(pw)
     rng = np.random.default_rng(1)
-    for rows in INT_ROWS + FLOAT_ROWS:
-        _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w)
+    for decode in (None, False, True):  # no decode_step input (an export from before it), a prompt's step, decode
+        session = _session(pw, decode=decode)
+        for rows in INT_ROWS + FLOAT_ROWS:
+            _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w,
+                   float32=rows > MAX_INT_ROWS and not decode)
 
 
 def test_scale_dtype_is_float16_only_when_exact() -> None:
@@ -138,9 +149,64 @@ def test_shapes_and_bias(type_name: str, n: int, k: int) -> None:
     assert np.array_equal(pw.dequantize(), w)
     rng = np.random.default_rng(3)
     bias = rng.standard_normal(n).astype(np.float32)
-    session = _session(pw, bias)
-    for rows in (1, 3, 8, 9, 13):
+    for decode in (False, True):
+        session = _session(pw, bias, decode=decode)
+        for rows in (1, 3, 8, 9, 13):
+            _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w, bias,
+                   float32=rows > MAX_INT_ROWS and not decode)
+
+
+@pytest.mark.parametrize("type_name,k", [("Q4_1", 3104), ("Q8_0", 3104), ("Q6_K", 3328)])
+def test_steps_past_one_widened_chunk(type_name: str, k: int) -> None:
+    """K longer than the kernel's chunk (1536 k): past 8 rows a decode step's codes are widened a chunk at a time (Q4_1 and
+    Q8_0: 97 blocks of 32 in chunks of 33, 33 and 31 blocks; Q6_K: 208 blocks of 16 in 70, 70 and 68), each tile
+    picking up the sums of the chunks before it."""
+    blocks, w = _blocks(type_name, 21, k, seed=11)
+    rng = np.random.default_rng(12)
+    bias = rng.standard_normal(21).astype(np.float32)
+    session = _session(panel_weights(blocks), bias, decode=True)
+    for rows in (5, 9, 31):
         _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w, bias)
+
+
+@pytest.mark.parametrize("type_name,k", [("Q4_1", 576), ("Q8_0", 576), ("Q4_K", 512), ("Q6_K", 256)])
+def test_a_decode_batch_gives_each_row_the_bits_it_gets_alone(type_name: str, k: int) -> None:
+    """A decode step's rows (the 6-row tiles over widened codes) equal the same rows run one at a time (the
+    decode kernel): the same int32 sums, scaled and summed in the same order, so a sequence's logits do not
+    depend on how many others share its decode step."""
+    blocks, _ = _blocks(type_name, 37, k, seed=13)
+    rng = np.random.default_rng(14)
+    bias = rng.standard_normal(37).astype(np.float32)
+    session = _session(panel_weights(blocks), bias, decode=True)
+    x = rng.standard_normal((45, k)).astype(np.float32)
+    x[:, 5] *= 50.0  # an outlier channel, as real activations have
+    together = session.run(None, {"x": x})[0]
+    alone = np.concatenate([session.run(None, {"x": x[i:i + 1]})[0] for i in range(len(x))])
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_decode_step_must_be_one_bool() -> None:
+    """A decode_step of another type fails when the session is made; of another shape, when the step runs."""
+    pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
+
+    def session(flag: np.ndarray) -> ort.InferenceSession:
+        inits = [numpy_helper.from_array(pw.codes, "codes"), numpy_helper.from_array(pw.scales, "scales"),
+                 numpy_helper.from_array(pw.offsets, "offsets"), numpy_helper.from_array(flag, "flag")]
+        node = helper.make_node("BlockMatMul", ["x", "codes", "scales", "offsets", "", "flag"], ["y"],
+                                domain="octavo", K=pw.k, N=pw.n, bits=pw.bits, block_size=pw.block_size)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
+        model.ir_version = 8
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(str(library_path()))
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    with pytest.raises(Exception, match=r"(?i)type"):
+        session(np.array([1], np.int32))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=r"octavo\.BlockMatMul: decode_step must be bool \[1\], got \[2\]"):
+        session(np.array([True, True])).run(None, {"x": np.ones((9, 96), np.float32)})
 
 
 def test_promoted_mixed_types() -> None:
@@ -188,33 +254,38 @@ def test_tiny_and_large_activations_keep_their_relative_precision() -> None:
 @pytest.mark.parametrize("bits,block_size", [(8, 256), (8, 512), (4, 2048)])
 def test_large_blocks_do_not_overflow_the_integer_sums(bits: int, block_size: int) -> None:
     """A block's int32 sum of 32767 * 255 per element overflows past 257 values of 8-bit codes (found by this
-    test: block 512 gave -2064 for 522240); GGUF blocks are 16 or 32, but the op takes any block size."""
+    test: block 512 gave -2064 for 522240); GGUF blocks are 16 or 32, but the op takes any block size. Such
+    blocks take the float32 path, as does a block longer than the kernel's widened chunk (1536) past 8 rows."""
     n, k = 16, 2048
     nb = k // block_size
     codes = np.full((n, nb, block_size), 2 ** bits - 1, np.uint8)
     codes[1] = np.random.default_rng(10).integers(0, 2 ** bits, (nb, block_size))
     blocks = Blocks(codes, np.full((n, nb), 0.5, np.float32), np.zeros((n, nb), np.uint8), None, bits, ("test",))
-    session = _session(panel_weights(blocks))
-    for rows in (1, 8, 9):
-        _check(session, np.ones((rows, k), np.float32), blocks, blocks.dequantize())
+    session = _session(panel_weights(blocks), decode=True)
+    overflows = 32767 * (2 ** bits - 1) * block_size > 2 ** 31 - 1
+    for rows in (1, 8, 9, 13):
+        float32 = overflows or (rows > 8 and block_size > 1536)
+        _check(session, np.ones((rows, k), np.float32), blocks, blocks.dequantize(), float32=float32)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_non_finite_activations_propagate_like_float32(rows: int) -> None:
-    """(rows <= 8: the 16-bit path refuses the step, which goes float32) inf in x gives +-inf where w != 0 and nan where w == 0 (inf * 0), nan gives nan: as IEEE float32."""
+@pytest.mark.parametrize("rows,first", [(1, 0), (3, 0), (8, 0), (9, 0), (40, 35)])
+def test_non_finite_activations_propagate_like_float32(rows: int, first: int) -> None:
+    """inf in x gives +-inf where w != 0 and nan where w == 0 (inf * 0), nan gives nan: as IEEE float32 (the
+    16-bit path refuses the step, which goes float32). Row FIRST holds the inf: 35 of 40 is in the second range
+    of rows the op rounds to 16 bits on its own thread; the whole step must still refuse."""
     blocks, w = _blocks("Q4_0", 40, 64)  # Q4_0 code 8 dequantizes to exactly 0
-    session = _session(panel_weights(blocks))
+    session = _session(panel_weights(blocks), decode=True)  # past 8 rows too, the 16-bit path would take it
     rng = np.random.default_rng(9)
     x = rng.standard_normal((rows, 64)).astype(np.float32)
     k_inf = int(np.argmax((w == 0).sum(axis=0)))  # a column of W with zeros
     assert (w[:, k_inf] == 0).any() and (w[:, k_inf] != 0).any()
-    x[0, k_inf] = np.inf
+    x[first, k_inf] = np.inf
     if rows > 1:
-        x[1, 7] = np.nan
+        x[first + 1, 7] = np.nan
     got = session.run(None, {"x": x})[0]
     with np.errstate(invalid="ignore", over="ignore"):
         want = (x.astype(np.float64)[:, None, :] * w.astype(np.float64)[None]).sum(axis=2)
-    assert np.isnan(want[0]).any() and np.isinf(want[0]).any()
+    assert np.isnan(want[first]).any() and np.isinf(want[first]).any()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))

@@ -151,6 +151,45 @@ def _stepped_logits(folder: Path, ids: list[int], rows: int, block_size: int = 1
         backend.close()
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_decode_batch_gives_each_sequence_the_logits_it_gets_alone(hf_model_dir, tmp_path: Path,
+                                                                    qtype: str) -> None:  # noqa: ANN001
+    """12 sequences decoding one token each: a decode-only step past 8 rows, which the graph's decode_step flag
+    sends to BlockMatMul's 16-bit tiles. Each sequence's logits are bit for bit those of its own one-row
+    decode step (the 16-bit decode kernel); without the flag the step would be float32 and differ."""
+    from step_inputs import StepInputs, one_sequence
+
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    path = write_gguf(hf_model_dir("llama"), tmp_path / f"llama.{qtype}.gguf", tensor_type=qtype)
+    export_model(path, tmp_path / "out", progress=False)
+    flags = [n for n in onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.node
+             if "decode_step" in n.output]
+    assert [n.op_type for n in flags] == ["Equal"]
+    manifest = Manifest.load(tmp_path / "out")
+    rng = np.random.default_rng(15)
+    prompts = [rng.integers(0, manifest.vocab_size, int(rng.integers(3, 15))).tolist() for _ in range(12)]
+    nexts = rng.integers(0, manifest.vocab_size, len(prompts)).tolist()
+    backend = OnnxRuntimeBackend(tmp_path / "out", manifest, num_blocks=len(prompts), block_size=16,
+                                 kv_cache_dtype="float32")
+    try:
+        for i, prompt in enumerate(prompts):  # sequence i in block i
+            backend.run(one_sequence(prompt, 0, [i], 16))
+        alone = np.concatenate([backend.run(one_sequence([t], len(p), [i], 16))
+                                for i, (p, t) in enumerate(zip(prompts, nexts))])
+        lens = np.array([len(p) for p in prompts], np.int32)
+        blocks = np.arange(len(prompts), dtype=np.int32)
+        together = backend.run(StepInputs(
+            input_ids=np.array(nexts, np.int64), position_ids=lens.astype(np.int64),
+            cumulative_sequence_length=np.arange(len(prompts) + 1, dtype=np.int32), past_seqlens=lens,
+            block_table=blocks.reshape(-1, 1), slot_mapping=(blocks * 16 + lens).astype(np.int64),
+            logits_indices=np.arange(len(prompts), dtype=np.int64)))
+    finally:
+        backend.close()
+    np.testing.assert_array_equal(together, alone)
+
+
 @pytest.mark.parametrize("arch,qtype,kernel", [("llama", "Q4_0", "block"), ("llama", "Q4_1", "block"),
                                                ("qwen2", "Q8_0", "block"), ("tied", "Q4_1", "block"),
                                                ("llama", "Q4_1", "matmulnbits"), ("qwen2", "Q8_0", "matmulnbits")])

@@ -2,7 +2,7 @@
 
 W = code * scale + offset. For every GGML type gguf_blocks maps, a block's zero point or its min is 0, so
 offset = min - zero * scale is exact and W is the file's float32 value, bit for bit (tests/test_block_matmul.py).
-The kernel's two paths (16-bit activations for decode steps, float32 for larger ones) and their precision are
+The kernel's two paths (16-bit activations for decode steps, float32 for a prompt's steps past 8 rows) and their precision are
 described in plugins/onnxruntime/block_matmul_kernel.h.
 
 | array   | shape                 | what                                                                     |

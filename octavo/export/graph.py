@@ -191,13 +191,27 @@ def _project_blocks(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | N
     return _emit(g, "Add", [g.op1("FoldRows", fold, domain=OP_DOMAIN), g.weight(*bias)], output)
 
 
+DECODE_STEP = "decode_step"  # bool [1]: num_tokens == batch, every sequence of the step has one query token
+
+
+def _decode_step(g: _Graph) -> str:
+    """DECODE_STEP, computed once from the shapes of input_ids and past_seqlens and shared by every BlockMatMul:
+    a decode-only step takes the op's 16-bit path at any batch size, any other step past 8 rows its float32 one
+    (a prompt's logits stay float32 over the file's values)."""
+    if DECODE_STEP not in g._shared:
+        g._shared.add(DECODE_STEP)
+        tokens, batch = g.op1("Shape", ["input_ids"]), g.op1("Shape", ["past_seqlens"])
+        g.nodes.append(helper.make_node("Equal", [tokens, batch], [DECODE_STEP], name=DECODE_STEP))
+    return DECODE_STEP
+
+
 def _block_matmul(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | None, output: str | None) -> str:
     """octavo.BlockMatMul over BLOCKS (a GGUF's own, or octavo's int8/int4 quantization; layout:
     octavo.export.block_layout)."""
     pw = panel_weights(blocks)
     scale_type = "f2" if pw.scales.dtype == np.float16 else "f4"
     inputs = [x, g.weight(name + ".codes", [pw.codes], "u1"), g.weight(name + ".scales", [pw.scales], scale_type),
-              g.weight(name + ".offsets", [pw.offsets], scale_type)] + ([g.weight(*bias)] if bias else [])
+              g.weight(name + ".offsets", [pw.offsets], scale_type), g.weight(*bias) if bias else "", _decode_step(g)]
     return _emit(g, "BlockMatMul", inputs, output, domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,
                  block_size=pw.block_size)
 

@@ -13,7 +13,7 @@ from typing import Any
 from octavo.errors import InvalidRequestError
 
 # how quantized weights (int8, int4, gguf) are multiplied: "block" = octavo.BlockMatMul (the default: 16-bit
-# activations for decode steps, float32 for larger ones; plugins/onnxruntime/block_matmul_kernel.h);
+# activations for decode steps, float32 for a prompt's steps; plugins/onnxruntime/block_matmul_kernel.h);
 # "matmulnbits" = ONNX Runtime's MatMulNBits at accuracy_level (int8 activations at 4; gguf adds the residual)
 QUANT_KERNELS = ("block", "matmulnbits")
 DEFAULT_QUANT_KERNEL = "block"

@@ -17,22 +17,25 @@
 // or min = 0, which is every type octavo maps, this is the file's float32 value exactly.
 //
 // Two paths (block_matmul_kernel.cc):
-// - steps of at most kIntRows = 8 rows (decode of up to 8 sequences): the activations are rounded to 16-bit integers per block
-//   (scale = max|x| / 32767, error <= 2^-16 of the block's largest value, 256 times finer than MatMulNBits'
-//   int8), multiplied by the integer codes in exact int32 sums, and each block's sum is scaled in float32;
-//   the offsets multiply the exact float32 block sums of x. The weights are read once for all rows.
-//   Not for a step with a non-finite value, a nonzero block whose max |x| is below 2^-64, or blocks too
-//   large for an exact int32 sum (8-bit codes: > 256): those take the float32 path.
-// - more rows: weights dequantized to float32 (the file's values) chunk by chunk, float32 FMA tiles.
+// - the 16-bit path: steps of at most kIntRows = 8 rows, and decode-only steps of any size (the graph's
+//   decode_step input: one token per sequence). The activations are rounded to 16-bit integers per row and
+//   block (scale = max|x| / 32767, error <= 2^-16 of the block's largest value, 256 times finer than
+//   MatMulNBits' int8), multiplied by the integer codes in exact int32 sums, and each block's sum is scaled in
+//   float32; the offsets multiply the exact float32 block sums of x. Up to 8 rows the weights are read once for
+//   all rows; past 8, the codes are widened to int16 a chunk of whole blocks at a time, shared by 6-row tiles.
+//   Not for a step with a non-finite value, a nonzero block whose max |x| is below 2^-64, blocks too large for
+//   an exact int32 sum (8-bit codes: > 256), or (past 8 rows) blocks longer than a chunk (1536).
+// - the float32 path, every other step (a prompt's, so its logits are float32 over the file's exact values):
+//   weights dequantized to float32 (the file's values) chunk by chunk, float32 FMA tiles.
 #pragma once
 
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 namespace octavo {
 
 constexpr int kPanel = 16;
-constexpr int64_t kIntRows = 8;  // rows of the 16-bit path (decode of up to 8 sequences)
+constexpr int64_t kIntRows = 8;  // rows of the 16-bit decode kernel (decode of up to 8 sequences)
 
 struct BlockWeights {
   const uint8_t* codes = nullptr;
@@ -52,13 +55,20 @@ struct BlockWeights {
 struct Activations {
   const float* x = nullptr;
   int64_t rows = 0;
-  bool integer = false;            // the 16-bit path (rows <= kIntRows, every value finite)
-  std::vector<int16_t> q;          // [rows, k]
-  std::vector<float> q_scale;      // [rows, nb]
-  std::vector<float> block_sums;   // [rows, nb] float32 sums of x per block
+  bool integer = false;                 // the 16-bit path (every value finite, no tiny nonzero block)
+  std::unique_ptr<int16_t[]> q;         // [rows, k]
+  std::unique_ptr<float[]> q_scale;     // [rows, nb]
+  std::unique_ptr<float[]> block_sums;  // [rows, nb] float32 sums of x per block
 };
 
-void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, Activations& a);
+// Sizes a's buffers and returns true when the 16-bit path may take this step; quantize_rows then fills rows
+// [first, last) (concurrent calls on disjoint ranges are safe) and returns false when one of them cannot take
+// it (a non-finite value, a tiny nonzero block): the caller sets a.integer to the AND of every range's result.
+// DECODE: the step is decode-only (the 16-bit path may then take more than kIntRows rows).
+bool begin_activations(const BlockWeights& w, const float* x, int64_t rows, bool decode, Activations& a);
+bool quantize_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
+// Both on the calling thread.
+void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, bool decode, Activations& a);
 
 // Panels the caller should hand one thread at a time.
 int64_t block_matmul_task_panels(const Activations& a);

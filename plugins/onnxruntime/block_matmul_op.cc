@@ -1,9 +1,11 @@
 // octavo.BlockMatMul: y = x @ W^T (+ bias) with W held as block-quantized codes (a GGUF file's own blocks,
-// re-laid by octavo/export/block_layout.py), in float32 arithmetic. The compute and the layout are in
+// re-laid by octavo/export/block_layout.py): float32 over the file's values, or (decode steps) x rounded to 16
+// bits per block with exact integer sums (paths and precision: block_matmul_kernel.h). The compute and the layout are in
 // block_matmul_kernel.{h,cc}; this file is the ONNX Runtime glue: shape checks, output, thread pool.
 //
 // BlockMatMul(x [..., K] float, codes uint8, scales, offsets (float32 or float16, the same), bias [N] float
-//             optional) -> y [..., N] float;  attributes K, N, bits (4 or 8), block_size (a multiple of 4 that divides K).
+//             optional, decode_step bool [1] optional: the step is decode-only, one token per sequence)
+//             -> y [..., N] float;  attributes K, N, bits (4 or 8), block_size (a multiple of 4 that divides K).
 #include <onnxruntime_c_api.h>
 
 #include <algorithm>
@@ -45,6 +47,21 @@ void run_task(void* user_data, size_t index) {
                               std::min(job->panels, first + job->per_task));
 }
 
+constexpr int64_t kQuantizeRows = 32;  // rows of x one task rounds to 16 bits
+
+struct QuantizeJob {
+  const octavo::BlockWeights* weights;
+  octavo::Activations* activations;
+  int64_t rows;
+  uint8_t* ok;  // per range: it can take the 16-bit path
+};
+
+void quantize_task(void* user_data, size_t index) {
+  const auto* job = static_cast<const QuantizeJob*>(user_data);
+  const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
+  job->ok[index] = octavo::quantize_rows(*job->weights, *job->activations, first, std::min(job->rows, first + kQuantizeRows));
+}
+
 struct Kernel {
   const OrtApi* api;
   int64_t k, n, bits, block_size;
@@ -52,8 +69,8 @@ struct Kernel {
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
     check(api, api->KernelContext_GetInputCount(context, &count));
-    const OrtValue* values[5] = {};
-    for (size_t i = 0; i < count && i < 5; ++i) check(api, api->KernelContext_GetInput(context, i, &values[i]));
+    const OrtValue* values[6] = {};
+    for (size_t i = 0; i < count && i < 6; ++i) check(api, api->KernelContext_GetInput(context, i, &values[i]));
     for (size_t i = 0; i < 4; ++i) {
       if (values[i] == nullptr) fail("input " + std::to_string(i) + " is missing");
     }
@@ -89,6 +106,14 @@ struct Kernel {
       }
       w.bias = octavo::glue::data_of<const float>(api, values[4]);
     }
+    bool decode = false;
+    if (count > 5 && values[5] != nullptr) {
+      const octavo::glue::TensorInfo flag = describe(api, values[5]);
+      if (flag.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL || flag.dims != std::vector<int64_t>{1}) {
+        fail("decode_step must be bool [1], got " + shape_string(flag.dims));
+      }
+      decode = *octavo::glue::data_of<const bool>(api, values[5]);
+    }
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) rows *= x.dims[i];
     std::vector<int64_t> out_dims = x.dims;
@@ -97,7 +122,14 @@ struct Kernel {
     check(api, api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &output));
     if (rows == 0) return;
     octavo::Activations activations;
-    octavo::prepare_activations(w, octavo::glue::data_of<const float>(api, values[0]), rows, activations);
+    if (octavo::begin_activations(w, octavo::glue::data_of<const float>(api, values[0]), rows, decode, activations)) {
+      // rounding x to 16 bits is a pass over all of it: a thread per range of rows, not one for the whole step
+      const int64_t ranges = (rows + kQuantizeRows - 1) / kQuantizeRows;
+      std::vector<uint8_t> ok(static_cast<size_t>(ranges), 0);
+      QuantizeJob quantize{&w, &activations, rows, ok.data()};
+      octavo::glue::parallel_for(api, context, quantize_task, static_cast<size_t>(ranges), &quantize);
+      activations.integer = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
+    }
     const int64_t per_task = octavo::block_matmul_task_panels(activations);
     Job job{&w, &activations, octavo::glue::data_of<float>(api, output), per_task, panels};
     octavo::glue::parallel_for(api, context, run_task, static_cast<size_t>((panels + per_task - 1) / per_task), &job);
@@ -108,10 +140,11 @@ struct BlockMatMulOp : OrtCustomOp {
   BlockMatMulOp() : OrtCustomOp{} {
     octavo::glue::fill_common(*this);
     GetName = [](const OrtCustomOp*) { return "BlockMatMul"; };
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 6; };
     GetInputType = [](const OrtCustomOp*, size_t i) {
       switch (i) {
         case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+        case 5: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
         case 2:
         case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32 or float16, checked at run time
         default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
