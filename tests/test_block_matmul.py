@@ -37,9 +37,9 @@ _K = {t: (256 if t.endswith("_K") else 96) for t in NATIVE_TYPES}
 
 
 def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndarray | None = None,
-             decode: bool | None = None, **attrs: int) -> ort.InferenceSession:
+             decode: bool | np.ndarray | None = None, **attrs: int) -> ort.InferenceSession:
     """One BlockMatMul node, as graph.py `_block_matmul` emits it; x [..., K] is the graph's input, DECODE (if
-    given) the constant decode_step input (graph.py computes it per step)."""
+    given) the constant decode_step input (graph.py computes it per step; an array: that tensor as it is)."""
     codes = pw.codes if codes is None else codes
     inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(pw.scales, "scales"),
              numpy_helper.from_array(pw.offsets, "offsets")]
@@ -48,7 +48,8 @@ def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndar
     attributes = {"K": pw.k, "N": pw.n, "bits": pw.bits, "block_size": pw.block_size, **attrs}
     names = ["x", "codes", "scales", "offsets"] + (["bias"] if bias is not None else [])
     if decode is not None:
-        inits.append(numpy_helper.from_array(np.array([decode]), "decode_step"))
+        flag = decode if isinstance(decode, np.ndarray) else np.array([decode])
+        inits.append(numpy_helper.from_array(flag, "decode_step"))
         names += ([] if bias is not None else [""]) + ["decode_step"]
     node = helper.make_node("BlockMatMul", names, ["y"], domain="octavo", **attributes)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
@@ -188,25 +189,11 @@ def test_a_decode_batch_gives_each_row_the_bits_it_gets_alone(type_name: str, k:
 def test_decode_step_must_be_one_bool() -> None:
     """A decode_step of another type fails when the session is made; of another shape, when the step runs."""
     pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
-
-    def session(flag: np.ndarray) -> ort.InferenceSession:
-        inits = [numpy_helper.from_array(pw.codes, "codes"), numpy_helper.from_array(pw.scales, "scales"),
-                 numpy_helper.from_array(pw.offsets, "offsets"), numpy_helper.from_array(flag, "flag")]
-        node = helper.make_node("BlockMatMul", ["x", "codes", "scales", "offsets", "", "flag"], ["y"],
-                                domain="octavo", K=pw.k, N=pw.n, bits=pw.bits, block_size=pw.block_size)
-        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
-        model.ir_version = 8
-        options = ort.SessionOptions()
-        options.register_custom_ops_library(str(library_path()))
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
     with pytest.raises(Exception, match=r"(?i)type"):
-        session(np.array([1], np.int32))
+        _session(pw, decode=np.array([1], np.int32))
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
                        match=r"octavo\.BlockMatMul: decode_step must be bool \[1\], got \[2\]"):
-        session(np.array([True, True])).run(None, {"x": np.ones((9, 96), np.float32)})
+        _session(pw, decode=np.array([True, True])).run(None, {"x": np.ones((9, 96), np.float32)})
 
 
 def test_promoted_mixed_types() -> None:
