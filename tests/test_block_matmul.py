@@ -159,9 +159,9 @@ def test_shapes_and_bias(type_name: str, n: int, k: int) -> None:
 
 @pytest.mark.parametrize("type_name,k", [("Q4_1", 3104), ("Q8_0", 3104), ("Q6_K", 3328)])
 def test_steps_past_one_widened_chunk(type_name: str, k: int) -> None:
-    """K longer than the kernel's chunk (1536 k): past 8 rows a decode step's codes are widened a chunk at a time (Q4_1 and
-    Q8_0: 97 blocks of 32 in chunks of 33, 33 and 31 blocks; Q6_K: 208 blocks of 16 in 70, 70 and 68), each tile
-    picking up the sums of the chunks before it."""
+    """K longer than the kernel's chunk (1536 k): past 8 rows a decode step's codes are widened a chunk at a
+    time (Q4_1 and Q8_0: 97 blocks of 32 in chunks of 33, 33 and 31 blocks; Q6_K: 208 blocks of 16 in 70, 70
+    and 68), each tile picking up the sums of the chunks before it."""
     blocks, w = _blocks(type_name, 21, k, seed=11)
     rng = np.random.default_rng(12)
     bias = rng.standard_normal(21).astype(np.float32)

@@ -5,13 +5,15 @@
 //   rows' 16-bit activations in _mm256_madd_epi16 (16 multiply-adds an instruction, exact int32 sums); each
 //   block's sums are scaled once in float32. The weights are streamed once, at ~11 instructions per 32 (4-bit
 //   blocks of up to 256: the codes of columns 8-15 stay 16 x code, which saves a shift per 64 codes).
-// - larger decode-only steps (a batch of sequences, one token each; others take the float32 path): a chunk of whole blocks of each of kGroup panels is widened to int16 once
-//   into per-thread buffers (L1/L2), then tiles of 6 rows x 16 columns take each block's exact int32 sums from
-//   the buffer (6 x 2 int32 accumulators, two madd + two add per pair of k and row: twice the multiply-adds per
-//   instruction of a float32 FMA) and scale them into float32 per block. Measured on a 2-core Zen 3, one
-//   thread, SmolLM2's shapes: 1.2-1.35x the float32 tiles at 16-48 rows, ~1.2x at 512.
-// - the float32 path (prefill and mixed steps past 8 rows, and a step the 16-bit rounding refuses): a chunk of the group's weights is dequantized into
-//   float32 buffers, then register-blocked 6 x 16 tiles of y accumulate over them with FMAs.
+// - larger decode-only steps (a batch of sequences, one token each): a chunk of whole blocks of each of kGroup
+//   panels is widened to int16 once into per-thread buffers (L1/L2), then tiles of 6 rows x 16 columns take
+//   each block's exact int32 sums from the buffer (6 x 2 int32 accumulators, two madd + two add per pair of k
+//   and row: twice the multiply-adds per instruction of a float32 FMA) and scale them into float32 per block,
+//   in the decode kernel's order (a row's y is the same bits in a batch as alone). Measured on a 2-core Zen 3,
+//   one thread, SmolLM2's shapes: 1.2-1.35x the float32 tiles at 16-48 rows.
+// - the float32 path (a prompt's or a mixed step past 8 rows, and a step the 16-bit rounding refuses): a chunk
+//   of the group's weights is dequantized into float32 buffers, then register-blocked 6 x 16 tiles of y
+//   accumulate over them with FMAs.
 // AVX2 + FMA intrinsics (x86-64-v3 and later; a scalar loop elsewhere). Written by hand: ONNX Runtime's own
 // block-quantized matmul (MatMulNBits) is fast on CPU only when it rounds the activations to int8.
 #include "block_matmul_kernel.h"
@@ -442,7 +444,7 @@ void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_
                                 : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
   }
   const int64_t nb = w.k / w.block_size;
-  const int64_t chunk_blocks = std::max<int64_t>(1, kChunk / w.block_size);  // block_size <= kMaxScaledBlock
+  const int64_t chunk_blocks = kChunk / w.block_size;  // >= 1: begin_activations keeps block_size <= kChunk
   const int64_t chunks = (nb + chunk_blocks - 1) / chunk_blocks;
   const int64_t per_chunk = (nb + chunks - 1) / chunks;  // blocks: chunks of one length, as buffered_group
   for (int64_t b0 = 0; b0 < nb; b0 += per_chunk) {
@@ -454,7 +456,8 @@ void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_
         float* out = y + r0 * w.n + (p0 + g) * kPanel;
         __m256 lo[kIntTileRows], hi[kIntTileRows];
         for (int r = 0; r < n_rows; ++r) {
-          const Vec2 start = b0 == 0 ? Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()} : load_panel(out + r * w.n, valid[g]);
+          const Vec2 start = b0 == 0 ? Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()}
+                                     : load_panel(out + r * w.n, valid[g]);
           lo[r] = start.lo;
           hi[r] = start.hi;
         }

@@ -1,7 +1,7 @@
 // octavo.BlockMatMul: y = x @ W^T (+ bias) with W held as block-quantized codes (a GGUF file's own blocks,
 // re-laid by octavo/export/block_layout.py): float32 over the file's values, or (decode steps) x rounded to 16
-// bits per block with exact integer sums (paths and precision: block_matmul_kernel.h). The compute and the layout are in
-// block_matmul_kernel.{h,cc}; this file is the ONNX Runtime glue: shape checks, output, thread pool.
+// bits per block with exact integer sums (paths and precision: block_matmul_kernel.h). The compute and the
+// layout are in block_matmul_kernel.{h,cc}; this file is the ONNX Runtime glue: shape checks, output, threads.
 //
 // BlockMatMul(x [..., K] float, codes uint8, scales, offsets (float32 or float16, the same), bias [N] float
 //             optional, decode_step bool [1] optional: the step is decode-only, one token per sequence)
