@@ -281,24 +281,42 @@ void tile_any(int rows, const float* x, int64_t k_stride, const float* buf, int6
   }
 }
 
+// One thread's buffers for a group's chunks (kGroup panels x kChunk k x 16 columns of T: 384 KiB of float,
+// 192 KiB of int16, too much for a stack), kept between calls.
+template <typename T>
+struct alignas(64) GroupBuffers {
+  T panel[kGroup][kChunk * kPanel];
+};
+
+template <typename T>
+GroupBuffers<T>& group_buffers() {
+  thread_local std::unique_ptr<GroupBuffers<T>> buffers;
+  if (!buffers) buffers = std::make_unique<GroupBuffers<T>>();
+  return *buffers;
+}
+
+// Per panel of the group [p0, p0 + count): its bias (zero without one) and how many of its 16 columns y has.
+struct GroupColumns {
+  Vec2 bias[kGroup];
+  int64_t valid[kGroup];
+
+  GroupColumns(const BlockWeights& w, int64_t p0, int64_t count) {
+    for (int64_t g = 0; g < count; ++g) {
+      valid[g] = std::min<int64_t>(kPanel, w.n - (p0 + g) * kPanel);
+      bias[g] = w.bias != nullptr ? load_panel(w.bias + (p0 + g) * kPanel, valid[g])
+                                  : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
+    }
+  }
+};
+
 // Panels [p0, p0 + count) (count <= kGroup) over all rows, a chunk of k at a time: the chunk's weights of
 // every panel in the group are dequantized once, then each 6-row tile of x (in L1) meets all of them. Each
 // output sums over k in order, one FMA per k, so the chunk length does not change its bits.
 template <int Bits>
 void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* y, int64_t p0, int64_t count) {
-  struct alignas(64) Buffers {
-    float panel[kGroup][kChunk * kPanel];
-  };
-  thread_local std::unique_ptr<Buffers> buffers;  // one per thread, kept: 384 KiB is too much for a stack
-  if (!buffers) buffers = std::make_unique<Buffers>();
-  auto& buf = buffers->panel;
-  Vec2 bias[kGroup];
-  int64_t valid[kGroup];
-  for (int64_t g = 0; g < count; ++g) {
-    valid[g] = std::min<int64_t>(kPanel, w.n - (p0 + g) * kPanel);
-    bias[g] = w.bias != nullptr ? load_panel(w.bias + (p0 + g) * kPanel, valid[g])
-                                : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
-  }
+  auto& buf = group_buffers<float>().panel;
+  const GroupColumns columns(w, p0, count);
+  const auto& [bias, valid] = columns;
   // chunks of equal length (multiples of 4, at most kChunk): each chunk is one more pass of the tiles over y
   // (at 2048 rows, megabytes out of L2), so a short last one costs a whole pass for a few k (K = 2048 is 2 x 1024,
   // not 1536 + 512)
@@ -358,34 +376,17 @@ void integer_tile(const BlockWeights& w, const Activations& a, int64_t r0, int64
 #pragma GCC unroll 4
     for (int64_t j = 0; j < pairs; ++j) {
       const __m256i c0 = _mm256_load_si256(cb + 2 * j), c1 = _mm256_load_si256(cb + 2 * j + 1);
-      __m256i x = _mm256_set1_epi32(pair_of(qb + 2 * j));
-      s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(c0, x));
-      t0 = _mm256_add_epi32(t0, _mm256_madd_epi16(c1, x));
-      if constexpr (R > 1) {
-        x = _mm256_set1_epi32(pair_of(qb + k + 2 * j));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(c0, x));
-        t1 = _mm256_add_epi32(t1, _mm256_madd_epi16(c1, x));
-      }
-      if constexpr (R > 2) {
-        x = _mm256_set1_epi32(pair_of(qb + 2 * k + 2 * j));
-        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(c0, x));
-        t2 = _mm256_add_epi32(t2, _mm256_madd_epi16(c1, x));
-      }
-      if constexpr (R > 3) {
-        x = _mm256_set1_epi32(pair_of(qb + 3 * k + 2 * j));
-        s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(c0, x));
-        t3 = _mm256_add_epi32(t3, _mm256_madd_epi16(c1, x));
-      }
-      if constexpr (R > 4) {
-        x = _mm256_set1_epi32(pair_of(qb + 4 * k + 2 * j));
-        s4 = _mm256_add_epi32(s4, _mm256_madd_epi16(c0, x));
-        t4 = _mm256_add_epi32(t4, _mm256_madd_epi16(c1, x));
-      }
-      if constexpr (R > 5) {
-        x = _mm256_set1_epi32(pair_of(qb + 5 * k + 2 * j));
-        s5 = _mm256_add_epi32(s5, _mm256_madd_epi16(c0, x));
-        t5 = _mm256_add_epi32(t5, _mm256_madd_epi16(c1, x));
-      }
+      const auto acc = [&](int r, __m256i& s, __m256i& t) {  // row r's sums for pair j (named, not an array)
+        const __m256i x = _mm256_set1_epi32(pair_of(qb + r * k + 2 * j));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(c0, x));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(c1, x));
+      };
+      acc(0, s0, t0);
+      if constexpr (R > 1) acc(1, s1, t1);
+      if constexpr (R > 2) acc(2, s2, t2);
+      if constexpr (R > 3) acc(3, s3, t3);
+      if constexpr (R > 4) acc(4, s4, t4);
+      if constexpr (R > 5) acc(5, s5, t5);
     }
     const Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
     const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
@@ -430,19 +431,9 @@ void integer_tile_any(int rows, const BlockWeights& w, const Activations& a, int
 // panel's codes is widened to int16 once (L1/L2), then each tile of kIntTileRows rows meets all of them.
 template <int Bits>
 void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_t p0, int64_t count) {
-  struct alignas(64) Buffers {
-    int16_t panel[kGroup][kChunk * kPanel];
-  };
-  thread_local std::unique_ptr<Buffers> buffers;  // one per thread, kept: 192 KiB
-  if (!buffers) buffers = std::make_unique<Buffers>();
-  auto& buf = buffers->panel;
-  Vec2 bias[kGroup];
-  int64_t valid[kGroup];
-  for (int64_t g = 0; g < count; ++g) {
-    valid[g] = std::min<int64_t>(kPanel, w.n - (p0 + g) * kPanel);
-    bias[g] = w.bias != nullptr ? load_panel(w.bias + (p0 + g) * kPanel, valid[g])
-                                : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
-  }
+  auto& buf = group_buffers<int16_t>().panel;
+  const GroupColumns columns(w, p0, count);
+  const auto& [bias, valid] = columns;
   const int64_t nb = w.k / w.block_size;
   const int64_t chunk_blocks = kChunk / w.block_size;  // >= 1: begin_activations keeps block_size <= kChunk
   const int64_t chunks = (nb + chunk_blocks - 1) / chunk_blocks;
@@ -615,10 +606,6 @@ bool quantize_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t
   (void)w, (void)a, (void)first, (void)last;
   return false;
 #endif
-}
-
-void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, bool decode, Activations& a) {
-  if (begin_activations(w, x, rows, decode, a)) a.integer = quantize_rows(w, a, 0, rows);
 }
 
 int64_t block_matmul_task_panels(const Activations& a) {

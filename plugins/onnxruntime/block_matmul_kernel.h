@@ -67,8 +67,6 @@ struct Activations {
 // DECODE: the step is decode-only (the 16-bit path may then take more than kIntRows rows).
 bool begin_activations(const BlockWeights& w, const float* x, int64_t rows, bool decode, Activations& a);
 bool quantize_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
-// Both on the calling thread.
-void prepare_activations(const BlockWeights& w, const float* x, int64_t rows, bool decode, Activations& a);
 
 // Panels the caller should hand one thread at a time.
 int64_t block_matmul_task_panels(const Activations& a);
