@@ -296,7 +296,11 @@ def _sentencepiece_tokenizer():  # noqa: ANN202
 
     trainee = Tokenizer(models.BPE(unk_token="<unk>"))
     trainee.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
-    trainee.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=320, limit_alphabet=50, show_progress=False))
+    # The whole alphabet given, sorted: without it BpeTrainer numbers the characters (and so breaks ties
+    # between equally frequent pairs) in hash order, and every run trained a different vocabulary.
+    alphabet = sorted(set(CORPUS.replace(" ", "\u2581")))
+    trainee.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=320, initial_alphabet=alphabet,
+                                                              show_progress=False))
     learned = sorted(trainee.get_vocab().items(), key=lambda kv: kv[1])
     tokens = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + [t for t, _ in learned]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in json.loads(trainee.to_str())["model"]["merges"]]

@@ -17,6 +17,7 @@ from test_gguf import SMOL, SMOL_DIR, SMOL_NAME, spm_gguf  # noqa: F401 - spm_gg
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_NEW = 12
+SPM_NEAR_TIE = 0.01  # logit margin a greedy token may lose to transformers' argmax (measured max 4.3e-4)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +167,15 @@ def test_tiny_gguf_export_logits_match_hf(hf_model_dir, tmp_path: Path, arch: st
 
 def test_tiny_sentencepiece_gguf_engine_greedy_matches_hf(spm_gguf, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001, F811
     """A Q8_0 SentencePiece-vocab GGUF through the engine: the prompt string is tokenized by the rebuilt
-    tokenizer (BOS added), and greedy output == transformers' greedy on transformers' GGUF model."""
+    tokenizer (BOS added), and every greedy token is transformers' argmax along the engine's own tokens
+    (teacher-forced), up to SPM_NEAR_TIE.
+
+    Why not plain equality with transformers' generate: on these random models a near-tie in transformers'
+    own logits is common (over 30 vocabularies, 2 had a top-2 margin of 4.3e-4 on the greedy path), and there
+    the engine's own rounding (16-bit decode activations, its summation order) may pick the other token and
+    the rest differs. Until the fixture's vocabulary was made deterministic that failed about one run in 15.
+    The teacher-forced check still catches any real error (a wrong token, a missing BOS, wrong weights:
+    margins of whole logits); on today's vocabulary the engine's tokens are transformers' exactly."""
     import torch
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -192,4 +201,10 @@ def test_tiny_sentencepiece_gguf_engine_greedy_matches_hf(spm_gguf, tmp_path: Pa
     finally:
         llm.close()
     assert out[0].prompt_token_ids == ids
-    assert out[0].outputs[0].token_ids == want
+    got = out[0].outputs[0].token_ids
+    assert len(got) == 16
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + got])).logits[0, len(ids) - 1:-1]
+    lost = [float(logits[i].max() - logits[i, t]) for i, t in enumerate(got)]
+    # so got == want up to a first difference, and that difference is a near-tie of transformers' own
+    assert max(lost) <= SPM_NEAR_TIE, (got, want, lost)
