@@ -170,6 +170,23 @@ def test_steps_past_one_widened_chunk(type_name: str, k: int) -> None:
         _check(session, rng.standard_normal((rows, k)).astype(np.float32), blocks, w, bias)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_a_long_prompt_step_runs_in_row_blocks_without_changing_a_bit(type_name: str) -> None:
+    """A prompt's step of 301 rows x K = 3104 (float32, three chunks of 1036 k): the op hands its threads row
+    blocks of at most 1 MiB of a chunk's x (<= 168 rows here), so this step is two or more blocks on any
+    machine. Within the float32 bound, and each row the same bits as in shorter steps whose blocks split it
+    elsewhere: every output still sums over k in order, one FMA per k."""
+    blocks, w = _blocks(type_name, 37, 3104, seed=15)
+    rng = np.random.default_rng(16)
+    bias = rng.standard_normal(37).astype(np.float32)
+    session = _session(panel_weights(blocks), bias, decode=False)
+    x = rng.standard_normal((301, 3104)).astype(np.float32)
+    _check(session, x, blocks, w, bias)
+    together = session.run(None, {"x": x})[0]
+    for lo, hi in ((0, 9), (150, 301), (97, 263)):
+        np.testing.assert_array_equal(session.run(None, {"x": x[lo:hi]})[0], together[lo:hi])
+
+
 @pytest.mark.parametrize("type_name,k", [("Q4_1", 576), ("Q8_0", 576), ("Q4_K", 512), ("Q6_K", 256)])
 def test_a_decode_batch_gives_each_row_the_bits_it_gets_alone(type_name: str, k: int) -> None:
     """A decode step's rows (the 6-row tiles over widened codes) equal the same rows run one at a time (the

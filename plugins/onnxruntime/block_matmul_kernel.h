@@ -68,10 +68,15 @@ struct Activations {
 bool begin_activations(const BlockWeights& w, const float* x, int64_t rows, bool decode, Activations& a);
 bool quantize_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 
-// Panels the caller should hand one thread at a time.
+// Panels, and rows, the caller should hand one thread at a time. Tasks should be ordered row block first: a
+// thread that takes consecutive tasks then reuses the row block's x from its cache. The 16-bit paths take all
+// rows in one task.
 int64_t block_matmul_task_panels(const Activations& a);
+int64_t block_matmul_task_rows(const BlockWeights& w, const Activations& a);
 
-// y [rows, n] = x @ W^T (+ bias) for the panels [first, last); concurrent calls on disjoint ranges are safe.
-void block_matmul_panels(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last);
+// y [r0:r1, n] = x[r0:r1] @ W^T (+ bias) for the panels [first, last); concurrent calls on disjoint ranges are
+// safe. Every output's bits are the same whatever the ranges.
+void block_matmul_panels(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last,
+                         int64_t r0, int64_t r1);
 
 }  // namespace octavo

@@ -38,13 +38,16 @@ struct Job {
   float* y;
   int64_t per_task;  // panels
   int64_t panels;
+  int64_t rows_per_task;
+  int64_t panel_tasks;  // tasks per row block: task i is row block i / panel_tasks, panels (i % panel_tasks) x per_task
 };
 
 void run_task(void* user_data, size_t index) {
   const auto* job = static_cast<const Job*>(user_data);
-  const int64_t first = static_cast<int64_t>(index) * job->per_task;
+  const int64_t i = static_cast<int64_t>(index);
+  const int64_t first = (i % job->panel_tasks) * job->per_task, r0 = (i / job->panel_tasks) * job->rows_per_task;
   octavo::block_matmul_panels(*job->weights, *job->activations, job->y, first,
-                              std::min(job->panels, first + job->per_task));
+                              std::min(job->panels, first + job->per_task), r0, r0 + job->rows_per_task);
 }
 
 constexpr int64_t kQuantizeRows = 32;  // rows of x one task rounds to 16 bits
@@ -131,8 +134,10 @@ struct Kernel {
       activations.integer = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
     }
     const int64_t per_task = octavo::block_matmul_task_panels(activations);
-    Job job{&w, &activations, octavo::glue::data_of<float>(api, output), per_task, panels};
-    octavo::glue::parallel_for(api, context, run_task, static_cast<size_t>((panels + per_task - 1) / per_task), &job);
+    const int64_t rows_per_task = octavo::block_matmul_task_rows(w, activations);
+    const int64_t panel_tasks = (panels + per_task - 1) / per_task, row_tasks = (rows + rows_per_task - 1) / rows_per_task;
+    Job job{&w, &activations, octavo::glue::data_of<float>(api, output), per_task, panels, rows_per_task, panel_tasks};
+    octavo::glue::parallel_for(api, context, run_task, static_cast<size_t>(panel_tasks * row_tasks), &job);
   }
 };
 
