@@ -126,6 +126,19 @@ inline void quad_codes_x16(const uint8_t* p, __m256i& a0, __m256i& a1, __m256i& 
   b1 = _mm256_and_si256(v8, high);
 }
 
+// s + the pairwise products of c and x's int16 lanes summed per int32 lane: one VNNI instruction where the
+// build has it (AVX512-VNNI with VL, or AVX-VNNI: `-march=native` on such a CPU), madd + add otherwise. The
+// same int32 result either way: |x| <= 32767 and codes < 2^8 keep every pair sum and running sum exact.
+inline __m256i dot_add(__m256i s, __m256i c, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(s, c, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(s, c, x);
+#else
+  return _mm256_add_epi32(s, _mm256_madd_epi16(c, x));
+#endif
+}
+
 inline int32_t pair_of(const int16_t* q) {  // two adjacent int16 as one 32-bit lane
   int32_t v;
   std::memcpy(&v, q, sizeof v);
@@ -154,8 +167,8 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
         pair_codes(cb + j * pair_bytes(Bits), c0, c1);
         for (int r = 0; r < Rows; ++r) {
           const __m256i xb = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j));
-          s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(c0, xb));
-          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(c1, xb));
+          s0[r] = dot_add(s0[r], c0, xb);
+          s1[r] = dot_add(s1[r], c1, xb);
         }
       }
     } else {
@@ -171,8 +184,8 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
         for (int r = 0; r < Rows; ++r) {
           const __m256i xa = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j));
           const __m256i xb = _mm256_set1_epi32(pair_of(q + r * w.k + 2 * j + 2));
-          s0[r] = _mm256_add_epi32(s0[r], _mm256_add_epi32(_mm256_madd_epi16(a0, xa), _mm256_madd_epi16(b0, xb)));
-          s1[r] = _mm256_add_epi32(s1[r], _mm256_add_epi32(_mm256_madd_epi16(a1, xa), _mm256_madd_epi16(b1, xb)));
+          s0[r] = dot_add(dot_add(s0[r], a0, xa), b0, xb);
+          s1[r] = dot_add(dot_add(s1[r], a1, xa), b1, xb);
         }
       }
     }
@@ -392,8 +405,8 @@ void integer_tile(const BlockWeights& w, const Activations& a, int64_t r0, int64
       const __m256i c0 = _mm256_load_si256(cb + 2 * j), c1 = _mm256_load_si256(cb + 2 * j + 1);
       const auto acc = [&](int r, __m256i& s, __m256i& t) {  // row r's sums for pair j (named, not an array)
         const __m256i x = _mm256_set1_epi32(pair_of(qb + r * k + 2 * j));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(c0, x));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(c1, x));
+        s = dot_add(s, c0, x);
+        t = dot_add(t, c1, x);
       };
       acc(0, s0, t0);
       if constexpr (R > 1) acc(1, s1, t1);
