@@ -18,6 +18,8 @@ or panel index misses both by orders of magnitude.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -26,6 +28,8 @@ from test_gguf_native import _raw_blocks, _reference
 
 from octavo.export.block_layout import PANEL, PanelWeights, panel_weights
 from octavo.export.gguf_blocks import NATIVE_TYPES, Blocks, parse_blocks, promote
+from octavo.build.op import build_plans, plan_variant
+from octavo.build.op_variants import X86_64_V3, X86_64_V4, cpu_flags
 from octavo.runtime.backends.oplib import library_path
 
 U = 2.0 ** -24  # float32 unit roundoff
@@ -37,7 +41,8 @@ _K = {t: (256 if t.endswith("_K") else 96) for t in NATIVE_TYPES}
 
 
 def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndarray | None = None,
-             decode: bool | np.ndarray | None = None, **attrs: int) -> ort.InferenceSession:
+             decode: bool | np.ndarray | None = None, library: Path | None = None,
+             **attrs: int) -> ort.InferenceSession:
     """One BlockMatMul node, as graph.py `_block_matmul` emits it; x [..., K] is the graph's input, DECODE (if
     given) the constant decode_step input (graph.py computes it per step; an array: that tensor as it is)."""
     codes = pw.codes if codes is None else codes
@@ -57,7 +62,7 @@ def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndar
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
     model.ir_version = 8
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library_path()))
+    options.register_custom_ops_library(str(library or library_path()))
     options.intra_op_num_threads = 2  # the panels split over ParallelFor
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -316,3 +321,37 @@ def test_bad_attributes_fail_at_session_creation(attrs: dict[str, int], message:
     pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
     with pytest.raises(Exception, match=r"octavo\.BlockMatMul: " + message):
         _session(pw, **attrs)
+
+
+@pytest.fixture(scope="module")
+def portable_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The x86-64-v3 build (256-bit tiles) and, on a CPU that runs it, the x86-64-v4 build (AVX-512 tiles
+    without VNNI): beside the native build (AVX-512 + VNNI on such a CPU) each path has a build of its own."""
+    flags = cpu_flags() or frozenset()
+    variants = [v for v in (X86_64_V3, X86_64_V4) if not v.missing(flags)]
+    if not variants:
+        pytest.skip("this CPU runs neither x86-64 portable build")
+    folder = tmp_path_factory.mktemp("variants")
+    paths = build_plans([plan_variant(v, folder, fetch=False) for v in variants])
+    return {v.name: path for v, path in zip(variants, paths)}
+
+
+@pytest.mark.parametrize("type_name,n,k", [("Q4_1", 149, 576), ("Q8_0", 149, 1792), ("Q6_K", 37, 1792),
+                                           ("Q4_K", 70, 512)])
+def test_every_build_gives_the_same_bits(portable_builds: dict[str, Path], type_name: str, n: int, k: int) -> None:
+    """The 256-bit tiles, the AVX-512 tiles (with and without VNNI) and the decode kernel's builds compute every
+    output in the same order: the same bits on every path (prompt and decode steps, 1-301 rows, groups of 1-4
+    panels with a partial last panel, K in one chunk and in two, blocks of 16 and 32, a bias)."""
+    blocks, _ = _blocks(type_name, n, k, seed=5)
+    pw = panel_weights(blocks)
+    bias = np.random.default_rng(6).standard_normal(n).astype(np.float32)
+    libraries = {"native": library_path(), **portable_builds}
+    x = np.random.default_rng(7).standard_normal((301, k)).astype(np.float32)
+    for decode in (False, True):
+        outputs = {}
+        for name, library in libraries.items():
+            session = _session(pw, bias, decode=decode, library=library)
+            outputs[name] = [session.run(None, {"x": x[:rows]})[0] for rows in (1, 5, 8, 9, 46, 64, 301)]
+        for name, got in outputs.items():
+            for want, have in zip(outputs["native"], got):
+                np.testing.assert_array_equal(have, want, err_msg=f"{name} build, {len(want)} rows, decode={decode}")
