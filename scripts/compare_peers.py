@@ -203,8 +203,10 @@ def divergences(results: list[PeerResult], workloads: list[IdWorkload]) -> list[
 
 def resources(results: list[PeerResult]) -> dict[str, dict[str, float | None]]:
     """Per peer: time to load (imports + model / engine, or server start to ready; the slowest of its
-    workloads' loads, i.e. the cold one) and the peak resident memory of its process (the server's, for
-    llama-server), the largest over its workloads."""
+    workloads' loads, i.e. the cold one) and the peak resident memory of its own process, the largest over
+    its workloads: VmHWM of the worker for in-process peers (imports included), of the server for
+    llama-server and `octavo serve`, summed over vLLM's server processes (an upper bound); see
+    octavo/bench/peers/memory.py."""
     out: dict[str, dict[str, float | None]] = {}
     for r in results:
         if not r.ok:

@@ -149,3 +149,76 @@ def test_load_time_and_peak_memory_per_peer(report: dict) -> None:
     for peer in ran:
         assert res[peer]["load_s"] is not None and res[peer]["load_s"] > 0, peer
         assert res[peer]["peak_rss_mib"] is not None and res[peer]["peak_rss_mib"] > 20, peer  # a real process
+
+
+HAS_PROC = Path("/proc/self/status").is_file()
+# A process that holds MIB MiB of touched pages (b"\x01" * n writes every page), says so on stdout and
+# then waits until its stdin is closed.
+HOLD = "import sys\nbuf = b'\\x01' * ({mib} << 20)\nprint('ready', flush=True)\nsys.stdin.read()\n"
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc (Linux)")
+def test_peak_rss_is_the_childs_own_not_inherited_from_its_parent() -> None:
+    """The bug behind "1979 MiB for every peer": a parent that once held ~300 MiB (freed again before it
+    starts the child) starts a child. The child's getrusage ru_maxrss says 300+ MiB, because Linux carries
+    the old address space's high-water mark across exec. own_peak_mib (VmHWM) reads the child's own few
+    tens of MiB."""
+    child = ("import json, resource\nfrom octavo.bench.peers.memory import own_peak_mib\n"
+             "print(json.dumps({'own': own_peak_mib(), 'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+    parent = (f"import subprocess, sys\nbuf = b'\\x01' * (300 << 20)\ndel buf\n"
+              f"sys.stdout.write(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, check=True).stdout)\n")
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["ru_maxrss"] >= 300, seen  # inherited: the parent's peak, not the child's
+    assert 5 < seen["own"] < 150, seen  # the child's interpreter and one small import
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc (Linux)")
+def test_tree_peak_sums_a_server_and_its_child() -> None:
+    """tree_peak_mib of a process holding N MiB whose own child holds N MiB reads at least 2N (VmHWM
+    summed over the tree), and the child alone at least N but less than 2N. Both are read while the
+    processes still hold their memory: each one says 'ready' on a pipe first."""
+    from octavo.bench.peers.memory import descendants, tree_peak_mib
+
+    n = 64
+    server = (f"import subprocess, sys\nbuf = b'\\x01' * ({n} << 20)\n"
+              f"g = subprocess.Popen([sys.executable, '-c', {HOLD.format(mib=n)!r}], stdin=subprocess.PIPE, "
+              "stdout=subprocess.PIPE, text=True)\n"
+              "assert g.stdout.readline() == 'ready\\n'\nprint('ready', g.pid, flush=True)\n"
+              "sys.stdin.read()\ng.stdin.close()\ng.wait()\n")
+    proc = subprocess.Popen([sys.executable, "-c", server], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    try:
+        word, pid = proc.stdout.readline().split()
+        assert word == "ready"
+        assert descendants(proc.pid) == [int(pid)]
+        tree, grandchild = tree_peak_mib(proc.pid), tree_peak_mib(int(pid))
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    assert grandchild is not None and n <= grandchild < 2 * n, grandchild
+    assert tree is not None and tree >= 2 * n, tree
+    assert proc.returncode == 0
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc (Linux)")
+def test_server_process_records_the_servers_own_peak() -> None:
+    """online.server_process(peak=...) reads the server's VmHWM just before it stops it: a /health server
+    that holds N MiB reports at least N, as its extra's peak_rss_mib."""
+    from octavo.bench.peers.memory import ServerPeak
+    from octavo.bench.peers.online import free_port, server_process
+
+    n = 96
+    server = (f"import http.server, sys\nbuf = b'\\x01' * ({n} << 20)\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n        self.send_response(200)\n        self.end_headers()\n"
+              "    def log_message(self, *args):\n        pass\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    port = free_port()
+    peak = ServerPeak()
+    with server_process([sys.executable, "-c", server, str(port)], f"http://127.0.0.1:{port}", timeout_s=60, peak=peak):
+        pass
+    extra = peak.extra()
+    assert extra["peak_rss_source"] == "VmHWM"
+    assert n <= extra["peak_rss_mib"] < n + 100, extra

@@ -10,4 +10,5 @@ its own process, so that every number in the comparison comes from one run on on
     llamacpp.py   llama.cpp's llama-server (continuous batching over -np slots), when a binary is given
     octavo_peer.py octavo offline (octavo.LLM) and online (`octavo serve`)
     worker.py     runs one peer over all workloads in a subprocess, JSON in and out
+    memory.py     each peer's own peak RSS (VmHWM from /proc, not the inherited ru_maxrss)
 """

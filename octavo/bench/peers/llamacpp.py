@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from octavo.bench.peers.memory import ServerPeak
 from octavo.bench.peers.online import free_port, poisson_run, server_process
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
@@ -65,8 +66,9 @@ def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, 
     cmd = server_command(binary, gguf, port, slots=slots, ctx_per_slot=ctx_per_slot(workload), threads=threads,
                          extra=extra_args)
     base = f"http://127.0.0.1:{port}"
+    peak = ServerPeak()  # llama-server's own peak RSS, read before it is stopped
     t0 = time.perf_counter()
-    with server_process(cmd, base):
+    with server_process(cmd, base, peak=peak):
         load_s = time.perf_counter() - t0  # process start to /health answering 200
         outputs, elapsed, timings = asyncio.run(_offline(base, workload))
     res = PeerResult(name, workload.name, len(outputs), workload.prompt_tokens, elapsed_s=elapsed)
@@ -74,7 +76,7 @@ def run_offline(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, 
     res.output_tokens = res.generated_tokens = sum(len(o) for o in outputs)
     if not all(res.outputs):
         res.outputs = []  # this llama-server does not return token ids: no agreement check
-    res.extra = {"slots": slots, "command": " ".join(cmd), "load_s": load_s}
+    res.extra = {"slots": slots, "command": " ".join(cmd), "load_s": load_s, **peak.extra()}
     if len(timings) == 1:
         own = timings[0]
         if own.get("predicted_n", 0) > 1 and own.get("predicted_per_second"):
@@ -91,5 +93,8 @@ def run_online(binary: str, gguf: Path, workload: IdWorkload, *, threads: int, s
     cmd = server_command(binary, gguf, port, slots=min(slots, len(workload.requests)),
                          ctx_per_slot=ctx_per_slot(workload), threads=threads, extra=extra_args)
     base = f"http://127.0.0.1:{port}"
-    with server_process(cmd, base):
-        return poisson_run(NAME, base, workload, rate, seed)
+    peak = ServerPeak()
+    with server_process(cmd, base, peak=peak):
+        res = poisson_run(NAME, base, workload, rate, seed)
+    res.extra.update(peak.extra())
+    return res

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from octavo.bench.peers.memory import ServerPeak
 from octavo.bench.peers.online import free_port, poisson_run, server_process
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
@@ -81,5 +82,8 @@ def run_online(octavo_dir: Path, workload: IdWorkload, *, threads: int, rate: fl
            "--max-num-seqs", str(max_num_seqs), "--num-blocks", str(pool_blocks(workload)),
            "--served-model-name", "perf"]
     base = f"http://127.0.0.1:{port}"
-    with server_process(cmd, base):
-        return poisson_run("octavo serve", base, workload, rate, seed, model="perf")
+    peak = ServerPeak()  # the `octavo serve` process's own peak RSS, not this worker's
+    with server_process(cmd, base, peak=peak):
+        res = poisson_run("octavo serve", base, workload, rate, seed, model="perf")
+    res.extra.update(peak.extra())
+    return res

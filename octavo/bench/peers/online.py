@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from octavo.bench.peers.memory import ServerPeak
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
 
@@ -28,8 +29,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server_process(cmd: list[str], base_url: str, timeout_s: float = 300.0,
-                   env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Run CMD until GET {base_url}/health answers 200; stop it (SIGTERM, then SIGKILL) afterwards."""
+                   env: dict[str, str] | None = None, peak: ServerPeak | None = None) -> Iterator[subprocess.Popen]:
+    """Run CMD until GET {base_url}/health answers 200; stop it (SIGTERM, then SIGKILL) afterwards.
+    PEAK, if given, gets the server's own peak RSS (its process tree's VmHWM, read just before the stop)."""
     log = tempfile.NamedTemporaryFile("w+", prefix="peer-server-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
@@ -50,12 +52,16 @@ def server_process(cmd: list[str], base_url: str, timeout_s: float = 300.0,
         yield proc
     finally:
         if proc.poll() is None:
+            if peak is not None:
+                peak.read(proc.pid)
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if peak is not None:
+            peak.after_wait()
         log.close()
         os.unlink(log.name)
 

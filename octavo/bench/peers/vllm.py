@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from octavo.bench.peers.memory import ServerPeak
 from octavo.bench.peers.online import free_port, server_process
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
@@ -104,15 +105,18 @@ def vllm_server_command(model_dir: str | Path, port: int, threads: int, *, pytho
 
 
 @contextmanager
-def vllm_server(model_dir: Path, threads: int, *, python: str | Path | None = None, **options: Any) -> Iterator[tuple[str, float]]:
-    """A running vLLM server: yields (base URL, seconds from process start to /health answering 200)."""
+def vllm_server(model_dir: Path, threads: int, *, python: str | Path | None = None, peak: ServerPeak | None = None,
+                **options: Any) -> Iterator[tuple[str, float]]:
+    """A running vLLM server: yields (base URL, seconds from process start to /health answering 200).
+    PEAK, if given, gets the peak RSS of the server's process tree when it stops: the API server and its
+    engine core process, VmHWM summed, an upper bound (see memory.tree_peak_mib)."""
     port = free_port()
     argv, env = vllm_server_command(model_dir, port, threads, python=python, **options)
     # the peer's own interpreter and site-packages: octavo's PYTHONPATH must not shadow vLLM's pins
     env = {**env, "PYTHONPATH": "", "PYTHONNOUSERSITE": "1"}
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    with server_process(argv, base, timeout_s=START_TIMEOUT_S, env=env):
+    with server_process(argv, base, timeout_s=START_TIMEOUT_S, env=env, peak=peak):
         yield base, time.perf_counter() - t0
 
 
@@ -136,7 +140,8 @@ def run_workloads(model_dir: Path, workloads: list[IdWorkload], *, threads: int,
     options.setdefault("max_model_len", -(-(need + 16) // 256) * 256)
     options.setdefault("max_num_seqs", max((len(w.requests) for w in workloads), default=1))
     out: list[PeerResult] = []
-    with vllm_server(model_dir, threads, python=python, **options) as (base, load_s):
+    peak = ServerPeak()  # one server for every workload: its peak over all of them, read when it stops
+    with vllm_server(model_dir, threads, python=python, peak=peak, **options) as (base, load_s):
         for w in workloads:
             try:
                 r = run_offline(base, w, name)
@@ -144,4 +149,6 @@ def run_workloads(model_dir: Path, workloads: list[IdWorkload], *, threads: int,
                 r = PeerResult(name, w.name, len(w.requests), w.prompt_tokens, error=f"{type(exc).__name__}: {exc}"[:500])
             r.extra.update(load_s=load_s, dtype=options.get("dtype", "float32"), max_num_seqs=options["max_num_seqs"])
             out.append(r)
+    for r in out:
+        r.extra.update(peak.extra())
     return out

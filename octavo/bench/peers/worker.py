@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from octavo.bench.peers.memory import own_peak_mib
 from octavo.bench.peers.requests import IdWorkload
 from octavo.bench.peers.result import PeerResult
 
@@ -139,22 +140,17 @@ def run_worker(spec: dict[str, Any], workdir: Path, timeout_s: float, label: str
     return [PeerResult.from_dict(d) for d in json.loads(out_path.read_text())]
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this worker or of the largest process it started and waited for (a
-    llama-server, an `octavo serve`): what the peer needed at most over its workloads."""
-    import resource
-
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(own, children) / 1024.0  # Linux reports KiB
-
-
 def main(argv: list[str]) -> int:
+    """Run the spec's peer and write its results. Peak RSS (extra["peak_rss_mib"]): a peer that ran in a
+    server (llama-server, `octavo serve`, vLLM) has set it already, to the server's own (memory.ServerPeak).
+    An in-process peer gets this worker's VmHWM (memory.own_peak_mib): interpreter, imports, model and
+    pools, the largest over all of its workloads. Not getrusage's ru_maxrss: on Linux that carries the
+    parent's peak across exec, and it made every peer read the same 1979 MiB."""
     spec = json.loads(Path(argv[0]).read_text())
     results = run_peer(spec)
-    peak = peak_rss_mib()
+    peak = own_peak_mib()
     for r in results:
-        r.extra["peak_rss_mib"] = peak
+        r.extra.setdefault("peak_rss_mib", peak)
     Path(argv[1]).write_text(json.dumps([r.to_dict() for r in results]))
     return 0
 
