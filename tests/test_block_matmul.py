@@ -18,9 +18,11 @@ or panel index misses both by orders of magnitude.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -42,6 +44,7 @@ _K = {t: (256 if t.endswith("_K") else 96) for t in NATIVE_TYPES}
 
 def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndarray | None = None,
              decode: bool | np.ndarray | None = None, library: Path | None = None,
+             splits: list[int] | None = None, edit: Callable[[onnx.ModelProto], None] | None = None,
              **attrs: int) -> ort.InferenceSession:
     """One BlockMatMul node, as graph.py `_block_matmul` emits it; x [..., K] is the graph's input, DECODE (if
     given) the constant decode_step input (graph.py computes it per step; an array: that tensor as it is)."""
@@ -56,11 +59,17 @@ def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndar
         flag = decode if isinstance(decode, np.ndarray) else np.array([decode])
         inits.append(numpy_helper.from_array(flag, "decode_step"))
         names += ([] if bias is not None else [""]) + ["decode_step"]
-    node = helper.make_node("BlockMatMul", names, ["y"], domain="octavo", **attributes)
+    outputs = ["y"] if splits is None else [f"y{i}" for i in range(len(splits))]
+    if splits is not None:
+        attributes["splits"] = splits
+    node = helper.make_node("BlockMatMul", names, outputs, domain="octavo", **attributes)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+                              initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
     model.ir_version = 8
+    if edit is not None:
+        edit(model)
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library or library_path()))
     options.intra_op_num_threads = 2  # the panels split over ParallelFor
@@ -355,3 +364,43 @@ def test_every_build_gives_the_same_bits(portable_builds: dict[str, Path], type_
         for name, got in outputs.items():
             for want, have in zip(outputs["native"], got):
                 np.testing.assert_array_equal(have, want, err_msg=f"{name} build, {len(want)} rows, decode={decode}")
+
+
+@pytest.mark.parametrize("type_name,n,k,splits", [("Q4_1", 149, 576, [48, 64, 37]), ("Q8_0", 96, 1792, [32, 64]),
+                                                  ("Q6_K", 37, 256, [16, 16, 5]), ("Q4_K", 64, 512, [16, 16, 16, 16])])
+def test_split_outputs_are_the_columns_of_the_single_output(type_name: str, n: int, k: int, splits: list[int]) -> None:
+    """With `splits`, the op writes y's column ranges as separate outputs (the graph's q/k/v and gate/up): each the
+    same bits as those columns of the one-output op, on every path (decode and prompt steps, groups of panels that
+    span two parts, a partial last panel)."""
+    blocks, _ = _blocks(type_name, n, k, seed=8)
+    pw = panel_weights(blocks)
+    bias = np.random.default_rng(9).standard_normal(n).astype(np.float32)
+    x = np.random.default_rng(10).standard_normal((301, k)).astype(np.float32)
+    edges = np.cumsum([0, *splits])
+    for decode in (False, True):
+        whole, parts = _session(pw, bias, decode=decode), _session(pw, bias, decode=decode, splits=splits)
+        for rows in (1, 5, 9, 46, 301):
+            want = whole.run(None, {"x": x[:rows]})[0]
+            got = parts.run(None, {"x": x[:rows]})
+            assert [g.shape for g in got] == [(rows, size) for size in splits]
+            for i, part in enumerate(got):
+                np.testing.assert_array_equal(part, want[:, edges[i]:edges[i + 1]], err_msg=f"part {i}, {rows} rows")
+
+
+@pytest.mark.parametrize("splits,message", [([48, 64, 36], r"must sum to N = 149"),
+                                            ([40, 109], r"all but the last a multiple of 16"),
+                                            ([16, 16, 16, 16, 85], r"output size 5 not in range")])
+def test_bad_splits_fail_at_session_creation(splits: list[int], message: str) -> None:
+    blocks, _ = _blocks("Q4_1", 149, 96)
+    with pytest.raises(Exception, match=message):
+        _session(panel_weights(blocks), splits=splits)
+
+
+def test_splits_must_match_the_nodes_outputs() -> None:
+    def one_output(model: onnx.ModelProto) -> None:
+        del model.graph.node[0].output[1]
+        del model.graph.output[1]
+
+    blocks, _ = _blocks("Q4_1", 149, 96)
+    with pytest.raises(Exception, match=r"the node has 1 outputs; splits \[48, 101\] needs 2"):
+        _session(panel_weights(blocks), splits=[48, 101], edit=one_output)

@@ -153,7 +153,7 @@ inline int32_t pair_of(const int16_t* q) {  // two adjacent int16 as one 32-bit 
 // Rows [r0, r0 + Rows) of y's panel p on the 16-bit path (Rows <= 4: int32 sums and codes fill the registers).
 // X16 (4-bit only): codes of columns 8-15 widened as 16 x code (quad_codes_x16), one shift fewer per 64 codes.
 template <int Bits, int Rows, bool X16 = false>
-void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_t p, int64_t valid, int64_t r0) {
+void integer_panel(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t p, int64_t valid, int64_t r0) {
   static_assert(Rows >= 1 && Rows <= 4, "integer rows per pass");
   const int64_t nb = w.k / w.block_size, pairs = w.block_size / 2;
   const uint8_t* codes = w.codes + p * (w.k / 2) * pair_bytes(Bits);
@@ -207,8 +207,10 @@ void integer_panel(const BlockWeights& w, const Activations& a, float* y, int64_
     }
   }
   const Vec2 bias = w.bias != nullptr ? load_panel(w.bias + p * kPanel, valid) : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t stride = 0;
+  float* const out = y.panel(p, stride);
   for (int r = 0; r < Rows; ++r) {
-    store_panel(y + (r0 + r) * w.n + p * kPanel, valid, _mm256_add_ps(ylo[r], bias.lo), _mm256_add_ps(yhi[r], bias.hi));
+    store_panel(out + (r0 + r) * stride, valid, _mm256_add_ps(ylo[r], bias.lo), _mm256_add_ps(yhi[r], bias.hi));
   }
 }
 
@@ -325,18 +327,19 @@ void tile_any(int rows, const float* x, int64_t k_stride, const float* buf, int6
 inline __mmask16 panel_mask(int64_t valid) { return static_cast<__mmask16>((1u << valid) - 1u); }
 
 
-// Rows [0, R) of x (stride k_stride) times the group's buffers over LEN k into y's R x G panels at OUT (stride
-// n): the accumulators start from START (the bias, the first chunk) or from what OUT holds (later chunks).
+// Rows [0, R) of x (stride k_stride) times the group's buffers over LEN k into y's R x G panels (panel g's first row
+// at out[g], rows stride[g] apart): the accumulators start from START (the bias, the first chunk) or from what the
+// panels hold (later chunks).
 template <int R, int G>
-void wide_tile(const float* x, int64_t k_stride, const float* const* buf, int64_t len, float* out, int64_t n,
-               const int64_t* valid, const __m512* start) {
+void wide_tile(const float* x, int64_t k_stride, const float* const* buf, int64_t len, float* const* out,
+               const int64_t* stride, const int64_t* valid, const __m512* start) {
   static_assert(R >= 1 && R <= 6 && G >= 1 && G <= 4, "wide tile shape");
   __m512 acc[R][G];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
-      acc[r][g] = start != nullptr ? start[g] : _mm512_maskz_loadu_ps(panel_mask(valid[g]), out + r * n + g * kPanel);
+      acc[r][g] = start != nullptr ? start[g] : _mm512_maskz_loadu_ps(panel_mask(valid[g]), out[g] + r * stride[g]);
     }
   }
   const float* w[G];
@@ -355,30 +358,30 @@ void wide_tile(const float* x, int64_t k_stride, const float* const* buf, int64_
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out + r * n + g * kPanel, panel_mask(valid[g]), acc[r][g]);
+    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(out[g] + r * stride[g], panel_mask(valid[g]), acc[r][g]);
   }
 }
 
 template <int G>
-void wide_tile_rows(int rows, const float* x, int64_t k_stride, const float* const* buf, int64_t len, float* out,
-                    int64_t n, const int64_t* valid, const __m512* start) {
+void wide_tile_rows(int rows, const float* x, int64_t k_stride, const float* const* buf, int64_t len,
+                    float* const* out, const int64_t* stride, const int64_t* valid, const __m512* start) {
   switch (rows) {
-    case 1: return wide_tile<1, G>(x, k_stride, buf, len, out, n, valid, start);
-    case 2: return wide_tile<2, G>(x, k_stride, buf, len, out, n, valid, start);
-    case 3: return wide_tile<3, G>(x, k_stride, buf, len, out, n, valid, start);
-    case 4: return wide_tile<4, G>(x, k_stride, buf, len, out, n, valid, start);
-    case 5: return wide_tile<5, G>(x, k_stride, buf, len, out, n, valid, start);
-    default: return wide_tile<kTileRows, G>(x, k_stride, buf, len, out, n, valid, start);
+    case 1: return wide_tile<1, G>(x, k_stride, buf, len, out, stride, valid, start);
+    case 2: return wide_tile<2, G>(x, k_stride, buf, len, out, stride, valid, start);
+    case 3: return wide_tile<3, G>(x, k_stride, buf, len, out, stride, valid, start);
+    case 4: return wide_tile<4, G>(x, k_stride, buf, len, out, stride, valid, start);
+    case 5: return wide_tile<5, G>(x, k_stride, buf, len, out, stride, valid, start);
+    default: return wide_tile<kTileRows, G>(x, k_stride, buf, len, out, stride, valid, start);
   }
 }
 
 void wide_tile_any(int rows, int64_t count, const float* x, int64_t k_stride, const float* const* buf, int64_t len,
-                   float* out, int64_t n, const int64_t* valid, const __m512* start) {
+                   float* const* out, const int64_t* stride, const int64_t* valid, const __m512* start) {
   switch (count) {
-    case 1: return wide_tile_rows<1>(rows, x, k_stride, buf, len, out, n, valid, start);
-    case 2: return wide_tile_rows<2>(rows, x, k_stride, buf, len, out, n, valid, start);
-    case 3: return wide_tile_rows<3>(rows, x, k_stride, buf, len, out, n, valid, start);
-    default: return wide_tile_rows<4>(rows, x, k_stride, buf, len, out, n, valid, start);
+    case 1: return wide_tile_rows<1>(rows, x, k_stride, buf, len, out, stride, valid, start);
+    case 2: return wide_tile_rows<2>(rows, x, k_stride, buf, len, out, stride, valid, start);
+    case 3: return wide_tile_rows<3>(rows, x, k_stride, buf, len, out, stride, valid, start);
+    default: return wide_tile_rows<4>(rows, x, k_stride, buf, len, out, stride, valid, start);
   }
 }
 #endif
@@ -415,10 +418,14 @@ struct GroupColumns {
 // every panel in the group are dequantized once, then each 6-row tile of x (in L1) meets all of them. Each
 // output sums over k in order, one FMA per k, so the chunk length does not change its bits.
 template <int Bits>
-void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* y, int64_t p0, int64_t count) {
+void buffered_group(const BlockWeights& w, const float* x, int64_t rows, const Outputs& y, int64_t row0, int64_t p0,
+                    int64_t count) {
   auto& buf = group_buffers<float>().panel;
   const GroupColumns columns(w, p0, count);
   const auto& [bias, valid] = columns;
+  float* panel_out[kGroup] = {};  // each panel's row row0
+  int64_t stride[kGroup] = {};
+  for (int64_t g = 0; g < count; ++g) panel_out[g] = y.panel(p0 + g, stride[g]) + row0 * stride[g];
   // chunks of equal length (multiples of 4, at most kChunk): each chunk is one more pass of the tiles over y
   // (at 2048 rows, megabytes out of L2), so a short last one costs a whole pass for a few k (K = 2048 is 2 x 1024,
   // not 1536 + 512)
@@ -437,22 +444,23 @@ void buffered_group(const BlockWeights& w, const float* x, int64_t rows, float* 
     const float* panels[kGroup] = {buf[0], buf[1], buf[2], buf[3]};
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
-      wide_tile_any(n_rows, count, x + r0 * w.k + k0, w.k, panels, k1 - k0, y + r0 * w.n + p0 * kPanel, w.n, valid,
-                    k0 == 0 ? start : nullptr);
+      float* out[kGroup];
+      for (int64_t g = 0; g < count; ++g) out[g] = panel_out[g] + r0 * stride[g];
+      wide_tile_any(n_rows, count, x + r0 * w.k + k0, w.k, panels, k1 - k0, out, stride, valid, k0 == 0 ? start : nullptr);
     }
 #else
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
       for (int64_t g = 0; g < count; ++g) {
-        float* out = y + r0 * w.n + (p0 + g) * kPanel;
+        float* out = panel_out[g] + r0 * stride[g];
         __m256 lo[kTileRows], hi[kTileRows];
         for (int r = 0; r < n_rows; ++r) {
-          const Vec2 start = k0 == 0 ? bias[g] : load_panel(out + r * w.n, valid[g]);
+          const Vec2 start = k0 == 0 ? bias[g] : load_panel(out + r * stride[g], valid[g]);
           lo[r] = start.lo;
           hi[r] = start.hi;
         }
         tile_any(n_rows, x + r0 * w.k + k0, w.k, buf[g], k1 - k0, lo, hi);
-        for (int r = 0; r < n_rows; ++r) store_panel(out + r * w.n, valid[g], lo[r], hi[r]);
+        for (int r = 0; r < n_rows; ++r) store_panel(out + r * stride[g], valid[g], lo[r], hi[r]);
       }
     }
 #endif
@@ -673,10 +681,13 @@ void wide_integer_any(int rows, int64_t count, const BlockWeights& w, const Acti
 // buffered_group on the 16-bit path (steps of more than kIntRows rows): a chunk of whole blocks of each
 // panel's codes is widened to int16 once (L1/L2), then each tile of kIntTileRows rows meets all of them.
 template <int Bits>
-void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_t p0, int64_t count) {
+void integer_group(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t p0, int64_t count) {
   auto& buf = group_buffers<int16_t>().panel;
   const GroupColumns columns(w, p0, count);
   const auto& [bias, valid] = columns;
+  float* panel_out[kGroup] = {};
+  int64_t stride[kGroup] = {};
+  for (int64_t g = 0; g < count; ++g) panel_out[g] = y.panel(p0 + g, stride[g]);
   const int64_t nb = w.k / w.block_size;
   const int64_t chunk_blocks = kChunk / w.block_size;  // >= 1: begin_activations keeps block_size <= kChunk
   const int64_t chunks = (nb + chunk_blocks - 1) / chunk_blocks;
@@ -690,12 +701,11 @@ void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_
     const bool last = b1 == nb;
     for (int64_t r0 = 0; r0 < a.rows; r0 += kIntTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kIntTileRows, a.rows - r0));
-      float* out = y + r0 * w.n + p0 * kPanel;
       __m512 acc[kIntTileRows * kGroup];
       for (int r = 0; r < n_rows; ++r) {
         for (int64_t g = 0; g < count; ++g) {
           acc[r * count + g] = b0 == 0 ? _mm512_setzero_ps()
-                                       : _mm512_maskz_loadu_ps(panel_mask(valid[g]), out + r * w.n + g * kPanel);
+                                       : _mm512_maskz_loadu_ps(panel_mask(valid[g]), panel_out[g] + (r0 + r) * stride[g]);
         }
       }
       wide_integer_any(n_rows, count, w, a, r0, p0, b0, b1, panels, acc);
@@ -705,7 +715,7 @@ void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_
           if (last && w.bias != nullptr) {
             v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(panel_mask(valid[g]), w.bias + (p0 + g) * kPanel));
           }
-          _mm512_mask_storeu_ps(out + r * w.n + g * kPanel, panel_mask(valid[g]), v);
+          _mm512_mask_storeu_ps(panel_out[g] + (r0 + r) * stride[g], panel_mask(valid[g]), v);
         }
       }
     }
@@ -713,18 +723,18 @@ void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_
     for (int64_t r0 = 0; r0 < a.rows; r0 += kIntTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kIntTileRows, a.rows - r0));
       for (int64_t g = 0; g < count; ++g) {
-        float* out = y + r0 * w.n + (p0 + g) * kPanel;
+        float* out = panel_out[g] + r0 * stride[g];
         __m256 lo[kIntTileRows], hi[kIntTileRows];
         for (int r = 0; r < n_rows; ++r) {
           const Vec2 start = b0 == 0 ? Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()}
-                                     : load_panel(out + r * w.n, valid[g]);
+                                     : load_panel(out + r * stride[g], valid[g]);
           lo[r] = start.lo;
           hi[r] = start.hi;
         }
         integer_tile_any(n_rows, w, a, r0, p0 + g, b0, b1, buf[g], lo, hi);
         const bool last = b1 == nb;
         for (int r = 0; r < n_rows; ++r) {
-          store_panel(out + r * w.n, valid[g], last ? _mm256_add_ps(lo[r], bias[g].lo) : lo[r],
+          store_panel(out + r * stride[g], valid[g], last ? _mm256_add_ps(lo[r], bias[g].lo) : lo[r],
                       last ? _mm256_add_ps(hi[r], bias[g].hi) : hi[r]);
         }
       }
@@ -734,7 +744,7 @@ void integer_group(const BlockWeights& w, const Activations& a, float* y, int64_
 }
 
 template <int Bits, bool X16>
-void integer_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last) {
+void integer_range(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last) {
   for (int64_t p = first; p < last; ++p) {
     const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
     for (int64_t r0 = 0; r0 < a.rows; r0 += 4) {  // a second pass re-reads the panel's codes from L1
@@ -750,11 +760,11 @@ void integer_range(const BlockWeights& w, const Activations& a, float* y, int64_
 
 // Rows [r0, r1) of panels [first, last); the 16-bit paths take all rows (block_matmul_task_rows).
 template <int Bits>
-void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last, int64_t r0,
+void run_range(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last, int64_t r0,
                int64_t r1) {
   if (!a.integer) {
     for (int64_t p = first; p < last; p += kGroup) {
-      buffered_group<Bits>(w, a.x + r0 * w.k, r1 - r0, y + r0 * w.n, p, std::min(kGroup, last - p));
+      buffered_group<Bits>(w, a.x + r0 * w.k, r1 - r0, y, r0, p, std::min(kGroup, last - p));
     }
     return;
   }
@@ -788,7 +798,7 @@ inline void params_at(const BlockWeights& w, const void* base, int64_t index, fl
 }
 
 template <int Bits>
-void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last, int64_t r0,
+void run_range(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last, int64_t r0,
                int64_t r1) {
   const int64_t nb = w.k / w.block_size;
   float acc[kPanel], scale[kPanel], offset[kPanel];
@@ -806,7 +816,9 @@ void run_range(const BlockWeights& w, const Activations& a, float* y, int64_t fi
           }
         }
       }
-      for (int64_t c = 0; c < valid; ++c) y[r * w.n + p * kPanel + c] = acc[c] + (w.bias ? w.bias[p * kPanel + c] : 0.0f);
+      int64_t stride = 0;
+      float* const out = y.panel(p, stride) + r * stride;
+      for (int64_t c = 0; c < valid; ++c) out[c] = acc[c] + (w.bias ? w.bias[p * kPanel + c] : 0.0f);
     }
   }
 }
@@ -904,7 +916,7 @@ int64_t block_matmul_task_rows(const BlockWeights& w, const Activations& a) {
 #endif
 }
 
-void block_matmul_panels(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last,
+void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last,
                          int64_t r0, int64_t r1) {
   r1 = std::min(r1, a.rows);
   if (r0 >= r1 || first >= last) return;

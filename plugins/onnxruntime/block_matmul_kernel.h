@@ -51,6 +51,30 @@ struct BlockWeights {
   int64_t panels() const { return (n + kPanel - 1) / kPanel; }
 };
 
+// y's N columns, as one tensor or split at panel boundaries into up to kMax tensors (the fused q/k/v or gate/up
+// projections' parts, written where the graph reads them: no Split after the op). Each is row-major [rows,
+// columns[o]]; every part but the last has a multiple of kPanel columns, so each panel lies in one part.
+struct Outputs {
+  static constexpr int kMax = 4;
+  float* data[kMax] = {};
+  int64_t columns[kMax] = {};
+  int count = 0;
+
+  // Column 0 of panel p at row 0, and the row stride of the part that holds it.
+  float* panel(int64_t p, int64_t& stride) const {
+    for (int o = 0; o + 1 < count; ++o) {
+      const int64_t panels = columns[o] / kPanel;
+      if (p < panels) {
+        stride = columns[o];
+        return data[o] + p * kPanel;
+      }
+      p -= panels;
+    }
+    stride = columns[count - 1];
+    return data[count - 1] + p * kPanel;
+  }
+};
+
 // x [rows, k] prepared once per call, shared by every panel (read-only while the panels run).
 struct Activations {
   const float* x = nullptr;
@@ -76,7 +100,7 @@ int64_t block_matmul_task_rows(const BlockWeights& w, const Activations& a);
 
 // y [r0:r1, n] = x[r0:r1] @ W^T (+ bias) for the panels [first, last); concurrent calls on disjoint ranges are
 // safe. Every output's bits are the same whatever the ranges.
-void block_matmul_panels(const BlockWeights& w, const Activations& a, float* y, int64_t first, int64_t last,
+void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last,
                          int64_t r0, int64_t r1);
 
 }  // namespace octavo

@@ -6,6 +6,9 @@
 // BlockMatMul(x [..., K] float, codes uint8, scales, offsets (float32 or float16, the same), bias [N] float
 //             optional, decode_step bool [1] optional: the step is decode-only, one token per sequence)
 //             -> y [..., N] float;  attributes K, N, bits (4 or 8), block_size (a multiple of 4 that divides K).
+// With the attribute splits (ints, summing to N, every one but the last a multiple of the 16-column panel), y is
+// written as that many outputs y_o [..., splits[o]] instead (the fused q/k/v or gate/up projections' parts: the
+// graph needs no Split after the op). Up to 4 parts.
 #include <onnxruntime_c_api.h>
 
 #include <algorithm>
@@ -32,10 +35,22 @@ int64_t attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name
   return value;
 }
 
+// The ints attribute NAME, or an empty list where the node has none.
+std::vector<int64_t> optional_ints(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
+  size_t size = 0;
+  if (OrtStatus* status = api->KernelInfoGetAttributeArray_int64(info, name, nullptr, &size)) {
+    api->ReleaseStatus(status);  // absent
+    return {};
+  }
+  std::vector<int64_t> values(size);
+  check(api, api->KernelInfoGetAttributeArray_int64(info, name, values.data(), &size));
+  return values;
+}
+
 struct Job {
   const octavo::BlockWeights* weights;
   const octavo::Activations* activations;
-  float* y;
+  const octavo::Outputs* y;
   int64_t per_task;  // panels
   int64_t panels;
   int64_t rows_per_task;
@@ -46,7 +61,7 @@ void run_task(void* user_data, size_t index) {
   const auto* job = static_cast<const Job*>(user_data);
   const int64_t i = static_cast<int64_t>(index);
   const int64_t first = (i % job->panel_tasks) * job->per_task, r0 = (i / job->panel_tasks) * job->rows_per_task;
-  octavo::block_matmul_panels(*job->weights, *job->activations, job->y, first,
+  octavo::block_matmul_panels(*job->weights, *job->activations, *job->y, first,
                               std::min(job->panels, first + job->per_task), r0, r0 + job->rows_per_task);
 }
 
@@ -68,6 +83,7 @@ void quantize_task(void* user_data, size_t index) {
 struct Kernel {
   const OrtApi* api;
   int64_t k, n, bits, block_size;
+  std::vector<int64_t> splits;  // columns of each output ({N}: one output)
 
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
@@ -120,9 +136,15 @@ struct Kernel {
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) rows *= x.dims[i];
     std::vector<int64_t> out_dims = x.dims;
-    out_dims.back() = n;
-    OrtValue* output = nullptr;
-    check(api, api->KernelContext_GetOutput(context, 0, out_dims.data(), out_dims.size(), &output));
+    octavo::Outputs y;
+    for (const int64_t columns : splits) {
+      out_dims.back() = columns;
+      OrtValue* output = nullptr;
+      check(api, api->KernelContext_GetOutput(context, static_cast<size_t>(y.count), out_dims.data(), out_dims.size(),
+                                              &output));
+      y.data[y.count] = octavo::glue::data_of<float>(api, output);
+      y.columns[y.count++] = columns;
+    }
     if (rows == 0) return;
     octavo::Activations activations;
     if (octavo::begin_activations(w, octavo::glue::data_of<const float>(api, values[0]), rows, decode, activations)) {
@@ -136,7 +158,7 @@ struct Kernel {
     const int64_t per_task = octavo::block_matmul_task_panels(activations);
     const int64_t rows_per_task = octavo::block_matmul_task_rows(w, activations);
     const int64_t panel_tasks = (panels + per_task - 1) / per_task, row_tasks = (rows + rows_per_task - 1) / rows_per_task;
-    Job job{&w, &activations, octavo::glue::data_of<float>(api, output), per_task, panels, rows_per_task, panel_tasks};
+    Job job{&w, &activations, &y, per_task, panels, rows_per_task, panel_tasks};
     octavo::glue::parallel_for(api, context, run_task, static_cast<size_t>(panel_tasks * row_tasks), &job);
   }
 };
@@ -155,11 +177,13 @@ struct BlockMatMulOp : OrtCustomOp {
         default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
       }
     };
-    GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+    GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return octavo::Outputs::kMax; };
     GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
       return i < 4 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
     };
-    GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;  // outputs 1-3: the parts of splits
+    };
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
       try {
         const int64_t k = attribute(api, info, "K"), n = attribute(api, info, "N");
@@ -170,7 +194,27 @@ struct BlockMatMulOp : OrtCustomOp {
           fail("block_size (" + std::to_string(block_size) + ") must be a multiple of 4 that divides K (" +
                std::to_string(k) + ")");
         }
-        *kernel = new Kernel{api, k, n, bits, block_size};
+        std::vector<int64_t> splits = optional_ints(api, info, "splits");
+        if (splits.empty()) splits = {n};
+        if (splits.size() > static_cast<size_t>(octavo::Outputs::kMax)) {
+          fail("splits has " + std::to_string(splits.size()) + " parts; at most " + std::to_string(octavo::Outputs::kMax));
+        }
+        int64_t total = 0;
+        for (size_t i = 0; i < splits.size(); ++i) {
+          if (splits[i] <= 0 || (i + 1 < splits.size() && splits[i] % octavo::kPanel != 0)) {
+            fail("splits " + shape_string(splits) + ": every part must be positive and all but the last a multiple of " +
+                 std::to_string(octavo::kPanel));
+          }
+          total += splits[i];
+        }
+        if (total != n) fail("splits " + shape_string(splits) + " must sum to N = " + std::to_string(n));
+        size_t outputs = 0;
+        check(api, api->KernelInfo_GetOutputCount(info, &outputs));
+        if (outputs != splits.size()) {
+          fail("the node has " + std::to_string(outputs) + " outputs; splits " + shape_string(splits) + " needs " +
+               std::to_string(splits.size()));
+        }
+        *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits)};
         return nullptr;
       } catch (const Failure& f) {
         return api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());
