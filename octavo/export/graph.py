@@ -143,50 +143,43 @@ def _project(g: _Graph, w: _Weights, x: str, name: str, parts: list[Part], bias:
     int8/int4 QUANT, our blockwise quantization of it; with the "gguf" QUANT, the file's own blocks (exact;
     a float Gemm where a part's type has no exact layout). Quantized weights go through octavo.BlockMatMul
     (quant.kernel "block", the default) or MatMulNBits ("matmulnbits"). OUTPUT names the result."""
-    blocks = w.blocks(parts) if quant is not None and quant.native else None
-    if blocks is not None:
-        return _project_blocks(g, x, name, blocks, bias, quant, output)
-    floats = [w.get(part, shape) for part, shape in parts]
-    if quant is None or not quant.enabled or quant.native:
-        inputs = [x, g.weight(name, floats)] + ([g.weight(*bias)] if bias else [])
-        return _emit(g, "Gemm", inputs, output, transB=1)
-    q = concat([quantize(p, quant.bits or 0, quant.block_size) for p in floats])
-    if quant.block_kernel and q.k % q.block_size == 0:  # BlockMatMul has no partial last block
-        codes, zero = unpacked(q)
-        blocks = Blocks(codes, q.scales, zero, None, q.bits, (quant.weights,))
-        return _block_matmul(g, x, name, blocks, bias, output)[0]
-    return _matmulnbits(g, x, name, q, bias, quant.accuracy_level, output)
+    return _project_parts(g, w, x, name, parts, bias, quant, None, output)[0]
 
 
 MAX_BLOCK_OUTPUTS = 4  # octavo::Outputs::kMax (plugins/onnxruntime/block_matmul_kernel.h)
 
 
-def _block_route(w: _Weights, parts: list[Part], quant: QuantConfig | None) -> Blocks | None:
-    """The blocks _project hands to one octavo.BlockMatMul for PARTS, or None where it emits another op."""
-    if quant is None or not quant.block_kernel:
-        return None
-    if quant.native:
-        return w.blocks(parts)
-    if not quant.enabled:
-        return None
-    q = concat([quantize(w.get(part, shape), quant.bits or 0, quant.block_size) for part, shape in parts])
-    if q.k % q.block_size:
-        return None
-    codes, zero = unpacked(q)
-    return Blocks(codes, q.scales, zero, None, q.bits, (quant.weights,))
-
-
 def _project_parts(g: _Graph, w: _Weights, x: str, name: str, parts: list[Part], bias: Bias | None,
-                   quant: QuantConfig | None, sizes: list[int], split: str) -> list[str]:
-    """_project over PARTS, split along N into SIZES (the shared constant named SPLIT). A BlockMatMul writes the parts
-    itself where every split point is a panel boundary (SmolLM2's q/k/v and gate/up: a Split was 3-5 % of every
-    step); any other projection is followed by a Split."""
-    if len(sizes) <= MAX_BLOCK_OUTPUTS and all(size % PANEL == 0 for size in sizes[:-1]):
-        blocks = _block_route(w, parts, quant)
-        if blocks is not None:
-            return _block_matmul(g, x, name, blocks, bias, None, splits=sizes)
-    sizes_const = g.shared_const(split, np.array(sizes, np.int64))
-    return g.op("Split", [_project(g, w, x, name, parts, bias, quant), sizes_const], num_outputs=len(sizes), axis=1)
+                   quant: QuantConfig | None, split: tuple[str, list[int]] | None,
+                   output: str | None = None) -> list[str]:
+    """_project, and with SPLIT = (the name of a shared constant, sizes) its result split along N into those
+    sizes. A BlockMatMul writes the parts itself where every split point is a panel boundary (SmolLM2's q/k/v
+    and gate/up: a Split was 3-5 % of every step); any other projection is followed by a Split."""
+    def then_split(y: str) -> list[str]:
+        if split is None:
+            return [y]
+        sizes = g.shared_const(split[0], np.array(split[1], np.int64))
+        return g.op("Split", [y, sizes], num_outputs=len(split[1]), axis=1)
+
+    def block_matmul(blocks: Blocks) -> list[str]:
+        if split is not None and len(split[1]) <= MAX_BLOCK_OUTPUTS and all(s % PANEL == 0 for s in split[1][:-1]):
+            return _block_matmul(g, x, name, blocks, bias, None, splits=split[1])
+        return then_split(_block_matmul(g, x, name, blocks, bias, output)[0])
+
+    blocks = w.blocks(parts) if quant is not None and quant.native else None
+    if blocks is not None:
+        if quant.block_kernel:
+            return block_matmul(blocks)
+        return then_split(_project_blocks(g, x, name, blocks, bias, quant, output))
+    floats = [w.get(part, shape) for part, shape in parts]
+    if quant is None or not quant.enabled or quant.native:
+        inputs = [x, g.weight(name, floats)] + ([g.weight(*bias)] if bias else [])
+        return then_split(_emit(g, "Gemm", inputs, output, transB=1))
+    q = concat([quantize(p, quant.bits or 0, quant.block_size) for p in floats])
+    if quant.block_kernel and q.k % q.block_size == 0:  # BlockMatMul has no partial last block
+        codes, zero = unpacked(q)
+        return block_matmul(Blocks(codes, q.scales, zero, None, q.bits, (quant.weights,)))
+    return then_split(_matmulnbits(g, x, name, q, bias, quant.accuracy_level, output))
 
 
 def _matmulnbits(g: _Graph, x: str, name: str, q: BlockQuantized, bias: Bias | None, accuracy_level: int,
@@ -373,8 +366,8 @@ def build_model(
         if any(b is not None for b in biases):
             sizes = (nq * D, nkv * D, nkv * D)
             qkv_b = (a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
-        q, k, v = _project_parts(g, w, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant, [nq * D, nkv * D, nkv * D],
-                                 "const.split_qkv")
+        q, k, v = _project_parts(g, w, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant,
+                                 ("const.split_qkv", [nq * D, nkv * D, nkv * D]))
         if spec.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim of every q and k head, before RoPE
             q = _head_rms_norm(g, q, nq, norm_weight(a + "q_norm.weight", D), eps)
             k = _head_rms_norm(g, k, nkv, norm_weight(a + "k_norm.weight", D), eps)
@@ -405,7 +398,7 @@ def build_model(
         gu_b: Bias | None = None
         if gb is not None or ub is not None:
             gu_b = (m + "gate_up_proj.bias", [b if b is not None else np.zeros(I, np.float32) for b in (gb, ub)])
-        gate, up = _project_parts(g, w, h, m + "gate_up_proj.weight", gu_w, gu_b, quant, [I, I], "const.split_mlp")
+        gate, up = _project_parts(g, w, h, m + "gate_up_proj.weight", gu_w, gu_b, quant, ("const.split_mlp", [I, I]))
         activated = _gelu_tanh(g, gate) if spec.hidden_act == "gelu_pytorch_tanh" else g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
         act = g.op1("Mul", [activated, up])
         d_b = w.bias(m + "down_proj.bias", H)
