@@ -401,15 +401,25 @@ GroupBuffers<T>& group_buffers() {
 }
 
 // Per panel of the group [p0, p0 + count): its bias (zero without one) and how many of its 16 columns y has.
+// The bias is in the registers of the build's tiles: one 16-float register (AVX-512) or two 8-float ones.
 struct GroupColumns {
+#if defined(__AVX512F__)
+  __m512 bias[kGroup];
+#else
   Vec2 bias[kGroup];
+#endif
   int64_t valid[kGroup];
 
   GroupColumns(const BlockWeights& w, int64_t p0, int64_t count) {
     for (int64_t g = 0; g < count; ++g) {
       valid[g] = std::min<int64_t>(kPanel, w.n - (p0 + g) * kPanel);
+#if defined(__AVX512F__)
+      bias[g] = w.bias != nullptr ? _mm512_maskz_loadu_ps(panel_mask(valid[g]), w.bias + (p0 + g) * kPanel)
+                                  : _mm512_setzero_ps();
+#else
       bias[g] = w.bias != nullptr ? load_panel(w.bias + (p0 + g) * kPanel, valid[g])
                                   : Vec2{_mm256_setzero_ps(), _mm256_setzero_ps()};
+#endif
     }
   }
 };
@@ -436,17 +446,12 @@ void buffered_group(const BlockWeights& w, const float* x, int64_t rows, const O
     for (int64_t g = 0; g < count; ++g) dequantize_chunk<Bits>(w, p0 + g, k0, k1, buf[g]);
 #if defined(__AVX512F__)
     static_assert(kGroup == 4, "wide_tile_any takes groups of up to 4 panels");
-    __m512 start[kGroup];
-    for (int64_t g = 0; g < count; ++g) {
-      start[g] = w.bias != nullptr ? _mm512_maskz_loadu_ps(panel_mask(valid[g]), w.bias + (p0 + g) * kPanel)
-                                   : _mm512_setzero_ps();
-    }
     const float* panels[kGroup] = {buf[0], buf[1], buf[2], buf[3]};
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
       float* out[kGroup];
       for (int64_t g = 0; g < count; ++g) out[g] = panel_out[g] + r0 * stride[g];
-      wide_tile_any(n_rows, count, x + r0 * w.k + k0, w.k, panels, k1 - k0, out, stride, valid, k0 == 0 ? start : nullptr);
+      wide_tile_any(n_rows, count, x + r0 * w.k + k0, w.k, panels, k1 - k0, out, stride, valid, k0 == 0 ? bias : nullptr);
     }
 #else
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
@@ -711,10 +716,8 @@ void integer_group(const BlockWeights& w, const Activations& a, const Outputs& y
       wide_integer_any(n_rows, count, w, a, r0, p0, b0, b1, panels, acc);
       for (int r = 0; r < n_rows; ++r) {
         for (int64_t g = 0; g < count; ++g) {
-          __m512 v = acc[r * count + g];
-          if (last && w.bias != nullptr) {
-            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(panel_mask(valid[g]), w.bias + (p0 + g) * kPanel));
-          }
+          // the bias (zero without one) added after the last block, as the 256-bit tiles do
+          const __m512 v = last ? _mm512_add_ps(acc[r * count + g], bias[g]) : acc[r * count + g];
           _mm512_mask_storeu_ps(panel_out[g] + (r0 + r) * stride[g], panel_mask(valid[g]), v);
         }
       }
