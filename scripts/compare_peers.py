@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype (default float32, like octavo's fp32 rows)")
     p.add_argument("--octavo-weights", default="", metavar="W,W",
                    help="smollm2: extra octavo rows with --weights W (fp32, int8, int4) beside its default")
+    p.add_argument("--octavo-kernels", default="", metavar="K,K",
+                   help="smollm2: extra octavo rows with --quant-kernel K (block-bf16: bfloat16 prompt steps on AMX "
+                        "CPUs; matmulnbits) beside its default")
     p.add_argument("--hf-batch", type=int, default=None, help="HF static batch size (default: the workload size)")
     p.add_argument("--genai-batch", type=int, default=None, help="onnxruntime-genai batch size (default: workload size)")
     p.add_argument("--no-hf-sequential", action="store_true", help="skip HF one-request-at-a-time (the reference)")
@@ -391,6 +394,7 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
     hf_on = ([n.strip() for n in args.hf_sequential_on.split(",") if n.strip()] if args.hf_sequential_on
              else [w.name for w in first] if args.tiny else [first[1].name])  # HF is slow: the decode one
     extra_weights = [w.strip() for w in args.octavo_weights.split(",") if w.strip()]
+    extra_kernels = [k.strip() for k in args.octavo_kernels.split(",") if k.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="compare-peers-"))
     results: list[PeerResult] = []
 
@@ -411,6 +415,9 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
             for w in extra_weights:
                 results += worker("octavo", wls, f"octavo-{w}{tag}", rnd, max_num_seqs=args.slots, weights=w,
                                   name=f"octavo --weights {w}")
+            for k in extra_kernels:
+                results += worker("octavo", wls, f"octavo-{k}{tag}", rnd, max_num_seqs=args.slots, quant_kernel=k,
+                                  name=f"octavo --quant-kernel {k}")
         if want_llama:
             for w in wls:
                 several = len(w.requests) > 1 and len(llama_np) > 1

@@ -17,17 +17,18 @@ OUTPUTS = ("output", "key_cache_out", "value_cache_out")
 
 def paged_attention_model(
     *, num_heads: int, kv_num_heads: int, scale: float, sliding_window: int = 0, softcap: float = 0.0,
-    cache_outputs: bool = True,
+    cache_outputs: bool = True, prompt_bf16: int = 0,
 ) -> ModelProto:
     """One octavo.PagedAttention node. cache_outputs=False leaves the pool outputs dangling, as in the
-    exported models (only `output` is a graph output)."""
+    exported models (only `output` is a graph output). prompt_bf16=1: the attribute of a block-bf16 export
+    (absent otherwise, as in every other export)."""
     inputs = [helper.make_tensor_value_info(name, dtype, None) for name, dtype in INPUTS]
     outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
                for name in (OUTPUTS if cache_outputs else OUTPUTS[:1])]
     node = helper.make_node(
         "PagedAttention", [name for name, _ in INPUTS], list(OUTPUTS), domain="octavo",
         num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, sliding_window=sliding_window,
-        softcap=softcap,
+        softcap=softcap, **({"prompt_bf16": prompt_bf16} if prompt_bf16 else {}),
     )
     graph = helper.make_graph([node], "paged_attention", inputs, outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)],

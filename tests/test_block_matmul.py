@@ -356,14 +356,15 @@ def test_every_build_gives_the_same_bits(portable_builds: dict[str, Path], type_
     bias = np.random.default_rng(6).standard_normal(n).astype(np.float32)
     libraries = {"native": library_path(), **portable_builds}
     x = np.random.default_rng(7).standard_normal((301, k)).astype(np.float32)
-    for decode in (False, True):
+    for decode, bf16 in ((False, 0), (True, 0), (False, 1)):  # prompt_bf16: the AMX path, built into every variant
         outputs = {}
         for name, library in libraries.items():
-            session = _session(pw, bias, decode=decode, library=library)
+            session = _session(pw, bias, decode=decode, library=library, **({"prompt_bf16": 1} if bf16 else {}))
             outputs[name] = [session.run(None, {"x": x[:rows]})[0] for rows in (1, 5, 8, 9, 46, 64, 301)]
         for name, got in outputs.items():
             for want, have in zip(outputs["native"], got):
-                np.testing.assert_array_equal(have, want, err_msg=f"{name} build, {len(want)} rows, decode={decode}")
+                np.testing.assert_array_equal(have, want, err_msg=f"{name} build, {len(want)} rows, decode={decode}, "
+                                                                  f"prompt_bf16={bf16}")
 
 
 @pytest.mark.parametrize("type_name,n,k,splits", [("Q4_1", 149, 576, [48, 64, 37]), ("Q8_0", 96, 1792, [32, 64]),
@@ -404,3 +405,47 @@ def test_splits_must_match_the_nodes_outputs() -> None:
     blocks, _ = _blocks("Q4_1", 149, 96)
     with pytest.raises(Exception, match=r"the node has 1 outputs; splits \[48, 101\] needs 2"):
         _session(panel_weights(blocks), splits=[48, 101], edit=one_output)
+
+
+# prompt_bf16 = 1 (the block-bf16 kernel's nodes): on a CPU with AMX-BF16 a prompt's steps round x and the
+# file's weights to bfloat16 (nearest even) and sum their products in float32, so the reference is float64
+# bf16(x) @ bf16(W)^T within the float32 path's bound over those values; decode steps are unchanged. Without
+# AMX the node is the float32 node bit for bit.
+AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset())
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even) -> float32, for finite values."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("type_name,n,k", [("Q4_1", 149, 576), ("Q8_0", 96, 1792), ("Q4_K", 70, 512),
+                                           ("Q6_K", 37, 256), ("Q5_0", 40, 96)])
+def test_prompt_bf16_steps_are_bf16_products_summed_in_float32(type_name: str, n: int, k: int) -> None:
+    blocks, w = _blocks(type_name, n, k, seed=11)
+    pw = panel_weights(blocks)
+    bias = np.random.default_rng(12).standard_normal(n).astype(np.float32)
+    bf16, plain = _session(pw, bias, prompt_bf16=1), _session(pw, bias)
+    x = np.random.default_rng(13).standard_normal((300, k)).astype(np.float32)
+    for rows in (9, 16, 17, 33, 300):  # one partial row tile, whole tiles, 32-row pairs and a partial last one
+        got, float32 = bf16.run(None, {"x": x[:rows]})[0], plain.run(None, {"x": x[:rows]})[0]
+        if not AMX:
+            np.testing.assert_array_equal(got, float32)
+            continue
+        xb, wb = _bf16(x[:rows]), _bf16(w)
+        err, bound = np.abs(got - _want(xb, wb, bias)), _float_bound(xb, wb, bias)
+        assert (err <= bound).all(), f"rows={rows}: worst error / bound {(err / bound).max():.3g}"
+        exact = _want(x[:rows], w, bias)  # it did round to bfloat16: 10x further from float64 than float32 is
+        assert np.abs(got - exact).max() > 10 * np.abs(float32 - exact).max()
+        np.testing.assert_array_equal(got, bf16.run(None, {"x": x[:300]})[0][:rows])  # rows do not change bits
+    for decode in (False, True):  # 16-bit steps: unchanged
+        rows = 8 if not decode else 46
+        a, b = _session(pw, bias, decode=decode, prompt_bf16=1), _session(pw, bias, decode=decode)
+        np.testing.assert_array_equal(a.run(None, {"x": x[:rows]})[0], b.run(None, {"x": x[:rows]})[0])
+
+
+def test_prompt_bf16_must_be_0_or_1() -> None:
+    pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
+    with pytest.raises(Exception, match=r"octavo\.BlockMatMul: prompt_bf16 must be 0 or 1, got 2"):
+        _session(pw, prompt_bf16=2)

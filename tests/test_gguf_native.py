@@ -343,7 +343,7 @@ def test_llm_quant_kernel_matches_octavo_export_and_caches_apart(hf_model_dir, t
             LLM(str(mm_dir), quant_kernel="block")
     with pytest.raises(InvalidRequestError, match="with BlockMatMul, not MatMulNBits"):
         LLM(str(block_dir), quant_kernel="matmulnbits")
-    with pytest.raises(InvalidRequestError, match="'block', 'matmulnbits'"):
+    with pytest.raises(InvalidRequestError, match="'block', 'block-bf16', 'matmulnbits'"):
         LLM(str(path), quant_kernel="fast")
     with pytest.raises(SystemExit) as refused:  # argparse: the usage line and the choices, exit status 2
         cli_main(["generate", str(path), prompt, "--quant-kernel", "fast"])

@@ -10,6 +10,7 @@ from op_cases import Step, paged_attention_model, random_case, random_step
 
 from octavo.kernels.reference import paged_attention_ref
 from octavo.build import op as build_op
+from octavo.build.op_variants import cpu_flags
 from octavo.runtime.backends import oplib
 from octavo.runtime.backends.ort_kv_pools import set_cache_dtype
 
@@ -401,6 +402,9 @@ def test_portable_builds_match_reference(arch: str, tmp_path) -> None:  # noqa: 
         test_op_matches_reference_float16_pools_random_shapes(library, seed)
     for head_dim in (4, 16, 28):
         test_float16_pool_round_trip_is_numpys_rounding(library, head_dim)
+    for name in sorted(CASES):  # the AMX path is built into every variant (per-function targets, amx.h)
+        for kv_dtype in ("float32", "float16"):
+            test_prompt_bf16_attention(library, name, kv_dtype)
 
 
 def test_library_path_names_the_fix_when_missing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
@@ -420,3 +424,43 @@ def test_step_without_tokens_is_a_no_op(library: str) -> None:
     output, key_cache_out, _ = session.run(None, feeds)
     assert output.shape == (0, 64)
     np.testing.assert_array_equal(key_cache_out, step.key_cache)
+
+
+# prompt_bf16 = 1 (block-bf16 exports): on a CPU with AMX-BF16 the prompt items (>= 16 rows, head_dim a multiple
+# of 32) round the scaled queries, the keys and values they read and the probabilities to bfloat16 and sum
+# products in float32. Reference: the float64 oracle over bf16-rounded queries (scale 1/8 for head_dim 64, a
+# power of two: rounding q * scale is rounding q), keys and values; what is left is the probabilities' rounding,
+# |out error| <= 2^-8 * sum_j p_j |v_j| <= 2^-8 max |v|, plus float32 arithmetic. Every other item, and every
+# item on a CPU without AMX, is the float32 op bit for bit; the pools are written the same.
+AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset())
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32).reshape(a.shape)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_prompt_bf16_attention(library: str, name: str, kv_dtype: str) -> None:
+    step, attrs = case_step(name)
+    pools = half_pools if kv_dtype == "float16" else (lambda feeds: feeds)
+    plain = make_session(library, kv_dtype, **attrs).run(None, pools(step.feeds()))
+    got = make_session(library, kv_dtype, prompt_bf16=1, **attrs).run(None, pools(step.feeds()))
+    for a, b in zip(got[1:], plain[1:]):  # the pools
+        np.testing.assert_array_equal(a, b)
+    head_dim = step.query.shape[1] // int(attrs["num_heads"])
+    if not AMX or head_dim % 32 or np.array_equal(got[0], plain[0]):  # float32 items only (decode-only steps)
+        np.testing.assert_array_equal(got[0], plain[0])
+        assert not (AMX and head_dim % 32 == 0 and name.startswith(("prefill", "long")))  # those have prompt items
+        return
+    assert attrs["scale"] == 0.125
+    feeds = pools(step.feeds())
+    if kv_dtype == "float16":  # the new rows as the op reads them back: float16, then bfloat16
+        feeds["key"], feeds["value"] = (feeds[n].astype(np.float16).astype(np.float32) for n in ("key", "value"))
+    feeds = {n: (_bf16(v.astype(np.float32)) if v.dtype.kind == "f" else v) for n, v in feeds.items()}
+    expected = paged_attention_ref(*feeds.values(), **attrs)
+    bound = 2.0 ** -8 * max(np.abs(feeds["value"]).max(), np.abs(feeds["value_cache"]).max()) + 1e-5
+    np.testing.assert_allclose(got[0], expected, atol=bound, rtol=0)
+    exact = paged_attention_ref(*pools(step.feeds()).values(), **attrs)
+    assert np.abs(got[0] - exact).max() > 10 * np.abs(plain[0] - exact).max()  # it did run in bfloat16

@@ -163,8 +163,8 @@ def _project_parts(g: _Graph, w: _Weights, x: str, name: str, parts: list[Part],
 
     def block_matmul(blocks: Blocks) -> list[str]:
         if split is not None and len(split[1]) <= MAX_BLOCK_OUTPUTS and all(s % PANEL == 0 for s in split[1][:-1]):
-            return _block_matmul(g, x, name, blocks, bias, None, splits=split[1])
-        return then_split(_block_matmul(g, x, name, blocks, bias, output)[0])
+            return _block_matmul(g, x, name, blocks, bias, None, splits=split[1], bf16=quant.prompt_bf16)
+        return then_split(_block_matmul(g, x, name, blocks, bias, output, bf16=quant.prompt_bf16)[0])
 
     blocks = w.blocks(parts) if quant is not None and quant.native else None
     if blocks is not None:
@@ -198,7 +198,7 @@ def _project_blocks(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | N
     accuracy_level 4 and quant.residual_rows, x's int8 rounding is undone by octavo.Int8Residual /
     FoldRows (plugins/onnxruntime/int8_residual_op.cc): the weights are read once for x and its residual."""
     if quant.block_kernel:
-        return _block_matmul(g, x, name, blocks, bias, output)[0]
+        return _block_matmul(g, x, name, blocks, bias, output, bf16=quant.prompt_bf16)[0]
     q = blocks.matmulnbits()
     if not quant.residual:
         if blocks.mins is None:
@@ -230,18 +230,20 @@ def _decode_step(g: _Graph) -> str:
 
 
 def _block_matmul(g: _Graph, x: str, name: str, blocks: Blocks, bias: Bias | None, output: str | None,
-                  splits: list[int] | None = None) -> list[str]:
+                  splits: list[int] | None = None, *, bf16: bool = False) -> list[str]:
     """octavo.BlockMatMul over BLOCKS (a GGUF's own, or octavo's int8/int4 quantization; layout:
-    octavo.export.block_layout): its one output (named OUTPUT), or with SPLITS one output per part."""
+    octavo.export.block_layout): its one output (named OUTPUT), or with SPLITS one output per part. BF16 (the
+    block-bf16 kernel): the attribute prompt_bf16 = 1 (absent otherwise: block exports are unchanged)."""
     pw = panel_weights(blocks)
     scale_type = "f2" if pw.scales.dtype == np.float16 else "f4"
     inputs = [x, g.weight(name + ".codes", [pw.codes], "u1"), g.weight(name + ".scales", [pw.scales], scale_type),
               g.weight(name + ".offsets", [pw.offsets], scale_type), g.weight(*bias) if bias else "", _decode_step(g)]
+    extra: dict[str, int] = {"prompt_bf16": 1} if bf16 else {}
     if splits is not None:
         return g.op("BlockMatMul", inputs, num_outputs=len(splits), domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,
-                    block_size=pw.block_size, splits=splits)
+                    block_size=pw.block_size, splits=splits, **extra)
     return [_emit(g, "BlockMatMul", inputs, output, domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,
-                  block_size=pw.block_size)]
+                  block_size=pw.block_size, **extra)]
 
 
 def _block_sums(g: _Graph, x: str, q: BlockQuantized) -> str:
@@ -382,6 +384,7 @@ def build_model(
             num_outputs=3, domain=OP_DOMAIN,
             num_heads=nq, kv_num_heads=nkv, scale=scale,
             sliding_window=spec.sliding_windows[layer], softcap=spec.attn_softcap,
+            **({"prompt_bf16": 1} if quant is not None and quant.prompt_bf16 else {}),
         )[0]
         o_b = w.bias(a + "o_proj.bias", H)
         o = _project(g, w, attn, a + "o_proj.weight", [(a + "o_proj.weight", (H, nq * D))],

@@ -15,15 +15,20 @@ from octavo.errors import InvalidRequestError
 # how quantized weights (int8, int4, gguf) are multiplied: "block" = octavo.BlockMatMul (the default: 16-bit
 # activations for decode steps, float32 for a prompt's steps; plugins/onnxruntime/block_matmul_kernel.h);
 # "matmulnbits" = ONNX Runtime's MatMulNBits at accuracy_level (int8 activations at 4; gguf adds the residual)
-QUANT_KERNELS = ("block", "matmulnbits")
+# "block-bf16" = octavo.BlockMatMul whose prompt steps (and PagedAttention's) compute in bfloat16 with float32
+# sums on CPUs with AMX-BF16 (plugins/onnxruntime/amx.h), float32 elsewhere: decode steps are block's
+QUANT_KERNELS = ("block", "block-bf16", "matmulnbits")
+BLOCK_KERNELS = ("block", "block-bf16")
 DEFAULT_QUANT_KERNEL = "block"
 RESIDUAL_ROWS = 64  # see QuantConfig.residual_rows
 # the manifest's quantization "method" of each kernel
-KERNEL_METHODS = {"block": "BlockMatMul", "matmulnbits": "MatMulNBits"}
+KERNEL_METHODS = {"block": "BlockMatMul", "block-bf16": "BlockMatMul", "matmulnbits": "MatMulNBits"}
 # --quant-kernel's help, the same on `octavo export` and on the engine's commands (serve, generate, bench, ...)
 QUANT_KERNEL_HELP = ("quantized weights (gguf, int8, int4): block (default; octavo.BlockMatMul: activations rounded to "
                      "16 bits per block for steps of <= 8 tokens, float32 on the exact weight values for larger "
-                     "ones) or matmulnbits (ONNX Runtime's MatMulNBits: int8 activations at accuracy level 4, the "
+                     "ones), block-bf16 (block, but prompt steps, and their attention, in bfloat16 with float32 "
+                     "sums on CPUs with AMX-BF16, ~3x faster prompts; float32 elsewhere) or matmulnbits (ONNX "
+                     "Runtime's MatMulNBits: int8 activations at accuracy level 4, the "
                      f"default; for gguf their rounding is undone in steps of <= {RESIDUAL_ROWS} tokens)")
 OPTIONS = ("quant_block_size", "quantize_lm_head", "quant_kernel", "accuracy_level", "residual_rows")
 
@@ -68,7 +73,7 @@ def unused_options(weights: str, given: Collection[str], kernel: str | None) -> 
         "quantize_lm_head": weights in ("int8", "int4"),
         "quant_kernel": quantized,
         # with the block kernel, int8/int4 layers whose K is not a multiple of the block stay MatMulNBits
-        "accuracy_level": quantized and not (weights == "gguf" and kernel == "block"),
+        "accuracy_level": quantized and not (weights == "gguf" and kernel in BLOCK_KERNELS),
         "residual_rows": weights == "gguf" and kernel == "matmulnbits",
     }
     return [option for option in OPTIONS if option in given and not applies[option]]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from octavo.errors import InvalidRequestError
-from octavo.export.quant_options import DEFAULT_QUANT_KERNEL, QUANT_KERNELS, RESIDUAL_ROWS, check_quant_block_size
+from octavo.export.quant_options import BLOCK_KERNELS, DEFAULT_QUANT_KERNEL, QUANT_KERNELS, RESIDUAL_ROWS, check_quant_block_size
 
 MS_DOMAIN = "com.microsoft"
 # "gguf": a GGUF file's own quantized blocks, re-laid exactly (octavo.export.gguf_blocks); no bits of its own
@@ -64,7 +64,12 @@ class QuantConfig:
     @property
     def block_kernel(self) -> bool:
         """Quantized weights multiplied by octavo.BlockMatMul (no MatMulNBits)."""
-        return self.enabled and self.kernel == "block"
+        return self.enabled and self.kernel in BLOCK_KERNELS
+
+    @property
+    def prompt_bf16(self) -> bool:
+        """The block-bf16 kernel: a prompt's BlockMatMul and PagedAttention steps in bfloat16 where AMX runs."""
+        return self.block_kernel and self.kernel == "block-bf16"
 
     @property
     def native(self) -> bool:
@@ -94,11 +99,12 @@ class QuantConfig:
             raise ValueError("only the block kernel falls back to MatMulNBits")
         fallback: dict[str, object] = {"fallback_method": "MatMulNBits", "fallback_accuracy_level": self.accuracy_level,
                                        "fallback_layers": list(fallback_layers)} if fallback_layers else {}
+        arithmetic: dict[str, object] = {"prompt_arithmetic": "bfloat16"} if self.prompt_bf16 else {}
         if self.block_kernel and self.native:
-            return {"method": "BlockMatMul", "source": "gguf", "lm_head": self.lm_head, **fallback}
+            return {"method": "BlockMatMul", "source": "gguf", "lm_head": self.lm_head, **fallback, **arithmetic}
         if self.block_kernel:
             return {"method": "BlockMatMul", "bits": self.bits, "block_size": self.block_size, "symmetric": False,
-                    "lm_head": self.lm_head, **fallback}
+                    "lm_head": self.lm_head, **fallback, **arithmetic}
         if self.native:
             return {"method": "MatMulNBits", "source": "gguf", "accuracy_level": self.accuracy_level,
                     "lm_head": self.lm_head, "activation_residual_rows": self.residual_rows if self.residual else 0}
@@ -109,10 +115,11 @@ class QuantConfig:
         """Part of a cache folder's name: '' for fp32, e.g. 'int4-b32-a4' (+ '-head') otherwise."""
         if not self.enabled:
             return ""
+        bf16 = "-bf16" if self.prompt_bf16 else ""
         if self.block_kernel and self.native:
-            return "gguf-block"
+            return "gguf-block" + bf16
         if self.block_kernel:
-            return f"{self.weights}-b{self.block_size}-block" + ("-head" if self.lm_head else "")
+            return f"{self.weights}-b{self.block_size}-block" + ("-head" if self.lm_head else "") + bf16
         if self.native:
             return f"gguf-a{self.accuracy_level}" + (f"-r{self.residual_rows}" if self.residual else "")
         return f"{self.weights}-b{self.block_size}-a{self.accuracy_level}" + ("-head" if self.lm_head else "")

@@ -121,6 +121,10 @@ def _check_export_matches(source: Path, manifest: Manifest, weights: str | None,
     if quantize_lm_head and not quantization.get("lm_head"):
         raise ExportMismatchError(f"{source} was exported without a quantized lm_head; {howto} --quantize-lm-head")
     method = methods_of(quantization)[0]  # the kernel it was exported for (older exports: MatMulNBits)
+    bf16 = quantization.get("prompt_arithmetic") == "bfloat16"  # exported with block-bf16
+    if quant_kernel is not None and method == KERNEL_METHODS[quant_kernel] and bf16 != (quant_kernel == "block-bf16"):
+        raise ExportMismatchError(f"{source} was exported with quant_kernel {'block-bf16' if bf16 else 'block'}, "
+                                  f"not {quant_kernel!r}; {howto} --quant-kernel {quant_kernel}")
     if quant_kernel is not None and method != KERNEL_METHODS[quant_kernel]:
         raise ExportMismatchError(f"{source} multiplies its {manifest.weights} weights with {method}, not "
                                   f"{KERNEL_METHODS[quant_kernel]} (quant_kernel={quant_kernel!r}); {howto} "

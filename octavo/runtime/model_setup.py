@@ -5,6 +5,7 @@ TensorRT rules (fp32 weights only; the pool dtype is fixed at build time).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from octavo.runtime.backends.base import Backend
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 from octavo.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_POOL_CONTEXT = 4096  # default pool: max_num_seqs sequences of min(max_model_len, this) tokens
 DEFAULT_POOL_CAP = 2 << 30  # ... but at most this many bytes and a quarter of the available memory
@@ -39,6 +42,7 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
         weights = "fp32"  # TensorRT runs float weights only: a quantized GGUF is dequantized for it
     model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head, args.quant_kernel)
     manifest = Manifest.load(model_dir)
+    warn_without_amx(manifest)
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
         raise InvalidRequestError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
                                                   methods_of(manifest.quantization)))
@@ -52,6 +56,18 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     elif backend.block_size != args.block_size:
         raise InvalidRequestError(f"backend block_size {backend.block_size} != EngineArgs.block_size {args.block_size}")
     return LoadedModel(model_dir, manifest, tokenizer, max_model_len, backend)
+
+
+def warn_without_amx(manifest: Manifest) -> None:
+    """An export whose prompt steps may run in bfloat16 (--quant-kernel block-bf16) on a CPU without AMX-BF16:
+    its nodes fall back to float32 (same results as block, none of the speed), which the user should know."""
+    if (manifest.quantization or {}).get("prompt_arithmetic") != "bfloat16":
+        return
+    from octavo.build.op_variants import cpu_flags
+
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset()):
+        logger.warning("this export asks for bfloat16 prompt steps (quant_kernel 'block-bf16'), but this CPU has "
+                       "no AMX-BF16: they run in float32, as with 'block'")
 
 
 def resolve_model_dir(model: str | Path, weights: str | None = None, quant_block_size: int | None = None,

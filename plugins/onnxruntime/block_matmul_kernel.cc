@@ -830,6 +830,18 @@ void run_range(const BlockWeights& w, const Activations& a, const Outputs& y, in
 
 }  // namespace
 
+void dequantize_panel(const BlockWeights& w, int64_t p, int64_t k0, int64_t k1, float* buf) {
+#if defined(OCTAVO_BLOCK_AVX2)
+  if (w.bits == 8) {
+    dequantize_chunk<8>(w, p, k0, k1, buf);
+  } else {
+    dequantize_chunk<4>(w, p, k0, k1, buf);
+  }
+#else
+  (void)w, (void)p, (void)k0, (void)k1, (void)buf;
+#endif
+}
+
 bool begin_activations(const BlockWeights& w, const float* x, int64_t rows, bool decode, Activations& a) {
   a.x = x;
   a.rows = rows;
@@ -899,6 +911,7 @@ bool quantize_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t
 }
 
 int64_t block_matmul_task_panels(const Activations& a) {
+  if (a.bf16) return 4;
 #if defined(OCTAVO_BLOCK_AVX2)
   return a.integer && a.rows <= kIntRows ? 1 : kGroup;
 #else
@@ -908,6 +921,7 @@ int64_t block_matmul_task_panels(const Activations& a) {
 }
 
 int64_t block_matmul_task_rows(const BlockWeights& w, const Activations& a) {
+  if (a.bf16) return bf16_task_rows(a);
 #if defined(OCTAVO_BLOCK_AVX2)
   if (a.integer) return std::max<int64_t>(1, a.rows);
   const int64_t x_row_bytes = std::min(w.k, kChunk) * static_cast<int64_t>(sizeof(float));
@@ -924,6 +938,7 @@ void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outp
   r1 = std::min(r1, a.rows);
   if (r0 >= r1 || first >= last) return;
   if (a.integer && r0 != 0) return;  // the 16-bit paths run all rows in the first row block's tasks
+  if (a.bf16) return amx_panels(w, a, y, first, last, r0, r1);
   if (w.bits == 8) {
     run_range<8>(w, a, y, first, last, r0, r1);
   } else {

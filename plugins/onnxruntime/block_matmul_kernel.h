@@ -32,6 +32,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "amx.h"
+
 namespace octavo {
 
 constexpr int kPanel = 16;
@@ -83,6 +85,11 @@ struct Activations {
   std::unique_ptr<int16_t[]> q;         // [rows, k]
   std::unique_ptr<float[]> q_scale;     // [rows, nb]
   std::unique_ptr<float[]> block_sums;  // [rows, nb] float32 sums of x per block
+  // the bfloat16 path (block_matmul_amx.cc), a prompt's steps where the node asks for it and AMX runs here
+  bool bf16 = false;
+  int64_t k_padded = 0;                 // k rounded up to a multiple of 32 (one tile's k), zeros past k
+  std::unique_ptr<uint16_t[]> xb;       // [rows rounded up to 16, k_padded] x in bfloat16, zero rows past rows
+  std::unique_ptr<uint16_t[]> wb;       // [panels, k_padded / 2, 32] W in bfloat16, pairs of k per column
 };
 
 // Sizes a's buffers and returns true when the 16-bit path may take this step; quantize_rows then fills rows
@@ -102,5 +109,24 @@ int64_t block_matmul_task_rows(const BlockWeights& w, const Activations& a);
 // safe. Every output's bits are the same whatever the ranges.
 void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last,
                          int64_t r0, int64_t r1);
+
+// The bfloat16 path for a prompt's steps (nodes with prompt_bf16 = 1; block_matmul_amx.cc): x and the
+// dequantized weights rounded to bfloat16 (nearest even), their products summed in float32 by AMX tiles
+// (TDPBF16PS, 32 k per instruction). Taken only where the float32 path would be (not the 16-bit steps), and only
+// on a CPU with AMX-BF16 + AVX512-BF16 whose kernel lets this process use the tile registers (Linux asks once).
+// Rows are tiled 32 at a time, 2 panels a tile: each output's sum runs over k in the same order whatever the
+// task ranges, so its bits do not depend on them.
+// Sizes a's bfloat16 buffers and sets a.bf16; false (a unchanged) where the path is not available.
+bool begin_bf16(const BlockWeights& w, Activations& a);
+// Fill a.xb rows [first, last) of the padded rows, and a.wb panels [first, last); concurrent calls on disjoint
+// ranges are safe.
+void bf16_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
+void bf16_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
+int64_t bf16_task_rows(const Activations& a);  // rows per task: a multiple of 32
+void amx_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last, int64_t r0,
+                int64_t r1);
+// The file's float32 values of panel p, k in [k0, k1) (multiples of 4), as buf[(k - k0) * 16 + column]: the
+// float32 path's dequantization, shared with bf16_panels. Builds without AVX2 have neither path.
+void dequantize_panel(const BlockWeights& w, int64_t p, int64_t k0, int64_t k1, float* buf);
 
 }  // namespace octavo

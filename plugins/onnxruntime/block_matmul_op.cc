@@ -35,6 +35,16 @@ int64_t attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name
   return value;
 }
 
+// The int attribute NAME, or FALLBACK where the node has none.
+int64_t optional_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = 0;
+  if (OrtStatus* status = api->KernelInfoGetAttribute_int64(info, name, &value)) {
+    api->ReleaseStatus(status);  // absent
+    return fallback;
+  }
+  return value;
+}
+
 // The ints attribute NAME, or an empty list where the node has none.
 std::vector<int64_t> optional_ints(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
   size_t size = 0;
@@ -66,6 +76,25 @@ void run_task(void* user_data, size_t index) {
 }
 
 constexpr int64_t kQuantizeRows = 32;  // rows of x one task rounds to 16 bits
+constexpr int64_t kBf16Panels = 8;     // panels one task rounds to bfloat16 (the bfloat16 path)
+
+struct Bf16Job {
+  const octavo::BlockWeights* weights;
+  octavo::Activations* activations;
+  int64_t row_tasks;  // tasks [0, row_tasks) round x (kQuantizeRows rows each), the rest the weights' panels
+  int64_t panels;
+};
+
+void bf16_task(void* user_data, size_t index) {
+  const auto* job = static_cast<const Bf16Job*>(user_data);
+  const int64_t i = static_cast<int64_t>(index);
+  if (i < job->row_tasks) {
+    octavo::bf16_rows(*job->weights, *job->activations, i * kQuantizeRows, (i + 1) * kQuantizeRows);
+  } else {
+    const int64_t first = (i - job->row_tasks) * kBf16Panels;
+    octavo::bf16_panels(*job->weights, *job->activations, first, std::min(job->panels, first + kBf16Panels));
+  }
+}
 
 struct QuantizeJob {
   const octavo::BlockWeights* weights;
@@ -84,6 +113,7 @@ struct Kernel {
   const OrtApi* api;
   int64_t k, n, bits, block_size;
   std::vector<int64_t> splits;  // columns of each output ({N}: one output)
+  bool prompt_bf16;             // the float32 path's steps may take the bfloat16 path (block_matmul_kernel.h)
 
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
@@ -155,6 +185,13 @@ struct Kernel {
       octavo::glue::parallel_for(api, context, quantize_task, static_cast<size_t>(ranges), &quantize);
       activations.integer = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
     }
+    if (prompt_bf16 && !activations.integer && octavo::begin_bf16(w, activations)) {
+      const int64_t padded = (rows + 15) / 16 * 16;
+      const int64_t row_tasks = (padded + kQuantizeRows - 1) / kQuantizeRows;
+      Bf16Job prepare{&w, &activations, row_tasks, panels};
+      const int64_t tasks = row_tasks + (panels + kBf16Panels - 1) / kBf16Panels;
+      octavo::glue::parallel_for(api, context, bf16_task, static_cast<size_t>(tasks), &prepare);
+    }
     const int64_t per_task = octavo::block_matmul_task_panels(activations);
     const int64_t rows_per_task = octavo::block_matmul_task_rows(w, activations);
     const int64_t panel_tasks = (panels + per_task - 1) / per_task, row_tasks = (rows + rows_per_task - 1) / rows_per_task;
@@ -214,7 +251,9 @@ struct BlockMatMulOp : OrtCustomOp {
           fail("the node has " + std::to_string(outputs) + " outputs; splits " + shape_string(splits) + " needs " +
                std::to_string(splits.size()));
         }
-        *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits)};
+        const int64_t prompt_bf16 = optional_int(api, info, "prompt_bf16", 0);
+        if (prompt_bf16 != 0 && prompt_bf16 != 1) fail("prompt_bf16 must be 0 or 1, got " + std::to_string(prompt_bf16));
+        *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits), prompt_bf16 == 1};
         return nullptr;
       } catch (const Failure& f) {
         return api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());

@@ -17,9 +17,14 @@
 #include <cstring>
 #include <limits>
 
+#include "amx.h"
 #include "half.h"
 #include "paged_attention_kernel.h"
 #include "simd.h"
+
+#if defined(OCTAVO_AMX)
+#include <immintrin.h>
+#endif
 
 namespace octavo {
 namespace {
@@ -395,6 +400,375 @@ void rescale(float* out, const float* alpha, int64_t rows, int64_t dim_p) {
   }
 }
 
+#if defined(OCTAVO_AMX)
+// The bfloat16 path of a prompt's item (AttentionParams::prompt_bf16; amx.h), head by head, key chunk by key
+// chunk, in passes of 16 rows, all in the transposed layout of the float32 GEMM path (scores^T [key][row]):
+//   S^T[64 keys][16 rows] = K · Q^T: A = the chunk's keys in bfloat16 (as they lie), B = the pass's scaled
+//     queries in bfloat16 pairs of dims (built once per head), 4 accumulator tiles over head_dim / 32
+//   softcap, mask (mask_chunk) and the online softmax across the 16 rows in float32 (softmax_16)
+//   out^T[head_dim][16 rows] = out^T * alpha + V^T · P^T: A = the chunk's values transposed (built once per head
+//     and chunk, shared by every pass), B = the probabilities in bfloat16 pairs of keys; up to 4 accumulator
+//     tiles (64 dims) at a time, stored and added to the float32 running output.
+// The passes run in a two-stage pipeline: pass i's scores are computed before pass i - 1's P · V, whose
+// operand was stored a pass earlier (a tile load right after the vector stores that wrote its operand waits
+// for them). Each output sums over keys in chunk order and within a chunk in the tiles' order: its bits do not
+// depend on how the rows are split into items or passes.
+constexpr int64_t kAmxRows = 16;
+
+struct AmxScratch {
+  std::vector<uint32_t> q_t;    // [passes][D / 32][16 pairs of dims][16 rows] scaled queries, bfloat16 pairs
+  std::vector<float> out_t;     // [D][rows_16] unnormalised outputs, transposed
+  std::vector<float> row_max;   // [rows_16]
+  std::vector<float> row_sum;   // [rows_16]
+  std::vector<float> alpha;     // [2 slots][16]
+  std::vector<float> scores;    // [kKeyChunk][16] scores^T, then probabilities
+  std::vector<uint16_t> p_t;    // [2 slots][2 key steps][16 pairs of keys][32] probabilities, bfloat16 pairs
+  std::vector<float> pv;        // [D][16 rows] one pass's P · V
+  std::vector<uint16_t> keys;   // [kKeyChunk][D] the chunk's keys in bfloat16
+  std::vector<uint16_t> v_t;    // [D / 16][2 key steps][16 dims][32 keys] values transposed
+  std::vector<int64_t> slots;   // [kKeyChunk]
+  std::vector<int64_t> next_slots;  // [kKeyChunk] the next chunk's
+};
+
+AmxScratch& amx_scratch() {
+  thread_local AmxScratch scratch;
+  return scratch;
+}
+
+OCTAVO_AMX_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+OCTAVO_AMX_TARGET inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 32 floats (A: the first 16, B: the next) to bfloat16 at DST, in order.
+OCTAVO_AMX_TARGET inline void store_bf16(uint16_t* dst, __m512 a, __m512 b) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+// A and B to bfloat16, interleaved (a0, b0, a1, b1, ...): one row of a pairs tile.
+OCTAVO_AMX_TARGET inline void store_pairs(uint16_t* dst, __m512 a, __m512 b) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), pair));
+}
+
+// e^x for 16 floats: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7, far
+// below the bfloat16 rounding the probabilities then take); exactly 0 below -87 (and for -inf: masked keys).
+OCTAVO_AMX_TARGET inline __m512 exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);  // NaN stays NaN
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.5f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// Online softmax of one pass: scores^T [64][16] (keys past KEYS are masked here) become probabilities; the 16
+// rows' max and sum are updated and each row's rescale factor is left in ALPHA. Four independent max and sum
+// chains over the keys.
+OCTAVO_AMX_TARGET void softmax_16(float* scores, int64_t keys, float* row_max, float* row_sum, float* alpha) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  for (int64_t j = keys; j < kKeyChunk; ++j) _mm512_storeu_ps(scores + j * 16, neg_inf);
+  __m512 m[4] = {neg_inf, neg_inf, neg_inf, neg_inf};
+  for (int64_t j = 0; j < kKeyChunk; j += 4) {
+    for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(scores + (j + i) * 16));
+  }
+  const __m512 old_max = _mm512_loadu_ps(row_max);
+  const __m512 new_max = _mm512_max_ps(old_max, _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+  // rows that have seen nothing yet keep max -inf; subtracting 0 instead keeps exp(-inf) = 0
+  const __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ), new_max,
+                                           _mm512_setzero_ps());
+  const __m512 a = exp16(_mm512_sub_ps(old_max, base));
+  _mm512_storeu_ps(alpha, a);
+  _mm512_storeu_ps(row_max, new_max);
+  __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t j = 0; j < kKeyChunk; j += 4) {
+    for (int i = 0; i < 4; ++i) {
+      float* x = scores + (j + i) * 16;
+      const __m512 prob = exp16(_mm512_sub_ps(_mm512_loadu_ps(x), base));
+      _mm512_storeu_ps(x, prob);
+      sum[i] = _mm512_add_ps(sum[i], prob);
+    }
+  }
+  const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]));
+  _mm512_storeu_ps(row_sum, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), a, total));
+}
+
+// r[i][j] -> r[j][i] for 16 x 16 floats: pairs interleaved, then quads, then 128-bit lanes across registers.
+OCTAVO_AMX_TARGET inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + k
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
+    t[8 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xDD);
+  }
+}
+
+// The chunk's keys (bfloat16, as they lie) and values (transposed) of one head (ROWS[j]: key j's row of the
+// head, j < keys; zeros past keys).
+template <typename T>
+OCTAVO_AMX_TARGET void amx_chunk_operands(const T* const* k_rows, const T* const* v_rows, int64_t keys, int64_t D,
+                                          AmxScratch& s) {
+  uint16_t* kb = s.keys.data();
+  for (int64_t j = 0; j < kKeyChunk; ++j) {
+    if (j >= keys) {
+      std::memset(kb + j * D, 0, sizeof(uint16_t) * D);
+      continue;
+    }
+    for (int64_t d = 0; d < D; d += 32) store_bf16(kb + j * D + d, load16(k_rows[j] + d), load16(k_rows[j] + d + 16));
+  }
+  // V^T tile (dt, ks): row i = dim dt * 16 + i, columns = keys ks * 32 .. + 31; 16 x 16 blocks transposed
+  for (int64_t dt = 0; dt < D / 16; ++dt) {
+    for (int64_t kg = 0; kg < kKeyChunk / 16; ++kg) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t j = kg * 16 + i;
+        r[i] = j < keys ? load16(v_rows[j] + dt * 16) : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      uint16_t* dst = s.v_t.data() + (dt * 2 + kg / 2) * 512 + (kg % 2) * 16;
+      for (int64_t i = 0; i < 16; ++i) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * 32), (__m256i)_mm512_cvtneps_pbh(r[i]));
+      }
+    }
+  }
+}
+
+// scores^T[64][16] = the chunk's keys times the pass's query pairs Q_T ([D / 32][16][16]).
+OCTAVO_AMX_TARGET void amx_scores(const uint16_t* kb, int64_t D, const uint32_t* q_t, float* scores) {
+  const int64_t k_stride = D * static_cast<int64_t>(sizeof(uint16_t));
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t ds = 0; ds < D / 32; ++ds) {
+    const uint16_t* a = kb + ds * 32;
+    _tile_loadd(6, q_t + ds * 256, 64);
+    _tile_loadd(4, a, k_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, a + 16 * D, k_stride);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_loadd(7, a + 32 * D, k_stride);
+    _tile_dpbf16ps(2, 7, 6);
+    _tile_loadd(4, a + 48 * D, k_stride);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  _tile_stored(0, scores, 64);
+  _tile_stored(1, scores + 256, 64);
+  _tile_stored(2, scores + 512, 64);
+  _tile_stored(3, scores + 768, 64);
+}
+
+// pv[t][16 dims][16 rows] = V^T (dim tiles dt0 .. dt0 + NT) times the probability pairs P_T ([2][16][32]).
+template <int NT>
+OCTAVO_AMX_TARGET void amx_values(const uint16_t* v_t, const uint16_t* p_t, int64_t dt0, float* pv) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  for (int64_t ks = 0; ks < 2; ++ks) {
+    const uint16_t* a = v_t + (dt0 * 2 + ks) * 512;
+    _tile_loadd(6, p_t + ks * 512, 64);
+    _tile_loadd(4, a, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(5, a + 1024, 64);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(7, a + 2048, 64);
+      _tile_dpbf16ps(2, 7, 6);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(4, a + 3072, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, pv, 64);
+  if constexpr (NT > 1) _tile_stored(1, pv + 256, 64);
+  if constexpr (NT > 2) _tile_stored(2, pv + 512, 64);
+  if constexpr (NT > 3) _tile_stored(3, pv + 768, 64);
+}
+
+// P · V of pipeline slot SLOT's probabilities, issued: the tiles into s.pv (amx_add_values adds them later, so
+// the vector work between the two overlaps the tiles).
+OCTAVO_AMX_TARGET void amx_issue_values(AmxScratch& s, int slot, int64_t D) {
+  const uint16_t* p_t = s.p_t.data() + slot * 1024;
+  const int64_t dim_tiles = D / 16;
+  for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
+    float* const pv = s.pv.data() + dt0 * 256;
+    switch (std::min<int64_t>(4, dim_tiles - dt0)) {
+      case 1: amx_values<1>(s.v_t.data(), p_t, dt0, pv); break;
+      case 2: amx_values<2>(s.v_t.data(), p_t, dt0, pv); break;
+      case 3: amx_values<3>(s.v_t.data(), p_t, dt0, pv); break;
+      default: amx_values<4>(s.v_t.data(), p_t, dt0, pv); break;
+    }
+  }
+}
+
+// out^T columns [r0, r0 + 16) = out^T * alpha (slot SLOT's) + the P · V in s.pv.
+OCTAVO_AMX_TARGET void amx_add_values(AmxScratch& s, int slot, int64_t r0, int64_t rows_16, int64_t D) {
+  const __m512 a = _mm512_loadu_ps(s.alpha.data() + slot * kAmxRows);
+  for (int64_t d = 0; d < D; ++d) {
+    float* o = s.out_t.data() + d * rows_16 + r0;
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), a, _mm512_loadu_ps(s.pv.data() + d * 16)));
+  }
+}
+
+template <typename T>
+OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item,
+                                    const PartialResults& partials) {
+  const int64_t D = t.head_dim;
+  const int64_t group = p.num_heads / p.kv_num_heads;
+  const int64_t rows = (item.token_end - item.token_begin) * group;
+  const int64_t rows_16 = round_up(rows, kAmxRows);
+  const int64_t seq_begin = t.cumulative_sequence_length[item.seq];
+  const int64_t past = t.past_seqlens[item.seq];
+  const int64_t window = p.sliding_window;
+  const int32_t* table = t.block_table + item.seq * t.max_blocks;
+  const int64_t kv_row = p.kv_num_heads * D, q_stride = p.num_heads * D, d_steps = D / 32;
+  const int64_t pos_first = past + (item.token_begin - seq_begin);
+  const int64_t pos_last = past + (item.token_end - 1 - seq_begin);
+  const int64_t key_lo = std::max(item.key_begin, window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0);
+  const int64_t key_hi = std::min(item.key_end, pos_last + 1);
+  const T* const key_pool = static_cast<const T*>(t.key_cache);
+  const T* const value_pool = static_cast<const T*>(t.value_cache);
+
+  AmxScratch& s = amx_scratch();
+  s.q_t.resize(rows_16 * D / 2);
+  s.out_t.resize(D * rows_16);
+  s.row_max.resize(rows_16);
+  s.row_sum.resize(rows_16);
+  s.alpha.resize(2 * kAmxRows);
+  s.scores.resize(kKeyChunk * kAmxRows);
+  s.p_t.resize(2 * 1024);
+  s.pv.resize(D * 16);
+  s.keys.resize(kKeyChunk * D);
+  s.v_t.resize(kKeyChunk * D);
+  s.slots.resize(kKeyChunk);
+  s.next_slots.resize(kKeyChunk);
+  const T* k_rows[kKeyChunk];
+  const T* v_rows[kKeyChunk];
+  alignas(64) uint32_t pairs[16];
+  amx_begin_tiles();
+  for (int64_t h = 0; h < item.kv_head_end - item.kv_head_begin; ++h) {
+    const int64_t kv_head = item.kv_head_begin + h, head_offset = kv_head * D;
+    const __m512 scale = _mm512_set1_ps(p.scale);
+    for (int64_t m = 0; m < rows_16; ++m) {  // scaled queries, bfloat16 pairs of dims, [pass][ds][pair][row]
+      uint32_t* dst = s.q_t.data() + (m / 16) * d_steps * 256 + m % 16;
+      const float* src = t.query + (item.token_begin + m / group) * q_stride + (kv_head * group + m % group) * D;
+      for (int64_t ds = 0; ds < d_steps; ++ds) {
+        if (m < rows) {
+          store_bf16(reinterpret_cast<uint16_t*>(pairs), _mm512_mul_ps(_mm512_loadu_ps(src + ds * 32), scale),
+                     _mm512_mul_ps(_mm512_loadu_ps(src + ds * 32 + 16), scale));
+        } else {
+          std::memset(pairs, 0, sizeof pairs);
+        }
+        for (int64_t r = 0; r < 16; ++r) dst[ds * 256 + r * 16] = pairs[r];
+      }
+    }
+    std::fill(s.out_t.begin(), s.out_t.end(), 0.0f);
+    std::fill(s.row_max.begin(), s.row_max.end(), kNegInf);
+    std::fill(s.row_sum.begin(), s.row_sum.end(), 0.0f);
+    for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
+      const int64_t keys = std::min(key_hi - c0, kKeyChunk);
+      chunk_slots(t, table, c0, keys, s.slots.data());
+      for (int64_t j = 0; j < keys; ++j) {
+        k_rows[j] = key_pool + s.slots[j] * kv_row + head_offset;
+        v_rows[j] = value_pool + s.slots[j] * kv_row + head_offset;
+      }
+      amx_chunk_operands<T>(k_rows, v_rows, keys, D, s);
+      const int64_t next_keys = std::min(key_hi - (c0 + kKeyChunk), kKeyChunk);
+      if (next_keys > 0) chunk_slots(t, table, c0 + kKeyChunk, next_keys, s.next_slots.data());
+      int64_t prefetched = 0;
+      int64_t pending = -1;
+      int slot = 0;
+      for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+        const int64_t pass_rows = std::min(kAmxRows, rows - r0);
+        const int64_t first = pos_first + r0 / group, last = pos_first + (r0 + pass_rows - 1) / group;
+        if (c0 > last || (window > 0 && c0 + keys - 1 <= first - window)) continue;  // sees none of it
+        float* const scores = s.scores.data();
+        amx_scores(s.keys.data(), D, s.q_t.data() + (r0 / 16) * d_steps * 256, scores);
+        if (pending >= 0) amx_issue_values(s, 1 - slot, D);
+        if (next_keys > 0 && prefetched < next_keys) {  // the next chunk's rows, a few keys per pass
+          const int64_t upto = std::min(next_keys, prefetched + 8);
+          for (; prefetched < upto; ++prefetched) {
+            const char* k = reinterpret_cast<const char*>(key_pool + s.next_slots[prefetched] * kv_row + head_offset);
+            const char* v = reinterpret_cast<const char*>(value_pool + s.next_slots[prefetched] * kv_row + head_offset);
+            for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(T)); b += 64) {
+              __builtin_prefetch(k + b, 0, 2);
+              __builtin_prefetch(v + b, 0, 2);
+            }
+          }
+        }
+        if (p.softcap > 0.0f) {
+          for (int64_t i = 0; i < keys * kAmxRows; i += kWidth)
+            simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
+        }
+        if (c0 + keys - 1 > first || (window > 0 && c0 <= last - window))
+          mask_chunk(scores, kAmxRows, keys, c0, pos_first, r0, group, window);
+        softmax_16(scores, keys, s.row_max.data() + r0, s.row_sum.data() + r0, s.alpha.data() + slot * kAmxRows);
+        uint16_t* const p_t = s.p_t.data() + slot * 1024;
+        for (int64_t ks = 0; ks < 2; ++ks) {
+          for (int64_t r = 0; r < 16; ++r) {
+            const float* even = scores + (ks * 32 + 2 * r) * 16;
+            store_pairs(p_t + (ks * 16 + r) * 32, _mm512_loadu_ps(even), _mm512_loadu_ps(even + 16));
+          }
+        }
+        if (pending >= 0) amx_add_values(s, 1 - slot, pending, rows_16, D);
+        pending = r0;
+        slot = 1 - slot;
+      }
+      if (pending >= 0) {
+        amx_issue_values(s, 1 - slot, D);
+        amx_add_values(s, 1 - slot, pending, rows_16, D);
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* acc = s.out_t.data() + m;  // column m of out^T
+      if (item.partial >= 0) {  // one part of a split key range: the raw result for combine_split
+        const int64_t r = h * rows + m;
+        partials.max[item.partial * partials.row_stride + r] = s.row_max[m];
+        partials.sum[item.partial * partials.row_stride + r] = s.row_sum[m];
+        float* dst = partials.out + item.partial * partials.out_stride + r * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * rows_16];
+        continue;
+      }
+      float* dst = t.output + (item.token_begin + m / group) * q_stride + (kv_head * group + m % group) * D;
+      const float inv = 1.0f / s.row_sum[m];
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * rows_16] * inv;
+    }
+  }
+  amx_end_tiles();
+}
+#endif
+
 }  // namespace
 
 void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials) {
@@ -418,6 +792,12 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   const int64_t kv_row = p.kv_num_heads * D;
   const int64_t q_stride = p.num_heads * D;
   const int64_t q_size = gemm ? D * rows_p : rows * D;
+#if defined(OCTAVO_AMX)
+  if (p.prompt_bf16 && gemm && D % 32 == 0 && amx_bf16_usable()) {
+    if (f16) return run_amx_item<uint16_t>(t, p, item, partials);
+    return run_amx_item<float>(t, p, item, partials);
+  }
+#endif
 
   Scratch& s = thread_scratch();
   s.q.assign(heads * q_size, 0.0f);

@@ -21,6 +21,10 @@ struct AttentionParams {
   float scale = 1.0f;
   int64_t sliding_window = 0;  // 0: unlimited
   float softcap = 0.0f;        // 0: none; else scores = softcap * tanh(scores / softcap)
+  // A prompt's items (>= 16 rows, head_dim a multiple of 32) may take the bfloat16 path where AMX runs
+  // (amx.h): queries, keys, values and probabilities rounded to bfloat16, products summed in float32 by AMX
+  // tiles; the softmax stays float32. Elsewhere, and for decode items, float32 as without it.
+  bool prompt_bf16 = false;
 };
 
 // Element type of the KV pools. float16 pools hold IEEE binary16 bits: new K/V are rounded to

@@ -246,6 +246,10 @@ octavo::AttentionParams read_params(const OrtApi* api, const OrtKernelInfo* info
   }
   if (p.sliding_window < 0) fail("sliding_window must be >= 0 (0 = no window)");
   if (p.softcap < 0.0f) fail("softcap must be >= 0 (0 = no softcap)");
+  int64_t prompt_bf16 = 0;
+  read_int_attribute(api, info, "prompt_bf16", &prompt_bf16);
+  if (prompt_bf16 != 0 && prompt_bf16 != 1) fail("prompt_bf16 must be 0 or 1, got " + std::to_string(prompt_bf16));
+  p.prompt_bf16 = prompt_bf16 == 1;
   return p;
 }
 

@@ -31,12 +31,15 @@ def pool_blocks(workload: IdWorkload, block_size: int = BLOCK_SIZE) -> int:
 
 def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_caching: bool = True,
                 max_num_seqs: int = 64, name: str = "octavo", profile: bool = False,
-                kv_cache_dtype: str = "auto", weights: str | None = None) -> PeerResult:
+                kv_cache_dtype: str = "auto", weights: str | None = None,
+                quant_kernel: str | None = None) -> PeerResult:
     t_load = time.perf_counter()  # imports included (the first workload's load is the cold start)
     from octavo.runtime.llm import LLM
     from octavo.runtime.sampling_params import SamplingParams
 
-    chosen = {"weights": weights} if weights else {}  # None: octavo's own default for this model
+    chosen: dict[str, str] = {"weights": weights} if weights else {}  # None: octavo's own default for this model
+    if quant_kernel:
+        chosen["quant_kernel"] = quant_kernel
     llm = LLM(str(octavo_dir), num_threads=threads, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE,
               num_blocks=pool_blocks(workload), enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
               **chosen)
@@ -67,6 +70,8 @@ def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_
                  "prefix_cache_hit_tokens": stats.prefix_cache_hits - hits0, "max_num_seqs": max_num_seqs}
     if weights:
         res.extra["weights"] = weights
+    if quant_kernel:
+        res.extra["quant_kernel"] = quant_kernel
     if len(outs) == 1:
         m = outs[0].metrics
         res.extra.update(decode_stats(len(res.outputs[0]), t0_wall, m.first_token_time, m.last_token_time))
