@@ -356,9 +356,11 @@ def test_every_build_gives_the_same_bits(portable_builds: dict[str, Path], type_
     bias = np.random.default_rng(6).standard_normal(n).astype(np.float32)
     libraries = {"native": library_path(), **portable_builds}
     x = np.random.default_rng(7).standard_normal((301, k)).astype(np.float32)
-    for decode, bf16 in ((False, 0), (True, 0), (False, 1)):  # prompt_bf16: the AMX path, built into every variant
+    for decode, bf16 in ((False, 0), (True, 0), (False, 1)):  # prompt_bf16: the AMX path of the AVX-512 builds
         outputs = {}
         for name, library in libraries.items():
+            if bf16 and name == X86_64_V3.name:
+                continue  # no AMX path in the 256-bit build (amx.h): there prompt_bf16 nodes are float32
             session = _session(pw, bias, decode=decode, library=library, **({"prompt_bf16": 1} if bf16 else {}))
             outputs[name] = [session.run(None, {"x": x[:rows]})[0] for rows in (1, 5, 8, 9, 46, 64, 301)]
         for name, got in outputs.items():

@@ -61,7 +61,7 @@ class EngineArgs:
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):
             raise InvalidRequestError(not_on_tensorrt(f"weights={self.weights!r}: quantized weights",
-                                                      list(KERNEL_METHODS.values())))
+                                                      list(dict.fromkeys(KERNEL_METHODS.values()))))
         if self.backend == "tensorrt" and self.quant_kernel is not None:
             raise InvalidRequestError(f"quant_kernel={self.quant_kernel!r} chooses the onnxruntime backend's kernel "
                                       "for quantized weights; tensorrt runs float weights only (leave it unset)")

@@ -14,10 +14,12 @@ bool amx_bf16_usable();
 void amx_begin_tiles();
 void amx_end_tiles();
 
-// The target of every function that runs AVX-512 BF16 or AMX instructions: set per function (no #pragma over
-// a file), so the files build into every variant and inline library code instantiated beside them stays at
-// the build's baseline; callers reach those functions only after amx_bf16_usable().
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+// The AMX paths are built into AVX-512 builds only (the wheel's x86-64-v4 variant, -march=native on such a
+// CPU): every AMX CPU has AVX-512, and the x86-64-v3 build stays free of 512-bit code. Their functions add
+// AVX512-BF16 and AMX per function (OCTAVO_AMX_TARGET, no #pragma over a file), so inline library code
+// instantiated beside them stays at the build's baseline; callers reach them only after amx_bf16_usable().
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
 #define OCTAVO_AMX 1
 #define OCTAVO_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 #endif
