@@ -111,12 +111,24 @@ def targets(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         found = [v for v in (up(prefix, p) for p in peers) if v is not None]
         return min(found, default=None)
 
-    return {
+    def variant(prefix: str, name: str, base: float | None) -> float | None:
+        """BASE (octavo's default over a peer) for the octavo row NAME instead: base / (default over NAME)."""
+        row = next((r for w, r in table.items() if w.startswith(prefix)), {})
+        ratio = row.get(name, {}).get("octavo_speedup")
+        return base / ratio if base is not None and ratio else None
+
+    checks = {
         "decode: octavo / llama-server >= 1.2": up("decode", "llama.cpp"),
         "batch: octavo / vLLM CPU >= 1.5": up("batch", "vLLM"),
         "batch: octavo / llama-server (best -np) >= 2": up("batch", "llama.cpp"),
         "prefill: octavo / faster of llama-server and vLLM >= 1.5": vs_faster("prefill", ("llama.cpp", "vLLM")),
     }
+    bf16 = "octavo --quant-kernel block-bf16"  # compare_peers --octavo-kernels block-bf16: AMX CPUs' prompt path
+    if any(bf16 in row for row in table.values()):
+        checks[f"batch: {bf16} / vLLM CPU >= 1.5"] = variant("batch", bf16, up("batch", "vLLM"))
+        checks[f"prefill: {bf16} / faster of llama-server and vLLM >= 1.5"] = variant(
+            "prefill", bf16, vs_faster("prefill", ("llama.cpp", "vLLM")))
+    return checks
 
 
 def _fmt(v: float | None, spec: str) -> str:
