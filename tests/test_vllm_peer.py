@@ -75,6 +75,26 @@ def test_real_table_speed_ratios_best_rounds_and_targets() -> None:
     assert "not run" not in real_table.format_table(table)
 
 
+def test_other_vllm_dtypes_get_lines_of_their_own_and_leave_the_targets_on_float32() -> None:
+    """compare_peers --vllm-dtype float32,bfloat16: the issue's targets stay against the float32 row (the one it
+    measured), even when the bfloat16 server is faster; the bfloat16 row is reported beside, without a target."""
+    from octavo.bench.peers.vllm import row_name
+
+    bf16 = "octavo --quant-kernel block-bf16"
+    assert row_name("float32") == "vLLM CPU" and row_name("bfloat16") == "vLLM CPU bfloat16"
+    rows = [_r("octavo", "batch48", 10.0), _r(bf16, "batch48", 10.0), _r("vLLM CPU", "batch48", 20.0),
+            _r("vLLM CPU bfloat16", "batch48", 5.0),
+            _r("octavo", "prefill6000", 8.0), _r(bf16, "prefill6000", 4.0), _r("vLLM CPU", "prefill6000", 8.0),
+            _r("vLLM CPU bfloat16", "prefill6000", 2.0), _r("llama.cpp llama-server", "prefill6000", 24.0)]
+    checks = real_table.targets(real_table.build(real_table.best_rounds(rows), {}))
+    assert checks["batch: octavo / vLLM CPU >= 1.5"] == pytest.approx(2.0)
+    assert checks["prefill: octavo / faster of llama-server and vLLM >= 1.5"] == pytest.approx(1.0)
+    assert checks[f"prefill: {bf16} / faster of llama-server and vLLM >= 1.5"] == pytest.approx(2.0)
+    assert checks["batch: octavo / vLLM CPU bfloat16 (no target)"] == pytest.approx(0.5)
+    assert checks["prefill: octavo / vLLM CPU bfloat16 (no target)"] == pytest.approx(0.25)
+    assert checks[f"prefill: {bf16} / vLLM CPU bfloat16 (no target)"] == pytest.approx(0.5)
+
+
 def test_agreement_is_measured_on_the_first_rounds_prompts() -> None:
     rows = [_r("hf-sequential", "decode8+8", 1.0, outputs=[[1, 2]]), _r("octavo", "decode8+8", 1.0, outputs=[[1, 2]]),
             _r("vLLM CPU", "decode8+8", 1.0, outputs=[[1, 3]]),

@@ -100,15 +100,21 @@ def build(results: list[PeerResult], agree: dict[tuple[str, str], float]) -> dic
     return table
 
 
+VLLM = "vLLM CPU"  # the float32 server's row (vllm.row_name): issue 18's targets are against it
+
+
 def targets(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """Issue 18's 'done means' on the real model: octavo's speed over the peer named, None when not measured."""
-    def up(prefix: str, peer: str) -> float | None:
+    """Issue 18's 'done means' on the real model: octavo's speed over the peer named, None when not measured.
+    vLLM's float32 row is the one the issue measured and set targets against; a vLLM row in another dtype
+    (compare_peers --vllm-dtype float32,bfloat16) gets lines of its own beside them, without a target."""
+    def up(prefix: str, peer: str, exact: bool = False) -> float | None:
         row = next((r for w, r in table.items() if w.startswith(prefix)), {})
-        found = [e["octavo_speedup"] for p, e in row.items() if p.startswith(peer) and e.get("octavo_speedup")]
+        found = [e["octavo_speedup"] for p, e in row.items()
+                 if (p == peer if exact else p.startswith(peer)) and e.get("octavo_speedup")]
         return min(found, default=None)  # several llama-server -np rows: the one closest to octavo counts
 
-    def vs_faster(prefix: str, peers: tuple[str, ...]) -> float | None:
-        found = [v for v in (up(prefix, p) for p in peers) if v is not None]
+    def vs_faster(prefix: str, vllm: str) -> float | None:
+        found = [v for v in (up(prefix, "llama.cpp"), up(prefix, vllm, exact=True)) if v is not None]
         return min(found, default=None)
 
     def variant(prefix: str, name: str, base: float | None) -> float | None:
@@ -119,15 +125,23 @@ def targets(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 
     checks = {
         "decode: octavo / llama-server >= 1.2": up("decode", "llama.cpp"),
-        "batch: octavo / vLLM CPU >= 1.5": up("batch", "vLLM"),
+        f"batch: octavo / {VLLM} >= 1.5": up("batch", VLLM, exact=True),
         "batch: octavo / llama-server (best -np) >= 2": up("batch", "llama.cpp"),
-        "prefill: octavo / faster of llama-server and vLLM >= 1.5": vs_faster("prefill", ("llama.cpp", "vLLM")),
+        "prefill: octavo / faster of llama-server and vLLM >= 1.5": vs_faster("prefill", VLLM),
     }
     bf16 = "octavo --quant-kernel block-bf16"  # compare_peers --octavo-kernels block-bf16: AMX CPUs' prompt path
-    if any(bf16 in row for row in table.values()):
-        checks[f"batch: {bf16} / vLLM CPU >= 1.5"] = variant("batch", bf16, up("batch", "vLLM"))
+    has_bf16 = any(bf16 in row for row in table.values())
+    if has_bf16:
+        checks[f"batch: {bf16} / {VLLM} >= 1.5"] = variant("batch", bf16, up("batch", VLLM, exact=True))
         checks[f"prefill: {bf16} / faster of llama-server and vLLM >= 1.5"] = variant(
-            "prefill", bf16, vs_faster("prefill", ("llama.cpp", "vLLM")))
+            "prefill", bf16, vs_faster("prefill", VLLM))
+    others = sorted({p for row in table.values() for p in row if p.startswith(VLLM + " ")})
+    for other in others:  # e.g. "vLLM CPU bfloat16": every layer of vLLM in that dtype
+        for prefix in ("batch", "prefill"):
+            base = up(prefix, other, exact=True)
+            checks[f"{prefix}: octavo / {other} (no target)"] = base
+            if has_bf16:
+                checks[f"{prefix}: {bf16} / {other} (no target)"] = variant(prefix, bf16, base)
     return checks
 
 
