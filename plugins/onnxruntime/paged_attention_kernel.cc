@@ -417,7 +417,7 @@ constexpr int64_t kAmxRows = 16;
 
 struct AmxScratch {
   std::vector<uint32_t> q_t;    // [passes][D / 32][16 pairs of dims][16 rows] scaled queries, bfloat16 pairs
-  std::vector<float> out_t;     // [D][rows_16] unnormalised outputs, transposed
+  std::vector<float> out_t;     // [rows_16 / 16][D][16] unnormalised outputs, transposed per pass of 16 rows
   std::vector<float> row_max;   // [rows_16]
   std::vector<float> row_sum;   // [rows_16]
   std::vector<float> alpha;     // [2 slots][16]
@@ -453,22 +453,18 @@ OCTAVO_AMX_TARGET inline void store_pairs(uint16_t* dst, __m512 a, __m512 b) {
   _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), pair));
 }
 
-// e^x for 16 floats: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7, far
-// below the bfloat16 rounding the probabilities then take); exactly 0 below -87 (and for -inf: masked keys).
-OCTAVO_AMX_TARGET inline __m512 exp16(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);  // NaN stays NaN
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.5f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+// 2^t for 16 floats (t <= 0: a score minus its row's max, in base 2): 2^n * p(r), n = round(t), r = t - n in
+// [-1/2, 1/2], p of degree 4 fitted to 2^r (relative error 2.7e-6, far below the bfloat16 rounding the
+// probabilities then take); exactly 0 below -126 (and for -inf: masked keys); NaN stays NaN.
+OCTAVO_AMX_TARGET inline __m512 exp2_16(__m512 t) {
+  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.009570101276040077f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.05591786280274391f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.240247443318367f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931217908859253f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.9999992847442627f));
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
@@ -487,14 +483,16 @@ OCTAVO_AMX_TARGET void softmax_16(float* scores, int64_t keys, float* row_max, f
   // rows that have seen nothing yet keep max -inf; subtracting 0 instead keeps exp(-inf) = 0
   const __m512 base = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ), new_max,
                                            _mm512_setzero_ps());
-  const __m512 a = exp16(_mm512_sub_ps(old_max, base));
+  const __m512 log2e = _mm512_set1_ps(1.44269504089f);
+  const __m512 base2 = _mm512_mul_ps(base, log2e);  // e^(x - base) = 2^(x log2 e - base log2 e): one FMA a score
+  const __m512 a = exp2_16(_mm512_mul_ps(_mm512_sub_ps(old_max, base), log2e));
   _mm512_storeu_ps(alpha, a);
   _mm512_storeu_ps(row_max, new_max);
   __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t j = 0; j < kKeyChunk; j += 4) {
     for (int i = 0; i < 4; ++i) {
       float* x = scores + (j + i) * 16;
-      const __m512 prob = exp16(_mm512_sub_ps(_mm512_loadu_ps(x), base));
+      const __m512 prob = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(x), log2e, base2));
       _mm512_storeu_ps(x, prob);
       sum[i] = _mm512_add_ps(sum[i], prob);
     }
@@ -632,12 +630,15 @@ OCTAVO_AMX_TARGET void amx_issue_values(AmxScratch& s, int slot, int64_t D) {
   }
 }
 
-// out^T columns [r0, r0 + 16) = out^T * alpha (slot SLOT's) + the P · V in s.pv.
-OCTAVO_AMX_TARGET void amx_add_values(AmxScratch& s, int slot, int64_t r0, int64_t rows_16, int64_t D) {
+// The pass of rows [r0, r0 + 16): out^T = out^T * alpha (slot SLOT's) + the P · V in s.pv. A pass's out^T is
+// one contiguous [D][16] block (4 KiB at D = 64), and the pointers are taken once: a column-strided out^T
+// (D rows of rows_16) missed L1 on every d, and the thread_local was looked up again per d.
+OCTAVO_AMX_TARGET void amx_add_values(AmxScratch& s, int slot, int64_t r0, int64_t D) {
   const __m512 a = _mm512_loadu_ps(s.alpha.data() + slot * kAmxRows);
+  float* const out = s.out_t.data() + (r0 / 16) * D * 16;
+  const float* const pv = s.pv.data();
   for (int64_t d = 0; d < D; ++d) {
-    float* o = s.out_t.data() + d * rows_16 + r0;
-    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), a, _mm512_loadu_ps(s.pv.data() + d * 16)));
+    _mm512_storeu_ps(out + d * 16, _mm512_fmadd_ps(_mm512_loadu_ps(out + d * 16), a, _mm512_loadu_ps(pv + d * 16)));
   }
 }
 
@@ -741,28 +742,28 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
             store_pairs(p_t + (ks * 16 + r) * 32, _mm512_loadu_ps(even), _mm512_loadu_ps(even + 16));
           }
         }
-        if (pending >= 0) amx_add_values(s, 1 - slot, pending, rows_16, D);
+        if (pending >= 0) amx_add_values(s, 1 - slot, pending, D);
         pending = r0;
         slot = 1 - slot;
       }
       if (pending >= 0) {
         amx_issue_values(s, 1 - slot, D);
-        amx_add_values(s, 1 - slot, pending, rows_16, D);
+        amx_add_values(s, 1 - slot, pending, D);
       }
     }
     for (int64_t m = 0; m < rows; ++m) {
-      const float* acc = s.out_t.data() + m;  // column m of out^T
+      const float* acc = s.out_t.data() + (m / 16) * D * 16 + m % 16;  // column m of its pass's out^T
       if (item.partial >= 0) {  // one part of a split key range: the raw result for combine_split
         const int64_t r = h * rows + m;
         partials.max[item.partial * partials.row_stride + r] = s.row_max[m];
         partials.sum[item.partial * partials.row_stride + r] = s.row_sum[m];
         float* dst = partials.out + item.partial * partials.out_stride + r * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * rows_16];
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * 16];
         continue;
       }
       float* dst = t.output + (item.token_begin + m / group) * q_stride + (kv_head * group + m % group) * D;
       const float inv = 1.0f / s.row_sum[m];
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * rows_16] * inv;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * 16] * inv;
     }
   }
   amx_end_tiles();
