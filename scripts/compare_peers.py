@@ -87,7 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of the offline runs (peers interleaved); the fastest round of each counts")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one peer may take for all its workloads")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.vllm_dtypes = [d.strip() for d in args.vllm_dtype.split(",") if d.strip()] or ["float32"]
+    return args
 
 
 def make_workloads(vocab: int, quick: bool, tiny: bool = False) -> tuple[list[IdWorkload], IdWorkload, IdWorkload]:
@@ -276,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
              "gguf": str(models.gguf_path) if models.gguf_path else "", "llama_server": args.llama_server or "",
              "vllm_model": str(models.hf_dir), "vllm_python": args.vllm_python or ""}
     no_vllm = vllm_missing(args.vllm_python) if "vllm" in peers else None
-    vllm_dtypes = [d.strip() for d in args.vllm_dtype.split(",") if d.strip()] or ["float32"]
     notes: list[str] = [f"vLLM not run: {no_vllm}"] if no_vllm else []
     results: list[PeerResult] = []
     online: list[PeerResult] = []
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                                   extra_args=[*args.llama_server_args.split(), "-ctk", "f32", "-ctv", "f32"],
                                   name=f"{LLAMA} -np {np_} (f32 KV)")
         if "vllm" in peers and not no_vllm:
-            for dtype in vllm_dtypes:
+            for dtype in args.vllm_dtypes:
                 results += worker("vllm", everything, f"vllm-{dtype}{tag}", dtype=dtype, name=vllm_row(dtype))
     results = best_of_rounds(results)
     if "genai" in peers and models.genai_dir is None:
@@ -379,7 +380,6 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
     t_start = time.monotonic()
     notes: list[str] = []
     no_vllm = vllm_missing(args.vllm_python) if "vllm" in peers else None
-    vllm_dtypes = [d.strip() for d in args.vllm_dtype.split(",") if d.strip()] or ["float32"]
     if no_vllm:
         notes.append(f"vLLM not run: {no_vllm}")
     if "genai" in peers:
@@ -431,7 +431,7 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
                     results += worker("llamacpp", [w], f"llamacpp-{w.name}-np{np_}{tag}", rnd, slots=np_,
                                       extra_args=args.llama_server_args.split(), label_slots=several)
         if "vllm" in peers and not no_vllm and real.hf_dir is not None:
-            for dtype in vllm_dtypes:
+            for dtype in args.vllm_dtypes:
                 results += worker("vllm", wls, f"vllm-{dtype}{tag}", rnd, dtype=dtype, name=vllm_row(dtype))
         if "hf" in peers and rnd == 0 and real.hf_dir is not None and not args.no_hf_sequential:
             results += worker("hf", [w for w in wls if w.name in hf_on], "hf", rnd, sequential=True, static=False)
@@ -446,7 +446,7 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
         "threads": args.threads, "quick": args.quick, "tiny": args.tiny, "repeat": args.repeat,
         "wall_s": time.monotonic() - t_start,
         "model": {"name": real.name, "gguf": str(real.gguf_path), "hf_dir": str(real.hf_dir) if real.hf_dir else None,
-                  "vllm_dtype": ",".join(vllm_dtypes)},
+                  "vllm_dtype": ",".join(args.vllm_dtypes)},
         "workloads": [{"name": w.name, "note": w.note, "num_requests": len(w.requests), "prompt_tokens": w.prompt_tokens,
                        "output_tokens": w.output_tokens} for w in first],
         "reference": REFERENCE, "results": [r.to_dict() for r in best], "table": table, "targets": checks,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from octavo.bench.peers.result import REFERENCE, PeerResult, agreement
+from octavo.bench.peers.vllm import NAME as VLLM  # the float32 server's row: issue 18's targets are against it
 
 OURS = "octavo"
 
@@ -98,9 +99,6 @@ def build(results: list[PeerResult], agree: dict[tuple[str, str], float]) -> dic
             if r.ok and s is None:
                 row[name]["error"] = "no timing for this workload's metric"
     return table
-
-
-VLLM = "vLLM CPU"  # the float32 server's row (vllm.row_name): issue 18's targets are against it
 
 
 def targets(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:

@@ -29,19 +29,17 @@ from octavo.bench.peers.result import PeerResult
 from octavo.bench.peers.streamed import run_streamed
 
 NAME = "vLLM CPU"
+SERVED_NAME = "peer"
+START_TIMEOUT_S = 900.0  # model load + vLLM's CPU warm-up, on a loaded 2-core machine
+KV_CACHE_BYTES = 2 << 30  # vLLM CPU reserves this much KV cache up front; enough for 48 x 560 tokens fp32
+TCMALLOC_GLOBS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/*/libtcmalloc_minimal.so.4",
+                  "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4")
 
 
 def row_name(dtype: str) -> str:
     """The table's row for a vLLM server run with --dtype DTYPE: float32 keeps the plain name (every earlier
     report's), any other dtype says it (issue 18's targets are against the float32 row)."""
     return NAME if dtype == "float32" else f"{NAME} {dtype}"
-
-
-SERVED_NAME = "peer"
-START_TIMEOUT_S = 900.0  # model load + vLLM's CPU warm-up, on a loaded 2-core machine
-KV_CACHE_BYTES = 2 << 30  # vLLM CPU reserves this much KV cache up front; enough for 48 x 560 tokens fp32
-TCMALLOC_GLOBS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/*/libtcmalloc_minimal.so.4",
-                  "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4")
 
 
 def default_python() -> Path:
