@@ -12,7 +12,12 @@ References, independent of the code under test:
     rounding of the block sums, the per-block products and the accumulation over blocks;
   - other steps past 8 rows (a prompt's), and a step the 16-bit path refuses (a non-finite value, int32 sums that
     could overflow, a block longer than the kernel's chunk), are float32 FMAs over the file's float32 weights:
-    |err| <= (K + 2) u * (sum_k |x||w| + |bias|).
+    |err| <= (K + 2) u * (sum_k |x||w| + |bias|);
+  - on a CPU with AMX-BF16 (`AMX`), those steps take the float32-grade AMX path where blocks are a multiple of 32
+    (`SPLIT`): x split into three bfloat16 pieces that sum to it exactly, times the codes (exact in bfloat16), so
+    every product is exact; per block, 3 * block_size float32 additions, then scale * C + offset * (block sum of
+    x, block_size additions) added into y, two roundings a block: |err| <= (3 bs + 2 nb + 10) u * 1.01 *
+    sum_k |x| (|code * scale| + |offset|) + 2 u |bias| (`_split_bound`).
 An int8 rounding of x (MatMulNBits' accuracy_level 4) would miss the first bound by ~2^8; a wrong code, scale
 or panel index misses both by orders of magnitude.
 """
@@ -111,19 +116,42 @@ def _float_bound(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.nd
                           + (0 if bias is None else np.abs(bias)))
 
 
+# The float32-grade AMX path of a prompt's steps (block_matmul_kernel.h): AVX-512 builds on AMX-BF16 CPUs
+AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset())
+
+
+def _split(blocks: Blocks) -> bool:
+    """Whether the default node's prompt steps take the float32-grade AMX path here."""
+    return AMX and blocks.block_size % 32 == 0
+
+
+def _split_bound(x: np.ndarray, blocks: Blocks, bias: np.ndarray | None) -> np.ndarray:
+    """|y - x @ W^T| bound [rows, N] on the float32-grade AMX path (derivation in the module docstring)."""
+    cs, off = _parts(blocks)
+    bs, nb = blocks.block_size, blocks.k // blocks.block_size
+    magnitude = np.abs(x.astype(np.float64)) @ (cs + off).T
+    return (3 * bs + 2 * nb + 10) * U * 1.01 * magnitude + 2 * U * (0 if bias is None else np.abs(bias))
+
+
 def _want(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     return x.astype(np.float64) @ w.astype(np.float64).T + (0 if bias is None else bias.astype(np.float64))
 
 
 def _check(session: ort.InferenceSession, x: np.ndarray, blocks: Blocks, w: np.ndarray,
            bias: np.ndarray | None = None, *, float32: bool | None = None) -> None:
-    """The op's y within the bound of its path (FLOAT32: the float32 one; default: float32 past 8 rows)."""
+    """The op's y within the bound of its path (FLOAT32: a prompt's path, float32 FMAs or, where `_split`, the
+    float32-grade AMX path; default: a prompt's path past 8 rows)."""
     got = session.run(None, {"x": x})[0]
     assert got.shape == x.shape[:-1] + (w.shape[0],) and got.dtype == np.float32
     x2, got2 = x.reshape(-1, x.shape[-1]), got.reshape(-1, w.shape[0])
     rows = len(x2)
     float32 = rows > MAX_INT_ROWS if float32 is None else float32
-    bound = _float_bound(x2, w, bias) if float32 else _int_bound(x2, blocks, bias)
+    if not float32:
+        bound = _int_bound(x2, blocks, bias)
+    elif _split(blocks) and np.isfinite(x2).all():
+        bound = _split_bound(x2, blocks, bias)
+    else:
+        bound = _float_bound(x2, w, bias)
     err = np.abs(got2 - _want(x2, w, bias))
     worst = np.unravel_index(np.argmax(err / bound), err.shape)
     assert (err <= bound).all(), f"rows={rows}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
@@ -356,17 +384,20 @@ def test_every_build_gives_the_same_bits(portable_builds: dict[str, Path], type_
     bias = np.random.default_rng(6).standard_normal(n).astype(np.float32)
     libraries = {"native": library_path(), **portable_builds}
     x = np.random.default_rng(7).standard_normal((301, k)).astype(np.float32)
-    for decode, bf16 in ((False, 0), (True, 0), (False, 1)):  # prompt_bf16: the AMX path of the AVX-512 builds
+    # prompt_bf16 = 1 and prompt_amx = 1 (the default): the AMX paths of the AVX-512 builds; prompt_amx = 0: the
+    # float32 FMA tiles on every build
+    for decode, bf16, amx in ((False, 0, 0), (True, 0, 0), (False, 1, 0), (False, 0, 1)):
         outputs = {}
         for name, library in libraries.items():
-            if bf16 and name == X86_64_V3.name:
-                continue  # no AMX path in the 256-bit build (amx.h): there prompt_bf16 nodes are float32
-            session = _session(pw, bias, decode=decode, library=library, **({"prompt_bf16": 1} if bf16 else {}))
+            if (bf16 or amx) and name == X86_64_V3.name:
+                continue  # no AMX path in the 256-bit build (amx.h): there those nodes take the FMA tiles
+            session = _session(pw, bias, decode=decode, library=library, prompt_amx=amx,
+                               **({"prompt_bf16": 1} if bf16 else {}))
             outputs[name] = [session.run(None, {"x": x[:rows]})[0] for rows in (1, 5, 8, 9, 46, 64, 301)]
         for name, got in outputs.items():
             for want, have in zip(outputs["native"], got):
                 np.testing.assert_array_equal(have, want, err_msg=f"{name} build, {len(want)} rows, decode={decode}, "
-                                                                  f"prompt_bf16={bf16}")
+                                                                  f"prompt_bf16={bf16}, prompt_amx={amx}")
 
 
 @pytest.mark.parametrize("type_name,n,k,splits", [("Q4_1", 149, 576, [48, 64, 37]), ("Q8_0", 96, 1792, [32, 64]),
@@ -413,7 +444,6 @@ def test_splits_must_match_the_nodes_outputs() -> None:
 # file's weights to bfloat16 (nearest even) and sum their products in float32, so the reference is float64
 # bf16(x) @ bf16(W)^T within the float32 path's bound over those values; decode steps are unchanged. Without
 # AMX the node is the float32 node bit for bit.
-AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset())
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -451,3 +481,55 @@ def test_prompt_bf16_must_be_0_or_1() -> None:
     pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
     with pytest.raises(Exception, match=r"octavo\.BlockMatMul: prompt_bf16 must be 0 or 1, got 2"):
         _session(pw, prompt_bf16=2)
+
+
+# prompt_amx = 1 (every node's default): on a CPU with AMX-BF16, a prompt's steps (the float32 path's) over blocks
+# of a multiple of 32 take the float32-grade AMX path. The reference is float64 x @ W^T within `_split_bound`;
+# the path must really run (other bits than the FMA tiles', prompt_amx = 0), be at least as close to float64 as
+# the FMA tiles, and give a row the same bits whatever else is in its step.
+@pytest.mark.parametrize("type_name,n,k", [("Q4_1", 149, 576), ("Q4_0", 64, 576), ("Q8_0", 96, 1792),
+                                           ("Q4_K", 70, 512), ("Q5_K", 33, 256), ("Q5_1", 40, 96),
+                                           ("Q6_K", 37, 256)])
+def test_prompt_steps_on_amx_are_exact_products_summed_in_float32(type_name: str, n: int, k: int) -> None:
+    blocks, w = _blocks(type_name, n, k, seed=17)
+    pw = panel_weights(blocks)
+    bias = np.random.default_rng(18).standard_normal(n).astype(np.float32)
+    amx, fma = _session(pw, bias), _session(pw, bias, prompt_amx=0)
+    x = np.random.default_rng(19).standard_normal((301, k)).astype(np.float32)
+    x[:, 7] *= 40.0  # an outlier channel, as real activations have
+    whole = amx.run(None, {"x": x})[0]
+    for rows in (9, 16, 17, 33, 64, 301):  # partial row tiles, one, a 32-row pair and one more, many tasks
+        got, plain = amx.run(None, {"x": x[:rows]})[0], fma.run(None, {"x": x[:rows]})[0]
+        if not _split(blocks):  # no AMX here, or Q6_K's blocks of 16: the FMA tiles
+            np.testing.assert_array_equal(got, plain)
+            continue
+        want = _want(x[:rows], w, bias)
+        err, bound = np.abs(got - want), _split_bound(x[:rows], blocks, bias)
+        assert (err <= bound).all(), f"rows={rows}: worst error / bound {(err / bound).max():.3g}"
+        assert not np.array_equal(got, plain)  # the AMX path ran
+        assert err.max() <= np.abs(plain - want).max()  # and is as close to float64 as float32 FMAs
+        np.testing.assert_array_equal(got, whole[:rows])  # rows do not change bits
+    for decode in (False, True):  # 16-bit steps: unchanged
+        rows = 8 if not decode else 46
+        a, b = _session(pw, bias, decode=decode), _session(pw, bias, decode=decode, prompt_amx=0)
+        np.testing.assert_array_equal(a.run(None, {"x": x[:rows]})[0], b.run(None, {"x": x[:rows]})[0])
+
+
+@pytest.mark.parametrize("value", [np.inf, np.nan, 2.0 ** 101, 2.0 ** -101])
+def test_prompt_steps_the_amx_path_refuses_take_the_fma_tiles(value: float) -> None:
+    """A non-finite x, |x| >= 2^100 (products with the codes near float32's top) or a nonzero |x| < 2^-100 (its
+    last bfloat16 piece would be subnormal, which AMX reads as 0): the whole step takes the FMA tiles, the same
+    bits as prompt_amx = 0."""
+    blocks, _ = _blocks("Q4_1", 40, 96)
+    pw = panel_weights(blocks)
+    x = np.random.default_rng(20).standard_normal((40, 96)).astype(np.float32)
+    x[37, 11] = value  # in the second range of rows the op splits on its own thread
+    with np.errstate(invalid="ignore", over="ignore"):
+        got = _session(pw).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(got, _session(pw, prompt_amx=0).run(None, {"x": x})[0])
+
+
+def test_prompt_amx_must_be_0_or_1() -> None:
+    pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
+    with pytest.raises(Exception, match=r"octavo\.BlockMatMul: prompt_amx must be 0 or 1, got 3"):
+        _session(pw, prompt_amx=3)

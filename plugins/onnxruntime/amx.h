@@ -22,6 +22,7 @@ void amx_end_tiles();
     defined(__AVX512VL__)
 #define OCTAVO_AMX 1
 #define OCTAVO_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#define OCTAVO_AMX_INT8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16,amx-int8")))
 #endif
 
 }  // namespace octavo

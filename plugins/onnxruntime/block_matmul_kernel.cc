@@ -911,7 +911,7 @@ bool quantize_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t
 }
 
 int64_t block_matmul_task_panels(const Activations& a) {
-  if (a.bf16) return 4;
+  if (a.bf16 || a.split) return 4;
 #if defined(OCTAVO_BLOCK_AVX2)
   return a.integer && a.rows <= kIntRows ? 1 : kGroup;
 #else
@@ -922,6 +922,7 @@ int64_t block_matmul_task_panels(const Activations& a) {
 
 int64_t block_matmul_task_rows(const BlockWeights& w, const Activations& a) {
   if (a.bf16) return bf16_task_rows(a);
+  if (a.split) return split_task_rows(w, a);
 #if defined(OCTAVO_BLOCK_AVX2)
   if (a.integer) return std::max<int64_t>(1, a.rows);
   const int64_t x_row_bytes = std::min(w.k, kChunk) * static_cast<int64_t>(sizeof(float));
@@ -938,7 +939,8 @@ void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outp
   r1 = std::min(r1, a.rows);
   if (r0 >= r1 || first >= last) return;
   if (a.integer && r0 != 0) return;  // the 16-bit paths run all rows in the first row block's tasks
-  if (a.bf16) return amx_panels(w, a, y, first, last, r0, r1);
+  if (a.bf16 || a.split) return amx_panels(w, a, y, first, last, r0, r1);
+  if (a.amx_int) return amx_int_panels(w, a, y, first, last);
   if (w.bits == 8) {
     run_range<8>(w, a, y, first, last, r0, r1);
   } else {

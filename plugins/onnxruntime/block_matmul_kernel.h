@@ -27,9 +27,13 @@
 //   an exact int32 sum (8-bit codes: > 256), or (past 8 rows) blocks longer than a chunk (1536).
 // - the float32 path, every other step (a prompt's, so its logits are float32 over the file's exact values):
 //   weights dequantized to float32 (the file's values) chunk by chunk, float32 FMA tiles.
+// On AMX CPUs (AVX-512 builds, block_matmul_amx.cc) the 16-bit path's decode batches run the same integer sums
+// on AMX-INT8 tiles (the same bits), and the float32 path's steps the float32-grade split path below (other last
+// bits, a tighter error bound) unless the node says prompt_amx = 0, or the bfloat16 path where prompt_bf16 = 1.
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 
 #include "amx.h"
@@ -77,6 +81,20 @@ struct Outputs {
   }
 };
 
+// Buffers of the AMX paths: 64-byte aligned, so that every 64-byte tile row is one cache line (new[] gives 16).
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using TileBuffer = std::unique_ptr<uint16_t[], AlignedFree>;
+inline TileBuffer tile_buffer(int64_t elements) {
+  const size_t bytes = (static_cast<size_t>(elements) * sizeof(uint16_t) + 63) / 64 * 64;
+  return TileBuffer(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)));
+}
+using ByteBuffer = std::unique_ptr<uint8_t[], AlignedFree>;
+inline ByteBuffer byte_buffer(int64_t bytes) {
+  return ByteBuffer(static_cast<uint8_t*>(std::aligned_alloc(64, (static_cast<size_t>(bytes) + 63) / 64 * 64)));
+}
+
 // x [rows, k] prepared once per call, shared by every panel (read-only while the panels run).
 struct Activations {
   const float* x = nullptr;
@@ -88,8 +106,16 @@ struct Activations {
   // the bfloat16 path (block_matmul_amx.cc), a prompt's steps where the node asks for it and AMX runs here
   bool bf16 = false;
   int64_t k_padded = 0;                 // k rounded up to a multiple of 32 (one tile's k), zeros past k
-  std::unique_ptr<uint16_t[]> xb;       // [rows rounded up to 16, k_padded] x in bfloat16, zero rows past rows
-  std::unique_ptr<uint16_t[]> wb;       // [panels, k_padded / 2, 32] W in bfloat16, pairs of k per column
+  TileBuffer xb;                        // [rows rounded up to 16, k_padded] x in bfloat16, zero rows past rows
+  TileBuffer wb;                        // [panels, k_padded / 2, 32] W in bfloat16, pairs of k per column
+  // the float32-grade AMX path (block_matmul_amx.cc): xb holds x's three bfloat16 pieces, piece_stride apart,
+  // wb the codes in bfloat16, block_sums [rows rounded up to 16, nb] the float32 block sums of x
+  bool split = false;
+  int64_t piece_stride = 0;
+  // the 16-bit path's decode batches on AMX-INT8 (block_matmul_amx.cc): q's low and high bytes, [rows rounded up
+  // to 16, k], zero rows past rows
+  bool amx_int = false;
+  ByteBuffer xlo, xhi;
 };
 
 // Sizes a's buffers and returns true when the 16-bit path may take this step; quantize_rows then fills rows
@@ -123,6 +149,30 @@ bool begin_bf16(const BlockWeights& w, Activations& a);
 void bf16_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 void bf16_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 int64_t bf16_task_rows(const Activations& a);  // rows per task: a multiple of 32
+// The float32-grade AMX path for the float32 path's steps (nodes with prompt_amx = 1, the default): each x is
+// split into three bfloat16 pieces x0 + x1 + x2 that add up to it exactly (24 bits of significand = 3 x 8), and
+// the codes (integers < 256) are exact in bfloat16, so every product AMX forms is exact; per block and output,
+// C = sum over the block's k of (x2 + x1 + x0) * code in float32 (TDPBF16PS, smallest piece first), then y +=
+// scale * C + offset * (float32 block sum of x), over the blocks in order. The error is float32 rounding of
+// 3 * block_size + nb sums, as the float32 path's over K, but not its bits. Blocks must be a multiple of 32 (not
+// Q6_K's 16); a step with a non-finite x, |x| >= 2^100 or a nonzero |x| < 2^-100 takes the float32 path.
+// Rows are tiled 32 at a time, 2 panels a tile: an output's bits do not depend on the task ranges or on the
+// other rows of the step.
+// The 16-bit path's steps of more than kIntRows rows (decode batches) on AMX-INT8 tiles, where the CPU has them
+// and blocks are a multiple of 32: each 16-bit x = 256 * high + low (high signed, low unsigned bytes), so a block's
+// int32 sum of x * code is 256 * (high x code, TDPBSUD) + (low x code, TDPBUUD), the 16-bit tiles' integer
+// exactly, scaled by the same float32 operations in the same order: the same bits as the 16-bit tiles (and so a
+// row's bits still do not depend on its batch). Sets a.amx_int after the 16-bit path took the step; int_rows
+// then fills the bytes of rows [first, last) of the padded rows (concurrent calls on disjoint ranges are safe).
+bool begin_amx_int(const BlockWeights& w, Activations& a);
+void int_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
+void amx_int_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last);
+bool begin_split(const BlockWeights& w, Activations& a);
+// Fill rows [first, last) of the padded rows (false: a value the path refuses, the step must take the float32
+// path) and the code panels [first, last); concurrent calls on disjoint ranges are safe.
+bool split_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
+void split_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
+int64_t split_task_rows(const BlockWeights& w, const Activations& a);  // a multiple of 32
 void amx_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last, int64_t r0,
                 int64_t r1);
 // The file's float32 values of panel p, k in [k0, k1) (multiples of 4), as buf[(k - k0) * 16 + column]: the

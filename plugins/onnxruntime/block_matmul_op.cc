@@ -96,6 +96,36 @@ void bf16_task(void* user_data, size_t index) {
   }
 }
 
+struct SplitJob {
+  const octavo::BlockWeights* weights;
+  octavo::Activations* activations;
+  int64_t row_tasks;  // tasks [0, row_tasks) split x (kQuantizeRows rows each), the rest the codes' panels
+  int64_t panels;
+  uint8_t* ok;        // per row task: every value can take the split path
+};
+
+void split_task(void* user_data, size_t index) {
+  const auto* job = static_cast<const SplitJob*>(user_data);
+  const int64_t i = static_cast<int64_t>(index);
+  if (i < job->row_tasks) {
+    job->ok[i] = octavo::split_rows(*job->weights, *job->activations, i * kQuantizeRows, (i + 1) * kQuantizeRows);
+  } else {
+    const int64_t first = (i - job->row_tasks) * kBf16Panels;
+    octavo::split_panels(*job->weights, *job->activations, first, std::min(job->panels, first + kBf16Panels));
+  }
+}
+
+struct IntRowsJob {
+  const octavo::BlockWeights* weights;
+  octavo::Activations* activations;
+};
+
+void int_rows_task(void* user_data, size_t index) {
+  const auto* job = static_cast<const IntRowsJob*>(user_data);
+  const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
+  octavo::int_rows(*job->weights, *job->activations, first, first + kQuantizeRows);
+}
+
 struct QuantizeJob {
   const octavo::BlockWeights* weights;
   octavo::Activations* activations;
@@ -114,6 +144,7 @@ struct Kernel {
   int64_t k, n, bits, block_size;
   std::vector<int64_t> splits;  // columns of each output ({N}: one output)
   bool prompt_bf16;             // the float32 path's steps may take the bfloat16 path (block_matmul_kernel.h)
+  bool prompt_amx;              // ... or, otherwise, the float32-grade AMX path (block_matmul_kernel.h)
 
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
@@ -184,6 +215,12 @@ struct Kernel {
       QuantizeJob quantize{&w, &activations, rows, ok.data()};
       octavo::glue::parallel_for(api, context, quantize_task, static_cast<size_t>(ranges), &quantize);
       activations.integer = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
+      if (octavo::begin_amx_int(w, activations)) {
+        IntRowsJob bytes{&w, &activations};
+        const int64_t padded = (rows + 15) / 16 * 16;
+        octavo::glue::parallel_for(api, context, int_rows_task, static_cast<size_t>((padded + kQuantizeRows - 1) / kQuantizeRows),
+                                   &bytes);
+      }
     }
     if (prompt_bf16 && !activations.integer && octavo::begin_bf16(w, activations)) {
       const int64_t padded = (rows + 15) / 16 * 16;
@@ -191,6 +228,15 @@ struct Kernel {
       Bf16Job prepare{&w, &activations, row_tasks, panels};
       const int64_t tasks = row_tasks + (panels + kBf16Panels - 1) / kBf16Panels;
       octavo::glue::parallel_for(api, context, bf16_task, static_cast<size_t>(tasks), &prepare);
+    } else if (prompt_amx && !activations.integer && octavo::begin_split(w, activations)) {
+      const int64_t padded = (rows + 15) / 16 * 16;
+      const int64_t row_tasks = (padded + kQuantizeRows - 1) / kQuantizeRows;
+      std::vector<uint8_t> ok(static_cast<size_t>(row_tasks), 0);
+      SplitJob prepare{&w, &activations, row_tasks, panels, ok.data()};
+      const int64_t tasks = row_tasks + (panels + kBf16Panels - 1) / kBf16Panels;
+      octavo::glue::parallel_for(api, context, split_task, static_cast<size_t>(tasks), &prepare);
+      // a value the split path refuses (not finite, huge, tiny): the whole step takes the float32 path
+      activations.split = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
     }
     const int64_t per_task = octavo::block_matmul_task_panels(activations);
     const int64_t rows_per_task = octavo::block_matmul_task_rows(w, activations);
@@ -253,7 +299,9 @@ struct BlockMatMulOp : OrtCustomOp {
         }
         const int64_t prompt_bf16 = optional_int(api, info, "prompt_bf16", 0);
         if (prompt_bf16 != 0 && prompt_bf16 != 1) fail("prompt_bf16 must be 0 or 1, got " + std::to_string(prompt_bf16));
-        *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits), prompt_bf16 == 1};
+        const int64_t prompt_amx = optional_int(api, info, "prompt_amx", 1);
+        if (prompt_amx != 0 && prompt_amx != 1) fail("prompt_amx must be 0 or 1, got " + std::to_string(prompt_amx));
+        *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits), prompt_bf16 == 1, prompt_amx == 1};
         return nullptr;
       } catch (const Failure& f) {
         return api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());
