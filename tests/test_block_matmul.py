@@ -533,3 +533,38 @@ def test_prompt_amx_must_be_0_or_1() -> None:
     pw = panel_weights(_blocks("Q4_0", 24, 96)[0])
     with pytest.raises(Exception, match=r"octavo\.BlockMatMul: prompt_amx must be 0 or 1, got 3"):
         _session(pw, prompt_amx=3)
+
+
+_AMX_OFF_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_block_matmul import _blocks, _session
+from octavo.export.block_layout import panel_weights
+blocks, _ = _blocks("Q4_1", 149, 576, seed=21)
+pw = panel_weights(blocks)
+x = np.random.default_rng(22).standard_normal((64, 576)).astype(np.float32)
+np.savez(sys.argv[2], prompt=_session(pw).run(None, {"x": x})[0],
+         bf16=_session(pw, prompt_bf16=1).run(None, {"x": x})[0],
+         decode=_session(pw, decode=True).run(None, {"x": x[:46]})[0])
+"""
+
+
+def test_octavo_amx_0_turns_every_amx_path_off(tmp_path: Path) -> None:
+    """OCTAVO_AMX=0 (read once per process): a prompt step of the default node and of a prompt_bf16 node are the
+    FMA tiles' bits (prompt_amx = 0), a decode batch the 16-bit tiles' (the same bits either way)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "off.npz"
+    subprocess.run([sys.executable, "-c", _AMX_OFF_SCRIPT, str(Path(__file__).parent), str(out)], check=True,
+                   env={**os.environ, "OCTAVO_AMX": "0"}, timeout=300)
+    got = np.load(out)
+    blocks, _ = _blocks("Q4_1", 149, 576, seed=21)
+    pw = panel_weights(blocks)
+    x = np.random.default_rng(22).standard_normal((64, 576)).astype(np.float32)
+    fma = _session(pw, prompt_amx=0).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got["prompt"], fma)
+    np.testing.assert_array_equal(got["bf16"], fma)
+    np.testing.assert_array_equal(got["decode"], _session(pw, decode=True).run(None, {"x": x[:46]})[0])

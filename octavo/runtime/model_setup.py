@@ -6,6 +6,7 @@ TensorRT rules (fp32 weights only; the pool dtype is fixed at build time).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,10 @@ def warn_without_amx(manifest: Manifest) -> None:
         return
     from octavo.build.op_variants import cpu_flags
 
-    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset()):
+    if os.environ.get("OCTAVO_AMX") == "0":
+        logger.warning("this export asks for bfloat16 prompt steps (quant_kernel 'block-bf16'), but OCTAVO_AMX=0 "
+                       "turns the AMX paths off: they run in float32, as with 'block'")
+    elif not {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset()):
         logger.warning("this export asks for bfloat16 prompt steps (quant_kernel 'block-bf16'), but this CPU has "
                        "no AMX-BF16: they run in float32, as with 'block'")
 

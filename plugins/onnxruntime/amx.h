@@ -1,7 +1,9 @@
 // Whether this process may run AMX bfloat16 tiles (block_matmul_amx.cc): the CPU has AMX-TILE, AMX-BF16 and
 // AVX512-BF16 (with F, BW, VL), the OS saves their state, and Linux granted this process the tile data state
 // (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). The bfloat16 prompt paths of BlockMatMul and PagedAttention
-// (nodes with prompt_bf16 = 1) run only where this is true; elsewhere those nodes compute in float32.
+// (nodes with prompt_bf16 = 1) run only where this is true; elsewhere those nodes compute in float32. So do
+// BlockMatMul's default AMX paths (block_matmul_kernel.h). OCTAVO_AMX=0 in the environment makes it false for the
+// process: every node then computes as on a CPU without AMX (read once, at the first AMX question).
 #pragma once
 
 namespace octavo {

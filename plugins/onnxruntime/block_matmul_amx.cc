@@ -20,6 +20,7 @@
 #include "block_matmul_kernel.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "amx.h"
@@ -57,6 +58,11 @@ bool detect_amx() {
   if ((xcr0 & 0xE6) != 0xE6 || (xcr0 >> 17 & 3) != 3) return false;  // the OS saves ZMM and tile state
   // Linux hands the tile data state (8 KiB per thread) only to a process that asks for it (for every thread)
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) == 0;
+}
+
+bool amx_disabled_by_environment() {
+  const char* value = std::getenv("OCTAVO_AMX");
+  return value != nullptr && std::strcmp(value, "0") == 0;
 }
 
 bool detect_amx_int8() {
@@ -555,7 +561,8 @@ void amx_end_tiles() {
 
 bool amx_bf16_usable() {
 #if defined(OCTAVO_AMX)
-  static const bool usable = detect_amx();
+  // OCTAVO_AMX=0: no AMX path in this process (the FMA / VNNI tiles everywhere: the bits of a CPU without AMX)
+  static const bool usable = !amx_disabled_by_environment() && detect_amx();
   return usable;
 #else
   return false;
