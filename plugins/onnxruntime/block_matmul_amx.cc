@@ -231,22 +231,50 @@ OCTAVO_AMX_TARGET bool split_rows_range(const BlockWeights& w, Activations& a, i
   return bad == 0;
 }
 
-// 32 unsigned 16-bit codes (in the pair's element order) as 32 bfloat16 (exact: codes < 256).
+// 32 signed 16-bit codes (in the pair's element order) as 32 bfloat16 (exact: |code| < 256).
 OCTAVO_AMX_TARGET inline __m512i codes_bf16(__m512i codes) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, 1)));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(codes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(codes, 1)));
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// Panel p's codes as bfloat16 in the tiles' pair-of-k layout: out[(k / 2) * 32 + e], e = 2c + k % 2 -- the
-// element order the codes input already has for every pair (block_matmul_kernel.h).
-OCTAVO_AMX_TARGET void code_pairs(const BlockWeights& w, int64_t p, uint16_t* out) {
-  const int64_t pairs = w.k / 2;
+OCTAVO_AMX_TARGET inline __m512 load_params(const BlockWeights& w, const void* base, int64_t index) {
+  if (w.half_scales) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(base) + index);
+}
+
+// Block b of panel p: where a column's offset is exactly -z * scale for an integer z in [1, 255] (a zero point:
+// Q4_0's 8, Q5_0's 16, Q8_0's 128, the int8 / int4 exports'), its codes become code - z and its offset 0, the
+// same weights exactly; the term scale * C + offset * (block sum) then does not cancel. Returns z per element of
+// a pair ((z_c, z_c) in 32-bit lane c) and writes the offsets the split path uses to OFFSETS (16).
+OCTAVO_AMX_TARGET inline __m512i zero_points(const BlockWeights& w, int64_t p, int64_t b, float* offsets) {
+  const int64_t index = (p * (w.k / w.block_size) + b) * kPanel;
+  const __m512 scale = load_params(w, w.scales, index), offset = load_params(w, w.offsets, index);
+  const __m512 z = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(_mm512_setzero_ps(), offset), scale),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __mmask16 exact = _mm512_cmp_ps_mask(z, _mm512_set1_ps(1.0f), _CMP_GE_OQ) &
+                    _mm512_cmp_ps_mask(z, _mm512_set1_ps(255.0f), _CMP_LE_OQ);
+  exact &= _mm512_cmp_ps_mask(_mm512_fmadd_ps(z, scale, offset), _mm512_setzero_ps(), _CMP_EQ_OQ);  // z s + o == 0
+  _mm512_storeu_ps(offsets, _mm512_mask_mov_ps(offset, exact, _mm512_setzero_ps()));
+  const __m512i zi = _mm512_maskz_cvtps_epi32(exact, z);
+  return _mm512_or_si512(zi, _mm512_slli_epi32(zi, 16));
+}
+
+// Panel p's codes (minus their zero points, zero_points) as bfloat16 in the tiles' pair-of-k layout:
+// out[(k / 2) * 32 + e], e = 2c + k % 2 -- the element order the codes input already has for every pair
+// (block_matmul_kernel.h); the split path's offsets of the panel into OFFSETS ([nb][16]).
+OCTAVO_AMX_TARGET void code_pairs(const BlockWeights& w, int64_t p, uint16_t* out, float* offsets) {
+  const int64_t pairs = w.k / 2, block_pairs = w.block_size / 2;
   if (w.bits == 8) {
     const uint8_t* c = w.codes + p * pairs * 32;
-    for (int64_t j = 0; j < pairs; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 32)));
-      _mm512_storeu_si512(out + j * 32, codes_bf16(v));
+    for (int64_t b = 0; b * block_pairs < pairs; ++b) {
+      const __m512i z = zero_points(w, p, b, offsets + b * kPanel);
+      for (int64_t j = b * block_pairs; j < (b + 1) * block_pairs; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 32)));
+        _mm512_storeu_si512(out + j * 32, codes_bf16(_mm512_sub_epi16(v, z)));
+      }
     }
     return;
   }
@@ -256,11 +284,14 @@ OCTAVO_AMX_TARGET void code_pairs(const BlockWeights& w, int64_t p, uint16_t* ou
   const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
   const __m512i mask = _mm512_set1_epi16(15);
   const uint8_t* c = w.codes + p * pairs * 16;
-  for (int64_t j = 0; j < pairs; j += 2) {
-    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 16)));
-    const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_srli_epi16(bytes, 4);
-    _mm512_storeu_si512(out + j * 32, codes_bf16(_mm512_permutex2var_epi16(lo, even, hi)));
-    _mm512_storeu_si512(out + (j + 1) * 32, codes_bf16(_mm512_permutex2var_epi16(lo, odd, hi)));
+  for (int64_t b = 0; b * block_pairs < pairs; ++b) {
+    const __m512i z = zero_points(w, p, b, offsets + b * kPanel);
+    for (int64_t j = b * block_pairs; j < (b + 1) * block_pairs; j += 2) {  // blocks hold an even number of pairs
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * 16)));
+      const __m512i lo = _mm512_and_si512(bytes, mask), hi = _mm512_srli_epi16(bytes, 4);
+      _mm512_storeu_si512(out + j * 32, codes_bf16(_mm512_sub_epi16(_mm512_permutex2var_epi16(lo, even, hi), z)));
+      _mm512_storeu_si512(out + (j + 1) * 32, codes_bf16(_mm512_sub_epi16(_mm512_permutex2var_epi16(lo, odd, hi), z)));
+    }
   }
 }
 
@@ -298,21 +329,14 @@ OCTAVO_AMX_TARGET void split_store(float* c) {  // tile t * NP + g at c + (t * N
   if constexpr (RT == 2 && NP == 2) _tile_stored(3, c + 768, 64);
 }
 
-OCTAVO_AMX_TARGET inline __m512 load_params(const BlockWeights& w, const void* base, int64_t index) {
-  if (w.half_scales) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(base) + index);
-}
-
 // acc[t][g][r] += scale(b) * C[t][g][r] + offset(b) * sum_{t, r}(b), in that order (FIRST: acc starts at 0, as
 // the additions to +0.0f would give, but without reading it).
 template <int RT, int NP, bool First>
-OCTAVO_AMX_TARGET void split_scale(const BlockWeights& w, int64_t p, int64_t b, const float* c, const float* sums,
-                                   int64_t nb, float* acc) {
+OCTAVO_AMX_TARGET void split_scale(const BlockWeights& w, const Activations& a, int64_t p, int64_t b, const float* c,
+                                   const float* sums, int64_t nb, float* acc) {
   for (int g = 0; g < NP; ++g) {
     const int64_t index = ((p + g) * nb + b) * kPanel;
-    const __m512 scale = load_params(w, w.scales, index), offset = load_params(w, w.offsets, index);
+    const __m512 scale = load_params(w, w.scales, index), offset = _mm512_loadu_ps(a.split_offsets.get() + index);
     for (int t = 0; t < RT; ++t) {
       const float* ct = c + (t * NP + g) * 256;
       float* at = acc + (t * NP + g) * 256;
@@ -347,16 +371,16 @@ OCTAVO_AMX_TARGET void split_tile(const BlockWeights& w, const Activations& a, c
   for (int64_t b = 1; b < nb; ++b) {
     split_issue<RT, NP>(x, stride, piece, tile_rows, b0, b1, b * bs, (b + 1) * bs);
     if (b == 1) {
-      split_scale<RT, NP, true>(w, p, 0, c[0], sums, nb, acc);
+      split_scale<RT, NP, true>(w, a, p, 0, c[0], sums, nb, acc);
     } else {
-      split_scale<RT, NP, false>(w, p, b - 1, c[(b - 1) & 1], sums, nb, acc);
+      split_scale<RT, NP, false>(w, a, p, b - 1, c[(b - 1) & 1], sums, nb, acc);
     }
     split_store<RT, NP>(c[b & 1]);
   }
   if (nb == 1) {
-    split_scale<RT, NP, true>(w, p, 0, c[0], sums, nb, acc);
+    split_scale<RT, NP, true>(w, a, p, 0, c[0], sums, nb, acc);
   } else {
-    split_scale<RT, NP, false>(w, p, nb - 1, c[(nb - 1) & 1], sums, nb, acc);
+    split_scale<RT, NP, false>(w, a, p, nb - 1, c[(nb - 1) & 1], sums, nb, acc);
   }
   for (int t = 0; t < RT; ++t) {
     const int64_t top = row + t * kTileM, rows = std::min<int64_t>(kTileM, count - t * kTileM);
@@ -628,6 +652,7 @@ bool begin_split(const BlockWeights& w, Activations& a) {
   a.xb = tile_buffer(3 * a.piece_stride);  // not zeroed: split_rows writes all of it
   a.wb = tile_buffer(w.panels() * a.k_padded / 2 * 32);
   a.block_sums.reset(new float[static_cast<size_t>(rows * nb)]);
+  a.split_offsets.reset(new float[static_cast<size_t>(w.panels() * nb * kPanel)]);
   a.split = true;
   return true;
 #else
@@ -648,7 +673,10 @@ bool split_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t la
 
 void split_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last) {
 #if defined(OCTAVO_AMX)
-  for (int64_t p = first; p < last; ++p) code_pairs(w, p, a.wb.get() + p * (a.k_padded / 2) * 32);
+  const int64_t nb = w.k / w.block_size;
+  for (int64_t p = first; p < last; ++p) {
+    code_pairs(w, p, a.wb.get() + p * (a.k_padded / 2) * 32, a.split_offsets.get() + p * nb * kPanel);
+  }
 #else
   (void)w, (void)a, (void)first, (void)last;
 #endif

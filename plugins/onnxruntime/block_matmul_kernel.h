@@ -112,6 +112,7 @@ struct Activations {
   // wb the codes in bfloat16, block_sums [rows rounded up to 16, nb] the float32 block sums of x
   bool split = false;
   int64_t piece_stride = 0;
+  std::unique_ptr<float[]> split_offsets;  // [panels, nb, 16] offsets, 0 where a zero point moved into the codes
   // the 16-bit path's decode batches on AMX-INT8 (block_matmul_amx.cc): q's low and high bytes, [rows rounded up
   // to 16, k], zero rows past rows
   bool amx_int = false;
@@ -153,7 +154,8 @@ int64_t bf16_task_rows(const Activations& a);  // rows per task: a multiple of 3
 // split into three bfloat16 pieces x0 + x1 + x2 that add up to it exactly (24 bits of significand = 3 x 8), and
 // the codes (integers < 256) are exact in bfloat16, so every product AMX forms is exact; per block and output,
 // C = sum over the block's k of (x2 + x1 + x0) * code in float32 (TDPBF16PS, smallest piece first), then y +=
-// scale * C + offset * (float32 block sum of x), over the blocks in order. The error is float32 rounding of
+// scale * C + offset * (float32 block sum of x), over the blocks in order. Where offset = -z * scale exactly
+// (a zero point z in [1, 255]), code - z and offset 0 take their place: the same weights, no cancelling term. The error is float32 rounding of
 // 3 * block_size + nb sums, as the float32 path's over K, but not its bits. Blocks must be a multiple of 32 (not
 // Q6_K's 16); a step with a non-finite x, |x| >= 2^100 or a nonzero |x| < 2^-100 takes the float32 path.
 // Rows are tiled 32 at a time, 2 panels a tile: an output's bits do not depend on the task ranges or on the
