@@ -332,11 +332,11 @@ OCTAVO_AMX_TARGET void split_store(float* c) {  // tile t * NP + g at c + (t * N
 // acc[t][g][r] += scale(b) * C[t][g][r] + offset(b) * sum_{t, r}(b), in that order (FIRST: acc starts at 0, as
 // the additions to +0.0f would give, but without reading it).
 template <int RT, int NP, bool First>
-OCTAVO_AMX_TARGET void split_scale(const BlockWeights& w, const Activations& a, int64_t p, int64_t b, const float* c,
+OCTAVO_AMX_TARGET void split_scale(const BlockWeights& w, const float* offsets, int64_t p, int64_t b, const float* c,
                                    const float* sums, int64_t nb, float* acc) {
   for (int g = 0; g < NP; ++g) {
     const int64_t index = ((p + g) * nb + b) * kPanel;
-    const __m512 scale = load_params(w, w.scales, index), offset = _mm512_loadu_ps(a.split_offsets.get() + index);
+    const __m512 scale = load_params(w, w.scales, index), offset = _mm512_loadu_ps(offsets + (g * nb + b) * kPanel);
     for (int t = 0; t < RT; ++t) {
       const float* ct = c + (t * NP + g) * 256;
       float* at = acc + (t * NP + g) * 256;
@@ -352,14 +352,13 @@ OCTAVO_AMX_TARGET void split_scale(const BlockWeights& w, const Activations& a, 
   }
 }
 
-// RT x 16 rows from ROW (COUNT of them real) x NP panels from P on the split path.
+// RT x 16 rows from ROW (COUNT of them real) x NP panels from P on the split path; B0 (B1): the panels' codes in
+// bfloat16 pairs (code_pairs), OFFSETS their split offsets ([NP][nb][16]).
 template <int RT, int NP>
 OCTAVO_AMX_TARGET void split_tile(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t p, int64_t row,
-                                  int64_t count) {
-  const int64_t kp = a.k_padded, pairs = kp / 2, nb = w.k / w.block_size, bs = w.block_size;
+                                  int64_t count, const uint16_t* b0, const uint16_t* b1, const float* offsets) {
+  const int64_t kp = a.k_padded, nb = w.k / w.block_size, bs = w.block_size;
   const uint16_t* x = a.xb.get() + row * kp;
-  const uint16_t* b0 = a.wb.get() + p * pairs * 32;
-  const uint16_t* b1 = b0 + pairs * 32;
   const float* sums = a.block_sums.get() + row * nb;
   const int64_t stride = kp * static_cast<int64_t>(sizeof(uint16_t)), piece = a.piece_stride, tile_rows = kTileM * kp;
   constexpr int kTiles = RT * NP;
@@ -371,16 +370,16 @@ OCTAVO_AMX_TARGET void split_tile(const BlockWeights& w, const Activations& a, c
   for (int64_t b = 1; b < nb; ++b) {
     split_issue<RT, NP>(x, stride, piece, tile_rows, b0, b1, b * bs, (b + 1) * bs);
     if (b == 1) {
-      split_scale<RT, NP, true>(w, a, p, 0, c[0], sums, nb, acc);
+      split_scale<RT, NP, true>(w, offsets, p, 0, c[0], sums, nb, acc);
     } else {
-      split_scale<RT, NP, false>(w, a, p, b - 1, c[(b - 1) & 1], sums, nb, acc);
+      split_scale<RT, NP, false>(w, offsets, p, b - 1, c[(b - 1) & 1], sums, nb, acc);
     }
     split_store<RT, NP>(c[b & 1]);
   }
   if (nb == 1) {
-    split_scale<RT, NP, true>(w, a, p, 0, c[0], sums, nb, acc);
+    split_scale<RT, NP, true>(w, offsets, p, 0, c[0], sums, nb, acc);
   } else {
-    split_scale<RT, NP, false>(w, a, p, nb - 1, c[(nb - 1) & 1], sums, nb, acc);
+    split_scale<RT, NP, false>(w, offsets, p, nb - 1, c[(nb - 1) & 1], sums, nb, acc);
   }
   for (int t = 0; t < RT; ++t) {
     const int64_t top = row + t * kTileM, rows = std::min<int64_t>(kTileM, count - t * kTileM);
@@ -388,17 +387,29 @@ OCTAVO_AMX_TARGET void split_tile(const BlockWeights& w, const Activations& a, c
   }
 }
 
+// The task's panels [first, last) (a group of 4: block_matmul_task_panels) are converted to bfloat16 code pairs
+// here, into a buffer of the task's own (4 x K x 32 bytes: 72 KiB at K = 576, 512 KiB at 4096), not once per
+// step for the whole matrix: no per-step buffer of the weights' size, at the cost of one conversion per row block.
 OCTAVO_AMX_TARGET void run_split(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first,
                                  int64_t last, int64_t r0, int64_t r1) {
+  const int64_t pairs = w.k / 2, nb = w.k / w.block_size, panels = last - first;
+  TileBuffer codes = tile_buffer(panels * pairs * 32);
+  std::unique_ptr<float[]> offsets(new float[static_cast<size_t>(panels * nb * kPanel)]);
+  for (int64_t g = 0; g < panels; ++g) {
+    code_pairs(w, first + g, codes.get() + g * pairs * 32, offsets.get() + g * nb * kPanel);
+  }
   load_tiles();
   for (int64_t p = first; p < last; p += 2) {
     const bool two = last - p >= 2;
+    const uint16_t* b0 = codes.get() + (p - first) * pairs * 32;
+    const uint16_t* b1 = two ? b0 + pairs * 32 : nullptr;
+    const float* off = offsets.get() + (p - first) * nb * kPanel;
     for (int64_t row = r0; row < r1; row += 2 * kTileM) {
       const int64_t count = std::min<int64_t>(2 * kTileM, r1 - row);
       if (count > kTileM) {
-        two ? split_tile<2, 2>(w, a, y, p, row, count) : split_tile<2, 1>(w, a, y, p, row, count);
+        two ? split_tile<2, 2>(w, a, y, p, row, count, b0, b1, off) : split_tile<2, 1>(w, a, y, p, row, count, b0, b1, off);
       } else {
-        two ? split_tile<1, 2>(w, a, y, p, row, count) : split_tile<1, 1>(w, a, y, p, row, count);
+        two ? split_tile<1, 2>(w, a, y, p, row, count, b0, b1, off) : split_tile<1, 1>(w, a, y, p, row, count, b0, b1, off);
       }
     }
   }
@@ -650,9 +661,7 @@ bool begin_split(const BlockWeights& w, Activations& a) {
   const int64_t rows = (a.rows + kTileM - 1) / kTileM * kTileM, nb = w.k / w.block_size;
   a.piece_stride = rows * a.k_padded;
   a.xb = tile_buffer(3 * a.piece_stride);  // not zeroed: split_rows writes all of it
-  a.wb = tile_buffer(w.panels() * a.k_padded / 2 * 32);
   a.block_sums.reset(new float[static_cast<size_t>(rows * nb)]);
-  a.split_offsets.reset(new float[static_cast<size_t>(w.panels() * nb * kPanel)]);
   a.split = true;
   return true;
 #else
@@ -668,17 +677,6 @@ bool split_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t la
 #else
   (void)w, (void)a, (void)first, (void)last;
   return false;
-#endif
-}
-
-void split_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last) {
-#if defined(OCTAVO_AMX)
-  const int64_t nb = w.k / w.block_size;
-  for (int64_t p = first; p < last; ++p) {
-    code_pairs(w, p, a.wb.get() + p * (a.k_padded / 2) * 32, a.split_offsets.get() + p * nb * kPanel);
-  }
-#else
-  (void)w, (void)a, (void)first, (void)last;
 #endif
 }
 

@@ -109,10 +109,9 @@ struct Activations {
   TileBuffer xb;                        // [rows rounded up to 16, k_padded] x in bfloat16, zero rows past rows
   TileBuffer wb;                        // [panels, k_padded / 2, 32] W in bfloat16, pairs of k per column
   // the float32-grade AMX path (block_matmul_amx.cc): xb holds x's three bfloat16 pieces, piece_stride apart,
-  // wb the codes in bfloat16, block_sums [rows rounded up to 16, nb] the float32 block sums of x
+  // block_sums [rows rounded up to 16, nb] the float32 block sums of x (each task converts its panels' codes)
   bool split = false;
   int64_t piece_stride = 0;
-  std::unique_ptr<float[]> split_offsets;  // [panels, nb, 16] offsets, 0 where a zero point moved into the codes
   // the 16-bit path's decode batches on AMX-INT8 (block_matmul_amx.cc): q's low and high bytes, [rows rounded up
   // to 16, k], zero rows past rows
   bool amx_int = false;
@@ -171,9 +170,8 @@ void int_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last
 void amx_int_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last);
 bool begin_split(const BlockWeights& w, Activations& a);
 // Fill rows [first, last) of the padded rows (false: a value the path refuses, the step must take the float32
-// path) and the code panels [first, last); concurrent calls on disjoint ranges are safe.
+// path); concurrent calls on disjoint ranges are safe.
 bool split_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
-void split_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 int64_t split_task_rows(const BlockWeights& w, const Activations& a);  // a multiple of 32
 void amx_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last, int64_t r0,
                 int64_t r1);

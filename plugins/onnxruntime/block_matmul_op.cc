@@ -99,20 +99,13 @@ void bf16_task(void* user_data, size_t index) {
 struct SplitJob {
   const octavo::BlockWeights* weights;
   octavo::Activations* activations;
-  int64_t row_tasks;  // tasks [0, row_tasks) split x (kQuantizeRows rows each), the rest the codes' panels
-  int64_t panels;
-  uint8_t* ok;        // per row task: every value can take the split path
+  uint8_t* ok;  // per task of kQuantizeRows rows: every value can take the split path
 };
 
 void split_task(void* user_data, size_t index) {
   const auto* job = static_cast<const SplitJob*>(user_data);
-  const int64_t i = static_cast<int64_t>(index);
-  if (i < job->row_tasks) {
-    job->ok[i] = octavo::split_rows(*job->weights, *job->activations, i * kQuantizeRows, (i + 1) * kQuantizeRows);
-  } else {
-    const int64_t first = (i - job->row_tasks) * kBf16Panels;
-    octavo::split_panels(*job->weights, *job->activations, first, std::min(job->panels, first + kBf16Panels));
-  }
+  const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
+  job->ok[index] = octavo::split_rows(*job->weights, *job->activations, first, first + kQuantizeRows);
 }
 
 struct IntRowsJob {
@@ -232,9 +225,8 @@ struct Kernel {
       const int64_t padded = (rows + 15) / 16 * 16;
       const int64_t row_tasks = (padded + kQuantizeRows - 1) / kQuantizeRows;
       std::vector<uint8_t> ok(static_cast<size_t>(row_tasks), 0);
-      SplitJob prepare{&w, &activations, row_tasks, panels, ok.data()};
-      const int64_t tasks = row_tasks + (panels + kBf16Panels - 1) / kBf16Panels;
-      octavo::glue::parallel_for(api, context, split_task, static_cast<size_t>(tasks), &prepare);
+      SplitJob prepare{&w, &activations, ok.data()};
+      octavo::glue::parallel_for(api, context, split_task, static_cast<size_t>(row_tasks), &prepare);
       // a value the split path refuses (not finite, huge, tiny): the whole step takes the float32 path
       activations.split = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
     }
