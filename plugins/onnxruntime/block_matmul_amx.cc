@@ -4,8 +4,8 @@
 // TDPBF16PS over 32 k at a time (x rows in tmm4-5, the panels' pairs of k in tmm6-7): 16 x 16 x 32
 // multiply-adds an instruction, ~23 times the float32 FMA tiles' per cycle on a Sapphire Rapids core. Before the
 // tiles run, the step's x is rounded to bfloat16 once (bf16_rows) and each panel's file values are dequantized
-// to float32 (the float32 path's dequantize_panel) and rounded to bfloat16 in the tiles' pair-of-k layout once
-// per step (bf16_panels), both a task per range and shared by every task.
+// to float32 (the float32 path's dequantize_panel) and rounded to bfloat16 in the tiles' pair-of-k layout by the
+// tasks that use it (bf16_panel, once per task: 4 panels x a row block).
 //
 // The float32-grade path (the default for a prompt's steps, prompt_amx = 1): x is split into three bfloat16
 // pieces that add up to it exactly and multiplied by the codes themselves (integers < 256, exact in bfloat16), so
@@ -163,14 +163,34 @@ OCTAVO_AMX_TARGET void tile_block(const uint16_t* a, int64_t kp, const uint16_t*
   if constexpr (RT == 2 && NP == 2) _tile_stored(3, c + 768, 64);
 }
 
+// Panel p's file values (the float32 path's dequantize_panel, through a float32 staging buffer of kDequantK k) as
+// bfloat16 pairs of k (round_pairs) at OUT, zeros past k up to KP.
+OCTAVO_AMX_TARGET void bf16_panel(const BlockWeights& w, int64_t kp, int64_t p, float* staging, uint16_t* out) {
+  for (int64_t k0 = 0; k0 < w.k; k0 += kDequantK) {
+    const int64_t k1 = std::min(w.k, k0 + kDequantK);
+    dequantize_panel(w, p, k0, k1, staging);
+    round_pairs(staging, k0, k1, out);
+  }
+  std::memset(out + (w.k / 2) * 32, 0, static_cast<size_t>((kp / 2 - w.k / 2) * 32) * sizeof(uint16_t));
+}
+
+// The task's panels [first, last) (4: block_matmul_task_panels) are dequantized and rounded here, into a buffer of
+// the task's own (4 x K x 32 bytes), not the whole matrix once per step: no per-step buffer of N x K x 2 bytes, at
+// the cost of one dequantization per row block.
 OCTAVO_AMX_TARGET void run_amx(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first,
                                int64_t last, int64_t r0, int64_t r1) {
+  const int64_t kp = a.k_padded, pairs = kp / 2;
+  TileBuffer panels = tile_buffer((last - first) * pairs * 32);
+  {
+    std::unique_ptr<float[]> buf(new float[static_cast<size_t>(kDequantK * kPanel) + 16]);
+    float* staging = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t{63});
+    for (int64_t p = first; p < last; ++p) bf16_panel(w, kp, p, staging, panels.get() + (p - first) * pairs * 32);
+  }
   load_tiles();
   alignas(64) float c[4 * 256];
-  const int64_t kp = a.k_padded, pairs = kp / 2;
   for (int64_t p = first; p < last; p += 2) {
     const int np = last - p >= 2 ? 2 : 1;
-    const uint16_t* b0 = a.wb.get() + p * pairs * 32;
+    const uint16_t* b0 = panels.get() + (p - first) * pairs * 32;
     const uint16_t* b1 = b0 + pairs * 32;
     for (int64_t row = r0; row < r1; row += 2 * kTileM) {
       const int rt = r1 - row > kTileM ? 2 : 1;  // the padded rows (zeros) complete a partial tile
@@ -610,7 +630,6 @@ bool begin_bf16(const BlockWeights& w, Activations& a) {
   a.k_padded = (w.k + kTileK - 1) / kTileK * kTileK;
   const int64_t rows = (a.rows + kTileM - 1) / kTileM * kTileM;
   a.xb = tile_buffer(rows * a.k_padded);  // not zeroed: bf16_rows writes all of it
-  a.wb = tile_buffer(w.panels() * a.k_padded / 2 * 32);
   a.bf16 = true;
   return true;
 #else
@@ -623,26 +642,6 @@ void bf16_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t las
 #if defined(OCTAVO_AMX)
   const int64_t padded = (a.rows + kTileM - 1) / kTileM * kTileM;
   round_rows(a.x, w.k, a.k_padded, a.rows, first, std::min(last, padded), a.xb.get());
-#else
-  (void)w, (void)a, (void)first, (void)last;
-#endif
-}
-
-void bf16_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last) {
-#if defined(OCTAVO_AMX)
-  if (first >= last) return;
-  const int64_t pairs = a.k_padded / 2;
-  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(kDequantK * kPanel) + 16]);
-  float* staging = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t{63});
-  for (int64_t p = first; p < last; ++p) {
-    uint16_t* out = a.wb.get() + p * pairs * 32;
-    for (int64_t k0 = 0; k0 < w.k; k0 += kDequantK) {
-      const int64_t k1 = std::min(w.k, k0 + kDequantK);
-      dequantize_panel(w, p, k0, k1, staging);
-      round_pairs(staging, k0, k1, out);
-    }
-    std::memset(out + (w.k / 2) * 32, 0, static_cast<size_t>((pairs - w.k / 2) * 32) * sizeof(uint16_t));
-  }
 #else
   (void)w, (void)a, (void)first, (void)last;
 #endif

@@ -107,7 +107,6 @@ struct Activations {
   bool bf16 = false;
   int64_t k_padded = 0;                 // k rounded up to a multiple of 32 (one tile's k), zeros past k
   TileBuffer xb;                        // [rows rounded up to 16, k_padded] x in bfloat16, zero rows past rows
-  TileBuffer wb;                        // [panels, k_padded / 2, 32] W in bfloat16, pairs of k per column
   // the float32-grade AMX path (block_matmul_amx.cc): xb holds x's three bfloat16 pieces, piece_stride apart,
   // block_sums [rows rounded up to 16, nb] the float32 block sums of x (each task converts its panels' codes)
   bool split = false;
@@ -144,10 +143,9 @@ void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outp
 // task ranges, so its bits do not depend on them.
 // Sizes a's bfloat16 buffers and sets a.bf16; false (a unchanged) where the path is not available.
 bool begin_bf16(const BlockWeights& w, Activations& a);
-// Fill a.xb rows [first, last) of the padded rows, and a.wb panels [first, last); concurrent calls on disjoint
-// ranges are safe.
+// Fill a.xb rows [first, last) of the padded rows (each task rounds its own panels' weights); concurrent calls on
+// disjoint ranges are safe.
 void bf16_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
-void bf16_panels(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 int64_t bf16_task_rows(const Activations& a);  // rows per task: a multiple of 32
 // The float32-grade AMX path for the float32 path's steps (nodes with prompt_amx = 1, the default): each x is
 // split into three bfloat16 pieces x0 + x1 + x2 that add up to it exactly (24 bits of significand = 3 x 8), and
@@ -176,7 +174,7 @@ int64_t split_task_rows(const BlockWeights& w, const Activations& a);  // a mult
 void amx_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last, int64_t r0,
                 int64_t r1);
 // The file's float32 values of panel p, k in [k0, k1) (multiples of 4), as buf[(k - k0) * 16 + column]: the
-// float32 path's dequantization, shared with bf16_panels. Builds without AVX2 have neither path.
+// float32 path's dequantization, shared with the bfloat16 path. Builds without AVX2 have neither path.
 void dequantize_panel(const BlockWeights& w, int64_t p, int64_t k0, int64_t k1, float* buf);
 
 }  // namespace octavo

@@ -76,24 +76,16 @@ void run_task(void* user_data, size_t index) {
 }
 
 constexpr int64_t kQuantizeRows = 32;  // rows of x one task rounds to 16 bits
-constexpr int64_t kBf16Panels = 8;     // panels one task rounds to bfloat16 (the bfloat16 path)
 
 struct Bf16Job {
   const octavo::BlockWeights* weights;
   octavo::Activations* activations;
-  int64_t row_tasks;  // tasks [0, row_tasks) round x (kQuantizeRows rows each), the rest the weights' panels
-  int64_t panels;
 };
 
-void bf16_task(void* user_data, size_t index) {
+void bf16_task(void* user_data, size_t index) {  // rounds kQuantizeRows rows of x
   const auto* job = static_cast<const Bf16Job*>(user_data);
-  const int64_t i = static_cast<int64_t>(index);
-  if (i < job->row_tasks) {
-    octavo::bf16_rows(*job->weights, *job->activations, i * kQuantizeRows, (i + 1) * kQuantizeRows);
-  } else {
-    const int64_t first = (i - job->row_tasks) * kBf16Panels;
-    octavo::bf16_panels(*job->weights, *job->activations, first, std::min(job->panels, first + kBf16Panels));
-  }
+  const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
+  octavo::bf16_rows(*job->weights, *job->activations, first, first + kQuantizeRows);
 }
 
 struct SplitJob {
@@ -218,9 +210,8 @@ struct Kernel {
     if (prompt_bf16 && !activations.integer && octavo::begin_bf16(w, activations)) {
       const int64_t padded = (rows + 15) / 16 * 16;
       const int64_t row_tasks = (padded + kQuantizeRows - 1) / kQuantizeRows;
-      Bf16Job prepare{&w, &activations, row_tasks, panels};
-      const int64_t tasks = row_tasks + (panels + kBf16Panels - 1) / kBf16Panels;
-      octavo::glue::parallel_for(api, context, bf16_task, static_cast<size_t>(tasks), &prepare);
+      Bf16Job prepare{&w, &activations};
+      octavo::glue::parallel_for(api, context, bf16_task, static_cast<size_t>(row_tasks), &prepare);
     } else if (prompt_amx && !activations.integer && octavo::begin_split(w, activations)) {
       const int64_t padded = (rows + 15) / 16 * 16;
       const int64_t row_tasks = (padded + kQuantizeRows - 1) / kQuantizeRows;
