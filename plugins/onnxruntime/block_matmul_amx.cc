@@ -134,15 +134,29 @@ OCTAVO_AMX_TARGET void write_tile(const BlockWeights& w, const Outputs& y, int64
   }
 }
 
+// The C tiles of RT row tiles x NP panels (tile t * NP + g) zeroed, and stored at C + (t * NP + g) * 256.
+template <int RT, int NP>
+OCTAVO_AMX_TARGET void zero_tiles() {
+  _tile_zero(0);
+  if constexpr (NP == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && NP == 2) _tile_zero(3);
+}
+
+template <int RT, int NP>
+OCTAVO_AMX_TARGET void store_tiles(float* c) {
+  _tile_stored(0, c, 64);
+  if constexpr (NP == 2) _tile_stored(1, c + 256, 64);
+  if constexpr (RT == 2) _tile_stored(2, c + NP * 256, 64);
+  if constexpr (RT == 2 && NP == 2) _tile_stored(3, c + 768, 64);
+}
+
 // RT x 16 rows of xb at A (row stride kp) against NP panels' pairs (B0, B1): the float32 sums into C (RT * NP
 // tiles of 16 x 16: rows t, panel g at c + (t * NP + g) * 256), each over k in order, 32 k an instruction.
 template <int RT, int NP>
 OCTAVO_AMX_TARGET void tile_block(const uint16_t* a, int64_t kp, const uint16_t* b0, const uint16_t* b1, float* c) {
   const int64_t a_stride = kp * static_cast<int64_t>(sizeof(uint16_t));
-  _tile_zero(0);
-  if constexpr (NP == 2) _tile_zero(1);
-  if constexpr (RT == 2) _tile_zero(2);
-  if constexpr (RT == 2 && NP == 2) _tile_zero(3);
+  zero_tiles<RT, NP>();
   for (int64_t k = 0; k < kp; k += kTileK) {
     _tile_loadd(4, a + k, a_stride);
     _tile_loadd(6, b0 + (k / 2) * 32, 64);
@@ -157,10 +171,7 @@ OCTAVO_AMX_TARGET void tile_block(const uint16_t* a, int64_t kp, const uint16_t*
       if constexpr (NP == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, c, 64);  // rows t, panel g: c + (t * NP + g) * 256
-  if constexpr (NP == 2) _tile_stored(1, c + 256, 64);
-  if constexpr (RT == 2) _tile_stored(2, c + NP * 256, 64);
-  if constexpr (RT == 2 && NP == 2) _tile_stored(3, c + 768, 64);
+  store_tiles<RT, NP>(c);  // rows t, panel g: c + (t * NP + g) * 256
 }
 
 // Panel p's file values (the float32 path's dequantize_panel, through a float32 staging buffer of kDequantK k) as
@@ -320,10 +331,7 @@ OCTAVO_AMX_TARGET void code_pairs(const BlockWeights& w, int64_t p, uint16_t* ou
 template <int RT, int NP>
 OCTAVO_AMX_TARGET void split_issue(const uint16_t* x, int64_t a_stride, int64_t piece, int64_t tile_rows,
                                    const uint16_t* b0, const uint16_t* b1, int64_t k0, int64_t k1) {
-  _tile_zero(0);
-  if constexpr (NP == 2) _tile_zero(1);
-  if constexpr (RT == 2) _tile_zero(2);
-  if constexpr (RT == 2 && NP == 2) _tile_zero(3);
+  zero_tiles<RT, NP>();
   for (int64_t k = k0; k < k1; k += kTileK) {
     _tile_loadd(6, b0 + (k / 2) * 32, 64);
     if constexpr (NP == 2) _tile_loadd(7, b1 + (k / 2) * 32, 64);
@@ -339,14 +347,6 @@ OCTAVO_AMX_TARGET void split_issue(const uint16_t* x, int64_t a_stride, int64_t 
       }
     }
   }
-}
-
-template <int RT, int NP>
-OCTAVO_AMX_TARGET void split_store(float* c) {  // tile t * NP + g at c + (t * NP + g) * 256
-  _tile_stored(0, c, 64);
-  if constexpr (NP == 2) _tile_stored(1, c + 256, 64);
-  if constexpr (RT == 2) _tile_stored(2, c + NP * 256, 64);
-  if constexpr (RT == 2 && NP == 2) _tile_stored(3, c + 768, 64);
 }
 
 // acc[t][g][r] += scale(b) * C[t][g][r] + offset(b) * sum_{t, r}(b), in that order (FIRST: acc starts at 0, as
@@ -384,23 +384,19 @@ OCTAVO_AMX_TARGET void split_tile(const BlockWeights& w, const Activations& a, c
   constexpr int kTiles = RT * NP;
   alignas(64) float acc[kTiles * 256];
   alignas(64) float c[2][kTiles * 256];
+  const auto scale = [&](int64_t b) {  // block b's sums (in c[b & 1]) into acc; block 0 starts it
+    if (b == 0) return split_scale<RT, NP, true>(w, offsets, p, 0, c[0], sums, nb, acc);
+    split_scale<RT, NP, false>(w, offsets, p, b, c[b & 1], sums, nb, acc);
+  };
   // block b's tiles run while block b - 1's sums (stored to the other buffer) are scaled
   split_issue<RT, NP>(x, stride, piece, tile_rows, b0, b1, 0, bs);
-  split_store<RT, NP>(c[0]);
+  store_tiles<RT, NP>(c[0]);
   for (int64_t b = 1; b < nb; ++b) {
     split_issue<RT, NP>(x, stride, piece, tile_rows, b0, b1, b * bs, (b + 1) * bs);
-    if (b == 1) {
-      split_scale<RT, NP, true>(w, offsets, p, 0, c[0], sums, nb, acc);
-    } else {
-      split_scale<RT, NP, false>(w, offsets, p, b - 1, c[(b - 1) & 1], sums, nb, acc);
-    }
-    split_store<RT, NP>(c[b & 1]);
+    scale(b - 1);
+    store_tiles<RT, NP>(c[b & 1]);
   }
-  if (nb == 1) {
-    split_scale<RT, NP, true>(w, offsets, p, 0, c[0], sums, nb, acc);
-  } else {
-    split_scale<RT, NP, false>(w, offsets, p, nb - 1, c[(nb - 1) & 1], sums, nb, acc);
-  }
+  scale(nb - 1);
   for (int t = 0; t < RT; ++t) {
     const int64_t top = row + t * kTileM, rows = std::min<int64_t>(kTileM, count - t * kTileM);
     for (int g = 0; g < NP; ++g) write_tile(w, y, p + g, top, rows, acc + (t * NP + g) * 256);
@@ -541,23 +537,19 @@ OCTAVO_AMX_INT8_TARGET void int_tile(const BlockWeights& w, const Activations& a
   const uint8_t* hi = a.xhi.get() + row * w.k;
   alignas(64) float acc[NP * 256];
   alignas(64) int32_t c[2][1024];
+  const auto scale = [&](int64_t b) {  // block b's sums (in c[b & 1]) into acc; block 0 starts it
+    if (b == 0) return int_scale<NP, true>(w, a, p, row, count, 0, c[0], acc);
+    int_scale<NP, false>(w, a, p, row, count, b, c[b & 1], acc);
+  };
   // block b's tiles run while block b - 1's sums (stored to the other buffer) are scaled
   int_issue<NP>(lo, hi, w.k, b0, b1, 0, bs);
   int_store<NP>(c[0]);
   for (int64_t b = 1; b < nb; ++b) {
     int_issue<NP>(lo, hi, w.k, b0, b1, b * bs, (b + 1) * bs);
-    if (b == 1) {
-      int_scale<NP, true>(w, a, p, row, count, 0, c[0], acc);
-    } else {
-      int_scale<NP, false>(w, a, p, row, count, b - 1, c[(b - 1) & 1], acc);
-    }
+    scale(b - 1);
     int_store<NP>(c[b & 1]);
   }
-  if (nb == 1) {
-    int_scale<NP, true>(w, a, p, row, count, 0, c[0], acc);
-  } else {
-    int_scale<NP, false>(w, a, p, row, count, nb - 1, c[(nb - 1) & 1], acc);
-  }
+  scale(nb - 1);
   for (int g = 0; g < NP; ++g) write_tile(w, y, p + g, row, count, acc + g * 256);  // + bias, as the 16-bit tiles
 }
 
@@ -628,7 +620,7 @@ bool begin_bf16(const BlockWeights& w, Activations& a) {
 #if defined(OCTAVO_AMX) && defined(__AVX2__) && defined(__FMA__)  // dequantize_panel needs the AVX2 build
   if (a.rows < 1 || !amx_bf16_usable()) return false;
   a.k_padded = (w.k + kTileK - 1) / kTileK * kTileK;
-  const int64_t rows = (a.rows + kTileM - 1) / kTileM * kTileM;
+  const int64_t rows = amx_rows(a.rows);
   a.xb = tile_buffer(rows * a.k_padded);  // not zeroed: bf16_rows writes all of it
   a.bf16 = true;
   return true;
@@ -640,7 +632,7 @@ bool begin_bf16(const BlockWeights& w, Activations& a) {
 
 void bf16_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last) {
 #if defined(OCTAVO_AMX)
-  const int64_t padded = (a.rows + kTileM - 1) / kTileM * kTileM;
+  const int64_t padded = amx_rows(a.rows);
   round_rows(a.x, w.k, a.k_padded, a.rows, first, std::min(last, padded), a.xb.get());
 #else
   (void)w, (void)a, (void)first, (void)last;
@@ -657,7 +649,7 @@ bool begin_split(const BlockWeights& w, Activations& a) {
 #if defined(OCTAVO_AMX)
   if (a.rows < 1 || w.block_size % kTileK != 0 || !amx_bf16_usable()) return false;
   a.k_padded = w.k;  // a multiple of the block size, so of 32
-  const int64_t rows = (a.rows + kTileM - 1) / kTileM * kTileM, nb = w.k / w.block_size;
+  const int64_t rows = amx_rows(a.rows), nb = w.k / w.block_size;
   a.piece_stride = rows * a.k_padded;
   a.xb = tile_buffer(3 * a.piece_stride);  // not zeroed: split_rows writes all of it
   a.block_sums.reset(new float[static_cast<size_t>(rows * nb)]);
@@ -671,8 +663,7 @@ bool begin_split(const BlockWeights& w, Activations& a) {
 
 bool split_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last) {
 #if defined(OCTAVO_AMX)
-  const int64_t padded = a.piece_stride / std::max<int64_t>(a.k_padded, 1);
-  return split_rows_range(w, a, first, std::min(last, padded));
+  return split_rows_range(w, a, first, std::min(last, amx_rows(a.rows)));
 #else
   (void)w, (void)a, (void)first, (void)last;
   return false;
@@ -689,7 +680,7 @@ bool begin_amx_int(const BlockWeights& w, Activations& a) {
 #if defined(OCTAVO_AMX)
   static const bool usable = amx_bf16_usable() && detect_amx_int8();
   if (!a.integer || a.rows <= kIntRows || w.block_size % kTileK != 0 || !usable) return false;
-  const int64_t rows = (a.rows + kTileM - 1) / kTileM * kTileM;
+  const int64_t rows = amx_rows(a.rows);
   a.xlo = byte_buffer(rows * w.k);  // not zeroed: int_rows writes all of it
   a.xhi = byte_buffer(rows * w.k);
   a.amx_int = true;
@@ -702,7 +693,7 @@ bool begin_amx_int(const BlockWeights& w, Activations& a) {
 
 void int_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last) {
 #if defined(OCTAVO_AMX)
-  const int64_t padded = (a.rows + kTileM - 1) / kTileM * kTileM;
+  const int64_t padded = amx_rows(a.rows);
   int_rows_range(w, a, first, std::min(last, padded));
 #else
   (void)w, (void)a, (void)first, (void)last;

@@ -95,6 +95,9 @@ inline ByteBuffer byte_buffer(int64_t bytes) {
   return ByteBuffer(static_cast<uint8_t*>(std::aligned_alloc(64, (static_cast<size_t>(bytes) + 63) / 64 * 64)));
 }
 
+// Rows the AMX paths' buffers hold: ROWS rounded up to a tile's 16 (zero rows past them).
+inline int64_t amx_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
+
 // x [rows, k] prepared once per call, shared by every panel (read-only while the panels run).
 struct Activations {
   const float* x = nullptr;

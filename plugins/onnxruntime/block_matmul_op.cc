@@ -77,51 +77,42 @@ void run_task(void* user_data, size_t index) {
 
 constexpr int64_t kQuantizeRows = 32;  // rows of x one task rounds to 16 bits
 
-struct Bf16Job {
+// A pass over x's rows, kQuantizeRows rows a task (rounding x is a pass over all of it: a thread per range of
+// rows, not one for the whole step); FILL returns false where a range cannot take the path.
+using RowsFill = bool (*)(const octavo::BlockWeights&, octavo::Activations&, int64_t first, int64_t last);
+
+struct RowsJob {
   const octavo::BlockWeights* weights;
   octavo::Activations* activations;
+  RowsFill fill;
+  int64_t rows;  // the rows the pass covers
+  uint8_t* ok;   // per range
 };
 
-void bf16_task(void* user_data, size_t index) {  // rounds kQuantizeRows rows of x
-  const auto* job = static_cast<const Bf16Job*>(user_data);
+void rows_task(void* user_data, size_t index) {
+  const auto* job = static_cast<const RowsJob*>(user_data);
   const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
-  octavo::bf16_rows(*job->weights, *job->activations, first, first + kQuantizeRows);
+  job->ok[index] = job->fill(*job->weights, *job->activations, first, std::min(job->rows, first + kQuantizeRows));
 }
 
-struct SplitJob {
-  const octavo::BlockWeights* weights;
-  octavo::Activations* activations;
-  uint8_t* ok;  // per task of kQuantizeRows rows: every value can take the split path
-};
-
-void split_task(void* user_data, size_t index) {
-  const auto* job = static_cast<const SplitJob*>(user_data);
-  const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
-  job->ok[index] = octavo::split_rows(*job->weights, *job->activations, first, first + kQuantizeRows);
+// FILL over rows [0, ROWS) on the session's threads: true when every range could take its path.
+bool for_rows(const OrtApi* api, OrtKernelContext* context, const octavo::BlockWeights& w, octavo::Activations& a,
+              int64_t rows, RowsFill fill) {
+  const int64_t ranges = (rows + kQuantizeRows - 1) / kQuantizeRows;
+  std::vector<uint8_t> ok(static_cast<size_t>(ranges), 0);
+  RowsJob job{&w, &a, fill, rows, ok.data()};
+  octavo::glue::parallel_for(api, context, rows_task, static_cast<size_t>(ranges), &job);
+  return std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
 }
 
-struct IntRowsJob {
-  const octavo::BlockWeights* weights;
-  octavo::Activations* activations;
-};
-
-void int_rows_task(void* user_data, size_t index) {
-  const auto* job = static_cast<const IntRowsJob*>(user_data);
-  const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
-  octavo::int_rows(*job->weights, *job->activations, first, first + kQuantizeRows);
+bool bf16_rows(const octavo::BlockWeights& w, octavo::Activations& a, int64_t first, int64_t last) {
+  octavo::bf16_rows(w, a, first, last);
+  return true;
 }
 
-struct QuantizeJob {
-  const octavo::BlockWeights* weights;
-  octavo::Activations* activations;
-  int64_t rows;
-  uint8_t* ok;  // per range: it can take the 16-bit path
-};
-
-void quantize_task(void* user_data, size_t index) {
-  const auto* job = static_cast<const QuantizeJob*>(user_data);
-  const int64_t first = static_cast<int64_t>(index) * kQuantizeRows;
-  job->ok[index] = octavo::quantize_rows(*job->weights, *job->activations, first, std::min(job->rows, first + kQuantizeRows));
+bool int_rows(const octavo::BlockWeights& w, octavo::Activations& a, int64_t first, int64_t last) {
+  octavo::int_rows(w, a, first, last);
+  return true;
 }
 
 struct Kernel {
@@ -194,32 +185,14 @@ struct Kernel {
     if (rows == 0) return;
     octavo::Activations activations;
     if (octavo::begin_activations(w, octavo::glue::data_of<const float>(api, values[0]), rows, decode, activations)) {
-      // rounding x to 16 bits is a pass over all of it: a thread per range of rows, not one for the whole step
-      const int64_t ranges = (rows + kQuantizeRows - 1) / kQuantizeRows;
-      std::vector<uint8_t> ok(static_cast<size_t>(ranges), 0);
-      QuantizeJob quantize{&w, &activations, rows, ok.data()};
-      octavo::glue::parallel_for(api, context, quantize_task, static_cast<size_t>(ranges), &quantize);
-      activations.integer = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
-      if (octavo::begin_amx_int(w, activations)) {
-        IntRowsJob bytes{&w, &activations};
-        const int64_t padded = (rows + 15) / 16 * 16;
-        octavo::glue::parallel_for(api, context, int_rows_task, static_cast<size_t>((padded + kQuantizeRows - 1) / kQuantizeRows),
-                                   &bytes);
-      }
+      activations.integer = for_rows(api, context, w, activations, rows, octavo::quantize_rows);
+      if (octavo::begin_amx_int(w, activations)) for_rows(api, context, w, activations, octavo::amx_rows(rows), int_rows);
     }
     if (prompt_bf16 && !activations.integer && octavo::begin_bf16(w, activations)) {
-      const int64_t padded = (rows + 15) / 16 * 16;
-      const int64_t row_tasks = (padded + kQuantizeRows - 1) / kQuantizeRows;
-      Bf16Job prepare{&w, &activations};
-      octavo::glue::parallel_for(api, context, bf16_task, static_cast<size_t>(row_tasks), &prepare);
+      for_rows(api, context, w, activations, octavo::amx_rows(rows), bf16_rows);
     } else if (prompt_amx && !activations.integer && octavo::begin_split(w, activations)) {
-      const int64_t padded = (rows + 15) / 16 * 16;
-      const int64_t row_tasks = (padded + kQuantizeRows - 1) / kQuantizeRows;
-      std::vector<uint8_t> ok(static_cast<size_t>(row_tasks), 0);
-      SplitJob prepare{&w, &activations, ok.data()};
-      octavo::glue::parallel_for(api, context, split_task, static_cast<size_t>(row_tasks), &prepare);
       // a value the split path refuses (not finite, huge, tiny): the whole step takes the float32 path
-      activations.split = std::all_of(ok.begin(), ok.end(), [](uint8_t v) { return v != 0; });
+      activations.split = for_rows(api, context, w, activations, octavo::amx_rows(rows), octavo::split_rows);
     }
     const int64_t per_task = octavo::block_matmul_task_panels(activations);
     const int64_t rows_per_task = octavo::block_matmul_task_rows(w, activations);
