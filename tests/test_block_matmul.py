@@ -118,6 +118,8 @@ def _float_bound(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.nd
 
 # The float32-grade AMX path of a prompt's steps (block_matmul_kernel.h): AVX-512 builds on AMX-BF16 CPUs
 AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset())
+# The bfloat16 path of prompt_bf16 nodes: AMX tiles, or without AMX the AVX512-BF16 vectors (amx.h); AVX-512 builds
+BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= (cpu_flags() or frozenset())
 
 
 def _split(blocks: Blocks) -> bool:
@@ -440,10 +442,10 @@ def test_splits_must_match_the_nodes_outputs() -> None:
         _session(panel_weights(blocks), splits=[48, 101], edit=one_output)
 
 
-# prompt_bf16 = 1 (the block-bf16 kernel's nodes): on a CPU with AMX-BF16 a prompt's steps round x and the
-# file's weights to bfloat16 (nearest even) and sum their products in float32, so the reference is float64
-# bf16(x) @ bf16(W)^T within the float32 path's bound over those values; decode steps are unchanged. Without
-# AMX the node is the float32 node bit for bit.
+# prompt_bf16 = 1 (the block-bf16 kernel's nodes): on a CPU with AVX512-BF16 (AMX tiles where AMX-BF16 runs,
+# VDPBF16PS vectors elsewhere) a prompt's steps round x and the file's weights to bfloat16 (nearest even) and sum
+# their products in float32, so the reference is float64 bf16(x) @ bf16(W)^T within the float32 path's bound over
+# those values; decode steps are unchanged. Without AVX512-BF16 the node is the float32 node bit for bit.
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -462,7 +464,7 @@ def test_prompt_bf16_steps_are_bf16_products_summed_in_float32(type_name: str, n
     x = np.random.default_rng(13).standard_normal((300, k)).astype(np.float32)
     for rows in (9, 16, 17, 33, 300):  # one partial row tile, whole tiles, 32-row pairs and a partial last one
         got, float32 = bf16.run(None, {"x": x[:rows]})[0], plain.run(None, {"x": x[:rows]})[0]
-        if not AMX:
+        if not BF16:
             np.testing.assert_array_equal(got, float32)
             continue
         xb, wb = _bf16(x[:rows]), _bf16(w)
@@ -560,8 +562,10 @@ np.savez(sys.argv[2], prompt=_session(pw).run(None, {"x": x})[0],
 
 
 def test_octavo_amx_0_turns_every_amx_path_off(tmp_path: Path) -> None:
-    """OCTAVO_AMX=0 (read once per process): a prompt step of the default node and of a prompt_bf16 node are the
-    FMA tiles' bits (prompt_amx = 0), a decode batch the 16-bit tiles' (the same bits either way)."""
+    """OCTAVO_AMX=0 (read once per process): a prompt step of the default node is the FMA tiles' bits (prompt_amx
+    = 0), a decode batch the 16-bit tiles' (the same bits either way), and a prompt_bf16 node's prompt step what a
+    CPU without AMX computes: the AVX512-BF16 vectors' bfloat16 products where the CPU has them, else the FMA
+    tiles'."""
     import os
     import subprocess
     import sys
@@ -575,5 +579,12 @@ def test_octavo_amx_0_turns_every_amx_path_off(tmp_path: Path) -> None:
     x = np.random.default_rng(22).standard_normal((64, 576)).astype(np.float32)
     fma = _session(pw, prompt_amx=0).run(None, {"x": x})[0]
     np.testing.assert_array_equal(got["prompt"], fma)
-    np.testing.assert_array_equal(got["bf16"], fma)
+    if BF16:
+        xb, wb = _bf16(x), _bf16(pw.dequantize()[:149])
+        err, bound = np.abs(got["bf16"] - _want(xb, wb, None)), _float_bound(xb, wb, None)
+        assert (err <= bound).all() and not np.array_equal(got["bf16"], fma)
+        if not AMX:  # the same path in this process
+            np.testing.assert_array_equal(got["bf16"], _session(pw, prompt_bf16=1).run(None, {"x": x})[0])
+    else:
+        np.testing.assert_array_equal(got["bf16"], fma)
     np.testing.assert_array_equal(got["decode"], _session(pw, decode=True).run(None, {"x": x[:46]})[0])

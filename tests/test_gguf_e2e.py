@@ -43,7 +43,7 @@ def smol_matmulnbits_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: A
 
 @pytest.fixture(scope="module")
 def smol_bf16_export(tmp_path_factory) -> tuple[Path, object]:  # noqa: ANN001
-    """quant_kernel="block-bf16": the block export whose prompt steps run in bfloat16 where AMX runs."""
+    """quant_kernel="block-bf16": the block export whose prompt steps run in bfloat16 where AVX512-BF16 runs."""
     from octavo.export import export_model
 
     out = tmp_path_factory.mktemp("smol_gguf_bf16") / "model"
@@ -108,7 +108,7 @@ def test_smollm2_gguf_logits_and_greedy_match_transformers(smol_export, smol_fp3
     for the prompt, 16-bit activations for the decode steps): transformers' logits to 5e-4 and its greedy
     tokens. gguf-matmulnbits (int8 activations with their rounding residual): within 0.15 on logits of ~25
     (measured 0.055) and the same argmax wherever transformers' own top-2 margin exceeds twice that error.
-    gguf-bf16 (block-bf16: the prompt in bfloat16 on AMX CPUs; elsewhere it is gguf): within BF16_LOGITS
+    gguf-bf16 (block-bf16: the prompt in bfloat16 on AVX512-BF16 CPUs; elsewhere it is gguf): within BF16_LOGITS
     and the same argmax wherever transformers' margin exceeds twice that (12 of the 37 positions)."""
     import torch
 

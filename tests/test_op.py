@@ -402,7 +402,7 @@ def test_portable_builds_match_reference(arch: str, tmp_path) -> None:  # noqa: 
         test_op_matches_reference_float16_pools_random_shapes(library, seed)
     for head_dim in (4, 16, 28):
         test_float16_pool_round_trip_is_numpys_rounding(library, head_dim)
-    if arch == "x86-64-v4":  # the AMX path is built into the AVX-512 builds only (amx.h)
+    if arch == "x86-64-v4":  # the bfloat16 paths are built into the AVX-512 builds only (amx.h)
         for name in sorted(CASES):
             for kv_dtype in ("float32", "float16"):
                 test_prompt_bf16_attention(library, name, kv_dtype)
@@ -427,13 +427,14 @@ def test_step_without_tokens_is_a_no_op(library: str) -> None:
     np.testing.assert_array_equal(key_cache_out, step.key_cache)
 
 
-# prompt_bf16 = 1 (block-bf16 exports): on a CPU with AMX-BF16 the prompt items (>= 16 rows, head_dim a multiple
+# prompt_bf16 = 1 (block-bf16 exports): on a CPU with AVX512-BF16 (AMX tiles where AMX-BF16 runs, VDPBF16PS
+# vectors elsewhere; AVX-512 builds) the prompt items (>= 16 rows, head_dim a multiple
 # of 32) round the scaled queries, the keys and values they read and the probabilities to bfloat16 and sum
 # products in float32. Reference: the float64 oracle over bf16-rounded queries (scale 1/8 for head_dim 64, a
 # power of two: rounding q * scale is rounding q), keys and values; what is left is the probabilities' rounding,
 # |out error| <= 2^-8 * sum_j p_j |v_j| <= 2^-8 max |v|, plus float32 arithmetic. Every other item, and every
-# item on a CPU without AMX, is the float32 op bit for bit; the pools are written the same.
-AMX = {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset())
+# item on a CPU without AVX512-BF16, is the float32 op bit for bit; the pools are written the same.
+BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= (cpu_flags() or frozenset())
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -451,9 +452,9 @@ def test_prompt_bf16_attention(library: str, name: str, kv_dtype: str) -> None:
     for a, b in zip(got[1:], plain[1:]):  # the pools
         np.testing.assert_array_equal(a, b)
     head_dim = step.query.shape[1] // int(attrs["num_heads"])
-    if not AMX or head_dim % 32 or np.array_equal(got[0], plain[0]):  # float32 items only (decode-only steps)
+    if not BF16 or head_dim % 32 or np.array_equal(got[0], plain[0]):  # float32 items only (decode-only steps)
         np.testing.assert_array_equal(got[0], plain[0])
-        assert not (AMX and head_dim % 32 == 0 and name.startswith(("prefill", "long")))  # those have prompt items
+        assert not (BF16 and head_dim % 32 == 0 and name.startswith(("prefill", "long")))  # those have prompt items
         return
     assert attrs["scale"] == 0.125
     feeds = pools(step.feeds())
@@ -465,3 +466,4 @@ def test_prompt_bf16_attention(library: str, name: str, kv_dtype: str) -> None:
     np.testing.assert_allclose(got[0], expected, atol=bound, rtol=0)
     exact = paged_attention_ref(*pools(step.feeds()).values(), **attrs)
     assert np.abs(got[0] - exact).max() > 10 * np.abs(plain[0] - exact).max()  # it did run in bfloat16
+

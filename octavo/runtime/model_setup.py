@@ -43,7 +43,7 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
         weights = "fp32"  # TensorRT runs float weights only: a quantized GGUF is dequantized for it
     model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head, args.quant_kernel)
     manifest = Manifest.load(model_dir)
-    warn_without_amx(manifest)
+    warn_without_bf16(manifest)
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
         raise InvalidRequestError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
                                                   methods_of(manifest.quantization)))
@@ -59,19 +59,20 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     return LoadedModel(model_dir, manifest, tokenizer, max_model_len, backend)
 
 
-def warn_without_amx(manifest: Manifest) -> None:
-    """An export whose prompt steps may run in bfloat16 (--quant-kernel block-bf16) on a CPU without AMX-BF16:
-    its nodes fall back to float32 (same results as block, none of the speed), which the user should know."""
+def warn_without_bf16(manifest: Manifest) -> None:
+    """An export whose prompt steps may run in bfloat16 (--quant-kernel block-bf16) on a CPU without AVX512-BF16
+    (AMX tiles where the CPU has AMX-BF16, VDPBF16PS vectors elsewhere): its nodes fall back to float32 (same
+    results as block, none of the speed), which the user should know."""
     if (manifest.quantization or {}).get("prompt_arithmetic") != "bfloat16":
         return
     from octavo.build.op_variants import cpu_flags
 
-    if os.environ.get("OCTAVO_AMX") == "0":
-        logger.warning("this export asks for bfloat16 prompt steps (quant_kernel 'block-bf16'), but OCTAVO_AMX=0 "
-                       "turns the AMX paths off: they run in float32, as with 'block'")
-    elif not {"amx_bf16", "amx_tile", "avx512_bf16"} <= (cpu_flags() or frozenset()):
+    flags = cpu_flags() or frozenset()
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
         logger.warning("this export asks for bfloat16 prompt steps (quant_kernel 'block-bf16'), but this CPU has "
-                       "no AMX-BF16: they run in float32, as with 'block'")
+                       "no AVX512-BF16: they run in float32, as with 'block'")
+    elif os.environ.get("OCTAVO_AMX") == "0" and {"amx_bf16", "amx_tile"} <= flags:
+        logger.info("OCTAVO_AMX=0: this export's bfloat16 prompt steps run on AVX512-BF16 vectors, not AMX tiles")
 
 
 def resolve_model_dir(model: str | Path, weights: str | None = None, quant_block_size: int | None = None,

@@ -10,6 +10,11 @@ namespace octavo {
 
 bool amx_bf16_usable();
 
+// Whether this process may run AVX512-BF16 vector code (VDPBF16PS; with AVX-512 F, BW, VL and the OS saving ZMM
+// state) in an AVX-512 build: the bfloat16 prompt paths' kernels where AMX is not usable (a CPU without AMX, such
+// as Zen 4 or Cooper Lake, or OCTAVO_AMX=0). Same bfloat16 operands, float32 sums in another order than the tiles'.
+bool bf16_dot_usable();
+
 // The calling thread's tile configuration for the AMX paths (all 8 tiles 16 rows x 64 bytes: float32 16 x 16
 // accumulators, bfloat16 16 x 32 operands, pairs of k for 16 columns), and its release after them (the thread's
 // tile state back to its initial, cheap to switch, state). Only after amx_bf16_usable().

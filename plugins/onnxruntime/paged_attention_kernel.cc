@@ -614,6 +614,48 @@ OCTAVO_AMX_TARGET void amx_values(const uint16_t* v_t, const uint16_t* p_t, int6
   if constexpr (NT > 3) _tile_stored(3, pv + 768, 64);
 }
 
+// The same two products on AVX512-BF16 vectors (no AMX here, or OCTAVO_AMX=0; amx.h): a register holds one key's
+// (or dim's) 16 rows, VDPBF16PS adds a pair of dims (keys) a step, in order; the same operands and layouts.
+// scores^T[64][16] = the chunk's keys times the pass's query pairs Q_T, 16 keys at a time.
+OCTAVO_AMX_TARGET void dot_scores(const uint16_t* kb, int64_t D, const uint32_t* q_t, float* scores) {
+  for (int64_t j0 = 0; j0 < kKeyChunk; j0 += 16) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t pair = 0; pair < D / 2; ++pair) {  // q_t's [D / 32][16 pairs][16 rows]: pair after pair
+      const __m512bh q = (__m512bh)_mm512_loadu_si512(q_t + pair * 16);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        int32_t k = 0;
+        std::memcpy(&k, kb + (j0 + i) * D + 2 * pair, sizeof k);
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(k), q);
+      }
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(scores + (j0 + i) * 16, acc[i]);
+  }
+}
+
+// pv[D][16 rows] = V^T times the probability pairs of slot SLOT, 16 dims at a time.
+OCTAVO_AMX_TARGET void dot_issue_values(AmxScratch& s, int slot, int64_t D) {
+  const uint16_t* p_t = s.p_t.data() + slot * 1024;
+  for (int64_t dt = 0; dt < D / 16; ++dt) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t ks = 0; ks < 2; ++ks) {
+      const uint16_t* v = s.v_t.data() + (dt * 2 + ks) * 512;  // [16 dims][32 keys]
+      for (int64_t pair = 0; pair < 16; ++pair) {
+        const __m512bh prob = (__m512bh)_mm512_loadu_si512(p_t + ks * 512 + pair * 32);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          int32_t value = 0;
+          std::memcpy(&value, v + i * 32 + 2 * pair, sizeof value);
+          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(value), prob);
+        }
+      }
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(s.pv.data() + dt * 256 + i * 16, acc[i]);
+  }
+}
+
 // P · V of pipeline slot SLOT's probabilities, issued: the tiles into s.pv (amx_add_values adds them later, so
 // the vector work between the two overlaps the tiles).
 OCTAVO_AMX_TARGET void amx_issue_values(AmxScratch& s, int slot, int64_t D) {
@@ -642,7 +684,8 @@ OCTAVO_AMX_TARGET void amx_add_values(AmxScratch& s, int slot, int64_t r0, int64
   }
 }
 
-template <typename T>
+// TILES: the AMX tiles (amx_bf16_usable), else the AVX512-BF16 vectors (dot_scores, dot_issue_values).
+template <typename T, bool Tiles>
 OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item,
                                     const PartialResults& partials) {
   const int64_t D = t.head_dim;
@@ -677,7 +720,16 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
   const T* k_rows[kKeyChunk];
   const T* v_rows[kKeyChunk];
   alignas(64) uint32_t pairs[16];
-  amx_begin_tiles();
+  if constexpr (Tiles) amx_begin_tiles();
+  const auto scores_of = [&](int64_t r0, float* scores) {
+    const uint32_t* q = s.q_t.data() + (r0 / 16) * d_steps * 256;
+    if constexpr (Tiles) return amx_scores(s.keys.data(), D, q, scores);
+    dot_scores(s.keys.data(), D, q, scores);
+  };
+  const auto issue_values = [&](int slot) {
+    if constexpr (Tiles) return amx_issue_values(s, slot, D);
+    dot_issue_values(s, slot, D);
+  };
   for (int64_t h = 0; h < item.kv_head_end - item.kv_head_begin; ++h) {
     const int64_t kv_head = item.kv_head_begin + h, head_offset = kv_head * D;
     const __m512 scale = _mm512_set1_ps(p.scale);
@@ -715,8 +767,8 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
         const int64_t first = pos_first + r0 / group, last = pos_first + (r0 + pass_rows - 1) / group;
         if (c0 > last || (window > 0 && c0 + keys - 1 <= first - window)) continue;  // sees none of it
         float* const scores = s.scores.data();
-        amx_scores(s.keys.data(), D, s.q_t.data() + (r0 / 16) * d_steps * 256, scores);
-        if (pending >= 0) amx_issue_values(s, 1 - slot, D);
+        scores_of(r0, scores);
+        if (pending >= 0) issue_values(1 - slot);
         if (next_keys > 0 && prefetched < next_keys) {  // the next chunk's rows, a few keys per pass
           const int64_t upto = std::min(next_keys, prefetched + 8);
           for (; prefetched < upto; ++prefetched) {
@@ -747,7 +799,7 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
         slot = 1 - slot;
       }
       if (pending >= 0) {
-        amx_issue_values(s, 1 - slot, D);
+        issue_values(1 - slot);
         amx_add_values(s, 1 - slot, pending, D);
       }
     }
@@ -766,7 +818,7 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
       for (int64_t d = 0; d < D; ++d) dst[d] = acc[d * 16] * inv;
     }
   }
-  amx_end_tiles();
+  if constexpr (Tiles) amx_end_tiles();
 }
 #endif
 
@@ -794,9 +846,15 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   const int64_t q_stride = p.num_heads * D;
   const int64_t q_size = gemm ? D * rows_p : rows * D;
 #if defined(OCTAVO_AMX)
-  if (p.prompt_bf16 && gemm && D % 32 == 0 && amx_bf16_usable()) {
-    if (f16) return run_amx_item<uint16_t>(t, p, item, partials);
-    return run_amx_item<float>(t, p, item, partials);
+  if (p.prompt_bf16 && gemm && D % 32 == 0) {
+    if (amx_bf16_usable()) {
+      if (f16) return run_amx_item<uint16_t, true>(t, p, item, partials);
+      return run_amx_item<float, true>(t, p, item, partials);
+    }
+    if (bf16_dot_usable()) {
+      if (f16) return run_amx_item<uint16_t, false>(t, p, item, partials);
+      return run_amx_item<float, false>(t, p, item, partials);
+    }
   }
 #endif
 
