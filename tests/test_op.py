@@ -6,6 +6,7 @@ import math
 import numpy as np
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 from op_cases import Step, paged_attention_model, random_case, random_step
 
 from octavo.kernels.reference import paged_attention_ref
@@ -467,3 +468,71 @@ def test_prompt_bf16_attention(library: str, name: str, kv_dtype: str) -> None:
     exact = paged_attention_ref(*pools(step.feeds()).values(), **attrs)
     assert np.abs(got[0] - exact).max() > 10 * np.abs(plain[0] - exact).max()  # it did run in bfloat16
 
+
+# Optional inputs 9-11 (position_ids, cos_cache, sin_cache: the ONNX Runtime backend moves each layer's rotary
+# embedding into its attention node, ort_fusions.fuse_rotary_into_attention): the op rotates query and key in
+# rotate-half form before anything reads them. Reference: numpy's float32 rotation of q and k (two products and a
+# sum, as the exported graph computes it) fed to the op without those inputs -- the same bits in every output.
+ROTARY_INPUTS = (("position_ids", TensorProto.INT64), ("cos_cache", TensorProto.FLOAT), ("sin_cache", TensorProto.FLOAT))
+
+
+def _rotary_session(library: str, kv_dtype: str = "float32", **attrs: object) -> ort.InferenceSession:
+    model = paged_attention_model(**attrs)  # type: ignore[arg-type]
+    model.graph.node[0].input.extend(name for name, _ in ROTARY_INPUTS)
+    model.graph.input.extend(helper.make_tensor_value_info(name, dtype, None) for name, dtype in ROTARY_INPUTS)
+    set_cache_dtype(model, kv_dtype)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _tables(head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    angles = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotate(x: np.ndarray, heads: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    t = x.reshape(len(x), heads, -1)
+    half = t.shape[-1] // 2
+    lo, hi = t[..., :half], t[..., half:]
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    return np.concatenate([lo * c + -hi * s, hi * c + lo * s], axis=-1).astype(np.float32).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", ["prefill_packed_gqa4", "chunked_and_decode_block1_mha_hd40", "decode_batch_gqa4",
+                                  "sliding_window", "long_chunk_tiles", "split_long_decode"])
+def test_rotary_inputs_rotate_query_and_key_first(library: str, name: str, kv_dtype: str) -> None:
+    step, attrs = case_step(name)
+    pools = half_pools if kv_dtype == "float16" else (lambda feeds: feeds)
+    heads, kv_heads = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
+    head_dim = step.query.shape[1] // heads
+    rng = np.random.default_rng(7)
+    cos, sin = _tables(head_dim, 1200)
+    positions = rng.integers(0, 1200, len(step.query)).astype(np.int64)  # any row of the tables, not only past + i
+    feeds = pools(step.feeds())
+    want = make_session(library, kv_dtype, **attrs).run(None, {
+        **feeds, "query": _rotate(step.query, heads, positions, cos, sin),
+        "key": _rotate(step.key, kv_heads, positions, cos, sin)})
+    got = _rotary_session(library, kv_dtype, **attrs).run(None, {
+        **pools(step.feeds()), "position_ids": positions, "cos_cache": cos, "sin_cache": sin})
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rotary_inputs_are_checked(library: str) -> None:
+    step, attrs = case_step("decode_batch_gqa4")
+    head_dim = step.query.shape[1] // int(attrs["num_heads"])
+    cos, sin = _tables(head_dim, 64)
+    session = _rotary_session(library, **attrs)
+    positions = np.zeros(len(step.query), np.int64)
+    positions[3] = 64
+    with pytest.raises(Exception, match=r"position_ids\[3\] = 64 is outside the rotary tables' 64 positions"):
+        session.run(None, {**step.feeds(), "position_ids": positions, "cos_cache": cos, "sin_cache": sin})
+    with pytest.raises(Exception, match=r"sin_cache shape \[64, 16\] differs from cos_cache shape \[64, 32\]"):
+        session.run(None, {**step.feeds(), "position_ids": positions * 0, "cos_cache": cos, "sin_cache": sin[:, :16]})
+    with pytest.raises(Exception, match=r"cos_cache has shape \[64, 31\] but dimension 1 must be 32"):
+        session.run(None, {**step.feeds(), "position_ids": positions * 0, "cos_cache": cos[:, :31],
+                           "sin_cache": sin[:, :31]})

@@ -11,7 +11,7 @@ import pytest
 
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.oplib import library_path
-from octavo.runtime.backends.ort_fusions import MAX_TABLE_BYTES, fuse_rotary
+from octavo.runtime.backends.ort_fusions import MAX_TABLE_BYTES, fuse_rotary, fuse_rotary_into_attention
 from step_inputs import one_sequence
 from tests.engine_helpers import exported
 
@@ -117,3 +117,42 @@ def test_tables_too_large_are_not_built(hf_model_dir) -> None:
     too_many = MAX_TABLE_BYTES // (manifest.head_dim * 4) + 1
     assert fuse_rotary(model, too_many) == 0
     assert model.SerializeToString() == before
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_rotary_moves_into_attention_with_the_same_logits(hf_model_dir, arch: str) -> None:
+    """After fuse_rotary, each layer's two RotaryEmbedding chains (Unsqueeze, RotaryEmbedding, Squeeze) become the
+    PagedAttention node's position_ids / cos_cache / sin_cache inputs, with its own table (Gemma 3: local and
+    global), and the logits stay the exported graph's."""
+    folder = exported(hf_model_dir(arch))
+    manifest = Manifest.load(folder)
+    plain = onnx.load(str(folder / manifest.onnx_file), load_external_data=False)
+    fused = onnx.load(str(folder / manifest.onnx_file), load_external_data=False)
+    assert fuse_rotary(fused, manifest.max_context) == 2 * manifest.num_layers
+    before = len(fused.graph.node)
+    ropes = [tuple(n.input[2:]) for n in fused.graph.node if n.op_type == "RotaryEmbedding"][::2]  # q's, per layer
+    assert fuse_rotary_into_attention(fused) == manifest.num_layers
+    ops = [n.op_type for n in fused.graph.node]
+    assert "RotaryEmbedding" not in ops and len(fused.graph.node) == before - 6 * manifest.num_layers - 1
+    attention = [n for n in fused.graph.node if n.op_type == "PagedAttention"]
+    assert [tuple(n.input[9:]) for n in attention] == [("position_ids", *r) for r in ropes]
+    for tokens, start in (([5, 9, 2, 7, 11, 3, 8], 0), ([4, 6, 1], 37), ([12], manifest.max_context - 1)):
+        feeds = _feeds(manifest, tokens, start)
+        np.testing.assert_allclose(_logits(fused, folder, feeds), _logits(plain, folder, feeds), rtol=1e-4, atol=1e-4)
+
+
+def test_rotary_stays_where_its_result_is_read_elsewhere(hf_model_dir) -> None:
+    """A rotated q that something besides the attention node reads (here: a graph output) keeps its nodes; the
+    other layers' move."""
+    folder = exported(hf_model_dir("llama"))
+    manifest = Manifest.load(folder)
+    model = onnx.load(str(folder / manifest.onnx_file), load_external_data=False)
+    fuse_rotary(model, manifest.max_context)
+    first = next(n for n in model.graph.node if n.op_type == "PagedAttention")
+    model.graph.output.append(onnx.helper.make_tensor_value_info(first.input[0], onnx.TensorProto.FLOAT, None))
+    query = first.input[0]
+    assert fuse_rotary_into_attention(model) == manifest.num_layers - 1
+    assert [n.op_type for n in model.graph.node].count("RotaryEmbedding") == 2
+    attention = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    assert attention[0].input[0] == query and len(attention[0].input) == 9
+    assert all(len(n.input) == 12 for n in attention[1:])

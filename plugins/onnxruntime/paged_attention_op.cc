@@ -4,9 +4,14 @@
 // The op is registered twice under the same name, once with float32 and once with float16 pools
 // (key_cache, value_cache and their aliased outputs); ORT merges the two into one schema whose pool
 // type is a constraint and picks the kernel by the graph's pool type.
+// Optional inputs 9-11 (position_ids int64 [T], cos_cache and sin_cache float32 [P, head_dim / 2]): the rotary
+// embedding of query and key in rotate-half form, applied here before anything reads them (the ONNX Runtime
+// backend's rewrite, octavo/runtime/backends/ort_fusions.py, moves the graph's RotaryEmbedding nodes into this
+// op: six nodes a layer fewer per step). The exported graph and the TensorRT path never use them.
 // Uses only the C API (no link against libonnxruntime): the OrtApi comes from RegisterCustomOps.
 #include <onnxruntime_c_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -29,13 +34,14 @@ constexpr const char* kOpName = "PagedAttention";
 constexpr const char* kPrefix = "octavo.PagedAttention: ";
 
 enum Input : size_t {
-  kQuery, kKey, kValue, kKeyCache, kValueCache, kCuSeqlens, kPastSeqlens, kBlockTable, kSlotMapping, kNumInputs
+  kQuery, kKey, kValue, kKeyCache, kValueCache, kCuSeqlens, kPastSeqlens, kBlockTable, kSlotMapping, kNumInputs,
+  kPositionIds = kNumInputs, kCosCache, kSinCache, kNumAllInputs  // optional, all three or none
 };
 enum Output : size_t { kOutput, kKeyCacheOut, kValueCacheOut, kNumOutputs };
 
-const char* const kInputNames[kNumInputs] = {"query", "key", "value", "key_cache", "value_cache",
-                                             "cumulative_sequence_length", "past_seqlens", "block_table",
-                                             "slot_mapping"};
+const char* const kInputNames[kNumAllInputs] = {"query", "key", "value", "key_cache", "value_cache",
+                                                "cumulative_sequence_length", "past_seqlens", "block_table",
+                                                "slot_mapping", "position_ids", "cos_cache", "sin_cache"};
 
 ONNXTensorElementDataType pool_type(octavo::KvType kv_type) {
   return kv_type == octavo::KvType::kFloat16 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -48,6 +54,7 @@ ONNXTensorElementDataType input_type(size_t index, octavo::KvType kv_type) {
     case kBlockTable:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
     case kSlotMapping:
+    case kPositionIds:
       return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     case kKeyCache:
     case kValueCache:
@@ -84,6 +91,50 @@ void expect_dim(const TensorInfo& info, size_t index, size_t axis, int64_t expec
   }
 }
 
+// x [tokens, heads * D] rotated into out (same shape): per head, for i < D / 2, with c, s = cos, sin[pos][i]:
+// out[i] = x[i] c + (-x[i + D/2]) s, out[i + D/2] = x[i + D/2] c + x[i] s -- the exported graph's rotate-half
+// arithmetic (two products, one sum; not contracted into FMAs).
+__attribute__((optimize("fp-contract=off"))) void rotate(const float* x, int64_t tokens, int64_t heads, int64_t D,
+                                                          const int64_t* positions, const float* cos,
+                                                          const float* sin, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + positions[t] * half;
+    const float* s = sin + positions[t] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* a = x + (t * heads + h) * D;
+      float* o = out + (t * heads + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float lo = a[i], hi = a[i + half];
+        o[i] = lo * c[i] + -hi * s[i];
+        o[i + half] = hi * c[i] + lo * s[i];
+      }
+    }
+  }
+}
+
+// rotate() over ranges of kRotateTokens tokens, q and k, on the thread pool (a prompt's step: 2048 tokens x 12
+// heads of SmolLM2 is 1.5 M elements a layer).
+constexpr int64_t kRotateTokens = 64;
+struct RotateJob {
+  const float* q;
+  const float* k;
+  int64_t tokens, q_heads, kv_heads, head_dim;
+  const int64_t* positions;
+  const float* cos;
+  const float* sin;
+  float* q_out;
+  float* k_out;
+};
+
+void rotate_range(void* user_data, size_t index) {
+  const auto* job = static_cast<const RotateJob*>(user_data);
+  const int64_t t0 = static_cast<int64_t>(index) * kRotateTokens, n = std::min(kRotateTokens, job->tokens - t0);
+  const int64_t qr = job->q_heads * job->head_dim, kr = job->kv_heads * job->head_dim;
+  rotate(job->q + t0 * qr, n, job->q_heads, job->head_dim, job->positions + t0, job->cos, job->sin, job->q_out + t0 * qr);
+  rotate(job->k + t0 * kr, n, job->kv_heads, job->head_dim, job->positions + t0, job->cos, job->sin, job->k_out + t0 * kr);
+}
+
 struct ParallelJob {
   const octavo::StepTensors* tensors;
   const octavo::AttentionParams* params;
@@ -109,12 +160,13 @@ struct PagedAttentionKernel {
   void compute(OrtKernelContext* context) const {
     size_t input_count = 0;
     check(api, api->KernelContext_GetInputCount(context, &input_count));
-    if (input_count != kNumInputs) {
-      fail("expects " + std::to_string(kNumInputs) + " inputs, got " + std::to_string(input_count));
+    if (input_count != kNumInputs && input_count != kNumAllInputs) {
+      fail("expects " + std::to_string(kNumInputs) + " inputs (or " + std::to_string(kNumAllInputs) +
+           " with position_ids, cos_cache and sin_cache), got " + std::to_string(input_count));
     }
-    const OrtValue* inputs[kNumInputs];
-    TensorInfo infos[kNumInputs];
-    for (size_t i = 0; i < kNumInputs; ++i) {
+    const OrtValue* inputs[kNumAllInputs] = {};
+    TensorInfo infos[kNumAllInputs];
+    for (size_t i = 0; i < input_count; ++i) {
       check(api, api->KernelContext_GetInput(context, i, &inputs[i]));
       if (inputs[i] == nullptr) fail(std::string("input ") + kInputNames[i] + " is missing");
       infos[i] = describe(api, inputs[i]);
@@ -173,6 +225,37 @@ struct PagedAttentionKernel {
 
     const std::string problem = octavo::validate_indices(t);
     if (!problem.empty()) fail(problem);
+
+    std::vector<float> rotated;  // the rotary inputs' query and key, rotated: [T, num_heads * D] then [T, kv * D]
+    if (input_count == kNumAllInputs) {
+      expect_rank(infos[kPositionIds], kPositionIds, 1);
+      expect_dim(infos[kPositionIds], kPositionIds, 0, num_tokens, "tokens, as in query");
+      if (head_dim % 2 != 0) fail("the rotary inputs need an even head_dim, got " + std::to_string(head_dim));
+      expect_rank(infos[kCosCache], kCosCache, 2);
+      expect_dim(infos[kCosCache], kCosCache, 1, head_dim / 2, "head_dim / 2");
+      if (infos[kSinCache].dims != infos[kCosCache].dims) {
+        fail("sin_cache shape " + shape_string(infos[kSinCache].dims) + " differs from cos_cache shape " +
+             shape_string(infos[kCosCache].dims));
+      }
+      const int64_t table_rows = infos[kCosCache].dims[0];
+      const int64_t* positions = data_of<const int64_t>(api, inputs[kPositionIds]);
+      for (int64_t i = 0; i < num_tokens; ++i) {
+        if (positions[i] < 0 || positions[i] >= table_rows) {
+          fail("position_ids[" + std::to_string(i) + "] = " + std::to_string(positions[i]) +
+               " is outside the rotary tables' " + std::to_string(table_rows) + " positions");
+        }
+      }
+      const int64_t q_size = num_tokens * params.num_heads * head_dim;
+      rotated.resize(static_cast<size_t>(q_size + num_tokens * params.kv_num_heads * head_dim));
+      const float* cos = data_of<const float>(api, inputs[kCosCache]);
+      const float* sin = data_of<const float>(api, inputs[kSinCache]);
+      RotateJob job{t.query, t.key, num_tokens, params.num_heads, params.kv_num_heads, head_dim, positions,
+                    cos, sin, rotated.data(), rotated.data() + q_size};
+      parallel_for(api, context, rotate_range, static_cast<size_t>((num_tokens + kRotateTokens - 1) / kRotateTokens),
+                   &job);
+      t.query = rotated.data();
+      t.key = rotated.data() + q_size;
+    }
 
     // Outputs. The pool outputs are declared aliases of the pool inputs, so ORT hands back the
     // input buffers; should it ever hand out fresh buffers, they receive a copy after the write.
@@ -266,11 +349,13 @@ struct PagedAttentionOp : OrtCustomOp {
     KernelCompute = nullptr;
     GetName = [](const OrtCustomOp*) { return kOpName; };
     GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };  // CPU
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return kNumInputs; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return kNumAllInputs; };
     GetInputType = [](const OrtCustomOp* op, size_t i) { return input_type(i, kv_type_of(op)); };
     GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return kNumOutputs; };
     GetOutputType = [](const OrtCustomOp* op, size_t i) { return output_type(i, kv_type_of(op)); };
-    GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+    GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i < kNumInputs ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
     GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };

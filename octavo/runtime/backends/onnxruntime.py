@@ -38,7 +38,7 @@ from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.oplib import library_path
-from octavo.runtime.backends.ort_fusions import fuse_rotary
+from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention
 from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, set_cache_dtype
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 
@@ -136,7 +136,8 @@ class OnnxRuntimeBackend:
 
     def _model_source(self, onnx_path: Path, options: ort.SessionOptions) -> bytes:
         """The graph (weights left in their external file) as bytes, rewritten in memory: RoPE fused into
-        ONNX Runtime's RotaryEmbedding (ort_fusions; OCTAVO_ORT_FUSIONS=0 turns it off) and, for pools in
+        ONNX Runtime's RotaryEmbedding, then moved into the PagedAttention nodes (ort_fusions;
+        OCTAVO_ORT_FUSIONS=0 turns both off) and, for pools in
         another dtype than the export's, the pool declarations switched."""
         import onnx
 
@@ -150,7 +151,8 @@ class OnnxRuntimeBackend:
                                        f"{self.kv_cache_dtype}; re-export the model")
             self._pool_output_aliases = expose_pool_outputs(model)  # keeps ORT from casting the pools away
         if os.environ.get("OCTAVO_ORT_FUSIONS", "1") != "0":
-            fuse_rotary(model, self.manifest.max_context)
+            if fuse_rotary(model, self.manifest.max_context):
+                fuse_rotary_into_attention(model)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(onnx_path.parent))
         return model.SerializeToString()

@@ -17,6 +17,14 @@ A model may have several rotary tables (Gemma 3: `rope.inv_freq` for its global 
 `rope.inv_freq.<suffix>` is a table, and each occurrence is fused with cos/sin caches built from the table
 its angles are computed from (`rope.cos_cache<.suffix>`, `rope.sin_cache<.suffix>`).
 
+Rotary embedding into attention: `fuse_rotary_into_attention` then moves each layer's two fused nodes
+(Unsqueeze -> RotaryEmbedding -> Squeeze for q and for k) into its octavo.PagedAttention node, as the op's
+optional inputs position_ids, cos_cache and sin_cache (plugins/onnxruntime/paged_attention_op.cc rotates q and k
+before anything reads them, with the graph's rotate-half arithmetic): six nodes a layer fewer (180 of SmolLM2's
+518 per step), which at batch 1 are dispatch, not arithmetic. Only where both chains read the same tables and
+positions, rotate all of head_dim in rotate-half form with the attention node's head counts, and feed nothing
+else.
+
 A pattern that does not match exactly (another exporter version, a different rope) is left as it is:
 the rewrite is an optimisation, never a requirement.
 """
@@ -242,3 +250,64 @@ def fuse_rotary(model: onnx.ModelProto, max_positions: int) -> int:
     log.info("fused %d rotary embeddings over %d table(s) (%d unused angle nodes dropped)", len(found), len(used),
              removed)
     return len(found)
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _rope_chain(index: _Index, value: str, heads: int) -> tuple[str, onnx.NodeProto, list[onnx.NodeProto]] | None:
+    """VALUE = Squeeze(RotaryEmbedding(Unsqueeze(source))) as fuse_rotary writes it, each link used only here,
+    rotating all of each of HEADS heads in rotate-half form: (source, the RotaryEmbedding node, the 3 nodes)."""
+    squeeze = index.producer.get(value)
+    if squeeze is None or squeeze.op_type != "Squeeze" or value in index.graph_outputs:
+        return None
+    rope = index.producer.get(squeeze.input[0])
+    if rope is None or rope.op_type != "RotaryEmbedding" or rope.domain != MS_DOMAIN or len(rope.input) != 4:
+        return None
+    unsqueeze = index.producer.get(rope.input[0])
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze":
+        return None
+    if _attr(rope, "interleaved", 0) != 0 or _attr(rope, "num_heads", 0) != heads or \
+            _attr(rope, "rotary_embedding_dim", 0) not in (0, None) or _attr(rope, "scale", 1.0) != 1.0:
+        return None
+    for link in (unsqueeze.output[0], rope.output[0]):
+        if len(index.consumers.get(link, [])) != 1 or link in index.graph_outputs:
+            return None
+    return unsqueeze.input[0], rope, [unsqueeze, rope, squeeze]
+
+
+def fuse_rotary_into_attention(model: onnx.ModelProto, positions: str = "position_ids") -> int:
+    """Rewrite MODEL (after fuse_rotary) in place; returns the number of attention nodes that took their
+    rotary embeddings (0: model unchanged)."""
+    graph = model.graph
+    nodes = list(graph.node)
+    index = _Index.of(nodes, graph)
+    drop: set[int] = set()
+    fused = 0
+    for node in nodes:
+        if node.op_type != "PagedAttention" or node.domain != "octavo" or len(node.input) != 9:
+            continue
+        q = _rope_chain(index, node.input[0], int(_attr(node, "num_heads", 0)))
+        k = _rope_chain(index, node.input[1], int(_attr(node, "kv_num_heads", 0)))
+        if q is None or k is None or list(q[1].input[1:]) != list(k[1].input[1:]):
+            continue
+        rope_positions = index.producer.get(q[1].input[1])  # Unsqueeze(position_ids) into [T, 1]
+        if rope_positions is None or rope_positions.op_type != "Unsqueeze" or rope_positions.input[0] != positions:
+            continue
+        if len(index.consumers.get(node.input[0], [])) != 1 or len(index.consumers.get(node.input[1], [])) != 1:
+            continue
+        cos, sin = q[1].input[2], q[1].input[3]
+        node.input[0], node.input[1] = q[0], k[0]
+        node.input.extend([positions, cos, sin])
+        drop.update(id(n) for n in q[2] + k[2])
+        fused += 1
+    if not fused:
+        return 0
+    _replace(graph.node, [n for n in nodes if id(n) not in drop])
+    _remove_dead(graph)
+    log.info("moved the rotary embeddings of %d attention nodes into them", fused)
+    return fused
