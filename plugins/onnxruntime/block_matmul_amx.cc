@@ -46,23 +46,6 @@ constexpr int64_t kDequantK = 1536;  // k per float32 staging buffer of bf16_pan
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
 constexpr long kXtileData = 18;             // the tile data state (XFEATURE_XTILEDATA)
 
-bool detect_amx() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c >> 27 & 1)) return false;  // OSXSAVE
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool avx512 = (b >> 16 & 1) && (b >> 30 & 1) && (b >> 31 & 1);  // F, BW, VL
-  const bool amx = (d >> 22 & 1) && (d >> 24 & 1);                      // AMX-BF16, AMX-TILE
-  if (!avx512 || !amx || a < 1) return false;
-  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !(a1 >> 5 & 1)) return false;  // AVX512-BF16
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  const uint64_t xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
-  if ((xcr0 & 0xE6) != 0xE6 || (xcr0 >> 17 & 3) != 3) return false;  // the OS saves ZMM and tile state
-  // Linux hands the tile data state (8 KiB per thread) only to a process that asks for it (for every thread)
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) == 0;
-}
-
 // AVX512-BF16 (with F, BW, VL) and the OS saving ZMM state: the bfloat16 prompt paths' vector kernels, for CPUs
 // without AMX (Zen 4 and later, Cooper Lake).
 bool detect_avx512_bf16() {
@@ -75,6 +58,17 @@ bool detect_avx512_bf16() {
   unsigned lo = 0, hi = 0;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   return (lo & 0xE6) == 0xE6;  // the OS saves the opmask and ZMM state
+}
+
+bool detect_amx() {
+  if (!detect_avx512_bf16()) return false;  // every AMX CPU has it; the bfloat16 paths convert with it
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22 & 1) && (d >> 24 & 1))) return false;  // AMX-BF16, -TILE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo >> 17 & 3) != 3) return false;  // the OS saves the tile state
+  // Linux hands the tile data state (8 KiB per thread) only to a process that asks for it (for every thread)
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) == 0;
 }
 
 bool amx_disabled_by_environment() {
@@ -202,18 +196,24 @@ OCTAVO_AMX_TARGET void bf16_panel(const BlockWeights& w, int64_t kp, int64_t p, 
   std::memset(out + (w.k / 2) * 32, 0, static_cast<size_t>((kp / 2 - w.k / 2) * 32) * sizeof(uint16_t));
 }
 
+// Panels [first, last) as bf16_panel gives them, one after another (kp / 2 * 32 values each), through one staging
+// buffer: the operands of a task of the bfloat16 path (run_amx, run_dot).
+OCTAVO_AMX_TARGET TileBuffer bf16_panels(const BlockWeights& w, int64_t kp, int64_t first, int64_t last) {
+  const int64_t panel = kp / 2 * 32;
+  TileBuffer panels = tile_buffer((last - first) * panel);
+  std::unique_ptr<float[]> buf(new float[static_cast<size_t>(kDequantK * kPanel) + 16]);
+  float* staging = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t{63});
+  for (int64_t p = first; p < last; ++p) bf16_panel(w, kp, p, staging, panels.get() + (p - first) * panel);
+  return panels;
+}
+
 // The task's panels [first, last) (4: block_matmul_task_panels) are dequantized and rounded here, into a buffer of
 // the task's own (4 x K x 32 bytes), not the whole matrix once per step: no per-step buffer of N x K x 2 bytes, at
 // the cost of one dequantization per row block.
 OCTAVO_AMX_TARGET void run_amx(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first,
                                int64_t last, int64_t r0, int64_t r1) {
   const int64_t kp = a.k_padded, pairs = kp / 2;
-  TileBuffer panels = tile_buffer((last - first) * pairs * 32);
-  {
-    std::unique_ptr<float[]> buf(new float[static_cast<size_t>(kDequantK * kPanel) + 16]);
-    float* staging = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t{63});
-    for (int64_t p = first; p < last; ++p) bf16_panel(w, kp, p, staging, panels.get() + (p - first) * pairs * 32);
-  }
+  const TileBuffer panels = bf16_panels(w, kp, first, last);
   load_tiles();
   alignas(64) float c[4 * 256];
   for (int64_t p = first; p < last; p += 2) {
@@ -288,12 +288,7 @@ OCTAVO_AMX_TARGET void run_dot(const BlockWeights& w, const Activations& a, cons
                                int64_t last, int64_t r0, int64_t r1) {
   constexpr int64_t kRows = 6;
   const int64_t kp = a.k_padded, panel = kp / 2 * 32;
-  TileBuffer panels = tile_buffer((last - first) * panel);
-  {
-    std::unique_ptr<float[]> buf(new float[static_cast<size_t>(kDequantK * kPanel) + 16]);
-    float* staging = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.get()) + 63) & ~uintptr_t{63});
-    for (int64_t p = first; p < last; ++p) bf16_panel(w, kp, p, staging, panels.get() + (p - first) * panel);
-  }
+  const TileBuffer panels = bf16_panels(w, kp, first, last);
   for (int64_t p = first; p < last; p += 4) {
     const int64_t np = std::min<int64_t>(4, last - p);
     const uint16_t* b = panels.get() + (p - first) * panel;

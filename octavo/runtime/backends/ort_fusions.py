@@ -252,13 +252,6 @@ def fuse_rotary(model: onnx.ModelProto, max_positions: int) -> int:
     return len(found)
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
 def _rope_chain(index: _Index, value: str, heads: int) -> tuple[str, onnx.NodeProto, list[onnx.NodeProto]] | None:
     """VALUE = Squeeze(RotaryEmbedding(Unsqueeze(source))) as fuse_rotary writes it, each link used only here,
     rotating all of each of HEADS heads in rotate-half form: (source, the RotaryEmbedding node, the 3 nodes)."""
