@@ -70,6 +70,7 @@ struct Scratch {
   std::vector<const float*> k_rows, v_rows;  // [kKeyChunk] this head's pool rows of the chunk's keys
   std::vector<const uint16_t*> k_rows16, v_rows16;  // ... read straight from a float16 pool (decode)
   std::vector<uint16_t> zeros16;  // [head_dim] float16 zeros
+  std::vector<int64_t> pf_lines;  // decode: byte offsets of the lines P . V asks for (Prefetches)
 };
 
 Scratch& thread_scratch() {
@@ -216,12 +217,25 @@ struct ProbLayout {
   int64_t row_stride;
 };
 
+// Cache lines a decode chunk's P . V asks for (the next chunk's K and V rows), per_key at each key.
+struct Prefetches {
+  const char* k = nullptr;        // the pools
+  const char* v = nullptr;
+  const int64_t* lines = nullptr;  // byte offsets of the lines, the same in both pools
+  int64_t count = 0;
+  int64_t per_key = 0;
+};
+
 // out[r][col..col + NV*kWidth) += sum_j prob(j, r) * v_rows[j][col..] for RB rows.
 template <int RB, int NV, typename T>
 void pv_tile(const float* __restrict__ probs, ProbLayout layout, const T* const* v_rows, int64_t keys, int64_t col,
-             float* __restrict__ out, int64_t dim_p) {
+             float* __restrict__ out, int64_t dim_p, Prefetches pf = {}) {
   vf acc[RB][NV] = {};
   for (int64_t j = 0; j < keys; ++j) {
+    for (int64_t l = j * pf.per_key; l < std::min(pf.count, (j + 1) * pf.per_key); ++l) {
+      __builtin_prefetch(pf.k + pf.lines[l], 0, 2);
+      __builtin_prefetch(pf.v + pf.lines[l], 0, 2);
+    }
     vf v[NV];
     for (int i = 0; i < NV; ++i) v[i] = load_row(v_rows[j] + col + i * kWidth);
     for (int r = 0; r < RB; ++r) {
@@ -237,10 +251,11 @@ void pv_tile(const float* __restrict__ probs, ProbLayout layout, const T* const*
 }
 
 template <int RB, typename T>
-void pv_rows(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t keys, float* out, int64_t dim_p) {
+void pv_rows(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t keys, float* out, int64_t dim_p,
+             Prefetches pf = {}) {
   int64_t col = 0;
-  for (; col + kVecsPerTile * kWidth <= dim_p; col += kVecsPerTile * kWidth)
-    pv_tile<RB, kVecsPerTile, T>(probs, layout, v_rows, keys, col, out, dim_p);
+  for (; col + kVecsPerTile * kWidth <= dim_p; col += kVecsPerTile * kWidth, pf = {})
+    pv_tile<RB, kVecsPerTile, T>(probs, layout, v_rows, keys, col, out, dim_p, pf);
   switch ((dim_p - col) / kWidth) {
     case 0: break;
     case 1: pv_tile<RB, 1, T>(probs, layout, v_rows, keys, col, out, dim_p); break;
@@ -253,20 +268,20 @@ void pv_rows(const float* probs, ProbLayout layout, const T* const* v_rows, int6
 // of the rest (decode: a GQA group's rows share every V load).
 template <typename T>
 void pv_chunk(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t rows, int64_t keys, float* out,
-              int64_t dim_p) {
+              int64_t dim_p, Prefetches pf = {}) {
   int64_t m = 0;
-  for (; m + kRowsPerTile <= rows; m += kRowsPerTile)
-    pv_rows<kRowsPerTile>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p);
+  for (; m + kRowsPerTile <= rows; m += kRowsPerTile, pf = {})  // the first tile asks for PF's lines
+    pv_rows<kRowsPerTile>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p, pf);
   const float* const p = probs + m * layout.row_stride;
   float* const o = out + m * dim_p;
   static_assert(kRowsPerTile == 6, "the tail below covers 1..5 rows");
   switch (rows - m) {
     case 0: break;
-    case 1: pv_rows<1>(p, layout, v_rows, keys, o, dim_p); break;
-    case 2: pv_rows<2>(p, layout, v_rows, keys, o, dim_p); break;
-    case 3: pv_rows<3>(p, layout, v_rows, keys, o, dim_p); break;
-    case 4: pv_rows<4>(p, layout, v_rows, keys, o, dim_p); break;
-    default: pv_rows<5>(p, layout, v_rows, keys, o, dim_p); break;
+    case 1: pv_rows<1>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    case 2: pv_rows<2>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    case 3: pv_rows<3>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    case 4: pv_rows<4>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    default: pv_rows<5>(p, layout, v_rows, keys, o, dim_p, pf); break;
   }
 }
 
@@ -388,6 +403,32 @@ void prefetch_rows(const StepTensors& t, int64_t slot_bytes, const int64_t* slot
       __builtin_prefetch(static_cast<const char*>(t.value_cache) + off + b, 0, 2);
     }
   }
+}
+
+// Appends the byte offsets of the 64-byte lines [first, first + bytes) of the pool rows (SLOT_BYTES each) of keys
+// [q0, q1) of a sequence (block TABLE) to LINES.
+void add_lines(const StepTensors& t, const int32_t* table, int64_t slot_bytes, int64_t q0, int64_t q1, int64_t first,
+               int64_t bytes, std::vector<int64_t>& lines) {
+  if (q0 >= q1) return;
+  const int64_t bs = t.block_size;
+  int64_t block = q0 / bs, offset = q0 % bs;
+  int64_t base = static_cast<int64_t>(table[block]) * bs;
+  for (int64_t pos = q0; pos < q1; ++pos) {
+    for (int64_t b = 0; b < bytes; b += 64) lines.push_back((base + offset) * slot_bytes + first + b);
+    if (++offset == bs && pos + 1 < q1) {
+      offset = 0;
+      base = static_cast<int64_t>(table[++block]) * bs;
+    }
+  }
+}
+
+// Keys [lo, hi) any query token of ITEM sees (causal, the sliding window, the item's part of a split range).
+std::pair<int64_t, int64_t> item_keys(const StepTensors& t, const AttentionParams& p, const WorkItem& item) {
+  const int64_t past = t.past_seqlens[item.seq], seq_begin = t.cumulative_sequence_length[item.seq];
+  const int64_t pos_first = past + (item.token_begin - seq_begin), pos_last = past + (item.token_end - 1 - seq_begin);
+  const int64_t window = p.sliding_window;
+  return {std::max(item.key_begin, window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0),
+          std::min(item.key_end, pos_last + 1)};
 }
 
 // out[m][:] *= alpha[m] for `rows` running outputs (rows whose maximum did not move are left alone).
@@ -698,9 +739,7 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
   const int32_t* table = t.block_table + item.seq * t.max_blocks;
   const int64_t kv_row = p.kv_num_heads * D, q_stride = p.num_heads * D, d_steps = D / 32;
   const int64_t pos_first = past + (item.token_begin - seq_begin);
-  const int64_t pos_last = past + (item.token_end - 1 - seq_begin);
-  const int64_t key_lo = std::max(item.key_begin, window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0);
-  const int64_t key_hi = std::min(item.key_end, pos_last + 1);
+  const auto [key_lo, key_hi] = item_keys(t, p, item);
   const T* const key_pool = static_cast<const T*>(t.key_cache);
   const T* const value_pool = static_cast<const T*>(t.value_cache);
 
@@ -824,7 +863,8 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
 
 }  // namespace
 
-void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials) {
+void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials,
+                   const WorkItem* next) {
   const int64_t D = t.head_dim;
   const int64_t dim_p = round_up(D, kWidth);
   const int64_t group = p.num_heads / p.kv_num_heads;
@@ -901,11 +941,9 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
     }
   }
 
-  // Absolute positions of the item's first and last query tokens, and the keys any of them sees.
+  // Absolute position of the item's first query token, and the keys any of its tokens sees.
   const int64_t pos_first = past + (item.token_begin - seq_begin);
-  const int64_t pos_last = past + (item.token_end - 1 - seq_begin);
-  const int64_t key_lo = std::max(item.key_begin, window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0);
-  const int64_t key_hi = std::min(item.key_end, pos_last + 1);  // exclusive
+  const auto [key_lo, key_hi] = item_keys(t, p, item);
 
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
     const int64_t keys = std::min(key_hi - c0, kKeyChunk);
@@ -914,33 +952,28 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
     } else {
       chunk_slots(t, table, c0, keys, s.slots.data());
     }
-    // Ask for the pool rows (all heads of the item) of this chunk, when it is the first, and of
-    // the next one, so many cache lines are in flight while this chunk is computed head by head.
-    // The GEMM path asks for the next chunk's rows a key tile at a time instead (below): a burst of
-    // hundreds of prefetches stalls on the few outstanding misses the core tracks.
+    // Ask for the pool rows (all heads of the item) of this chunk when it is the first, and of the next
+    // one while this chunk is computed: the GEMM path a key tile at a time (below), decode a few lines per
+    // key of P . V. A burst of hundreds of prefetches stalls on the few outstanding misses the core tracks
+    // (decode batches asking for the whole next chunk at its start ran at ~1/3 of the DRAM bandwidth).
     const int64_t span = heads * D * itemsize;  // bytes of one slot row the item reads
+    if (c0 == key_lo) prefetch_rows(t, kv_row * itemsize, s.slots.data(), keys, item.kv_head_begin * D * itemsize, span);
     if (gemm) {
-      if (c0 == key_lo) prefetch_rows(t, kv_row * itemsize, s.slots.data(), keys, item.kv_head_begin * D * itemsize, span);
       const int64_t next_keys = std::min(key_hi - (c0 + kKeyChunk), kKeyChunk);
       if (next_keys > 0) chunk_slots(t, table, c0 + kKeyChunk, next_keys, s.next_slots.data());
       std::fill(s.next_slots.begin() + std::max<int64_t>(next_keys, 0), s.next_slots.end(), -1);
     } else {
-      const int64_t bs = t.block_size;
-      const int64_t p0 = c0 == key_lo ? c0 : c0 + kKeyChunk, p1 = std::min(key_hi, c0 + 2 * kKeyChunk);
-      if (p0 < p1) {
-        int64_t block = p0 / bs, offset = p0 % bs;
-        int64_t base = static_cast<int64_t>(table[block]) * bs;
-        for (int64_t pos = p0; pos < p1; ++pos) {
-          const int64_t off = ((base + offset) * kv_row + item.kv_head_begin * D) * itemsize;
-          for (int64_t b = 0; b < span; b += 64) {
-            __builtin_prefetch(static_cast<const char*>(t.key_cache) + off + b, 0, 2);
-            __builtin_prefetch(static_cast<const char*>(t.value_cache) + off + b, 0, 2);
-          }
-          if (++offset == bs && pos + 1 < p1) {
-            offset = 0;
-            base = static_cast<int64_t>(table[++block]) * bs;
-          }
-        }
+      // Decode: the lines of the next chunk (at the last chunk: the first chunk of the next item, which this
+      // thread likely takes next), asked for a few per key during this chunk's P . V, head by head.
+      s.pf_lines.clear();
+      if (c0 + kKeyChunk < key_hi) {
+        add_lines(t, table, kv_row * itemsize, c0 + kKeyChunk, std::min(key_hi, c0 + 2 * kKeyChunk),
+                  item.kv_head_begin * D * itemsize, span, s.pf_lines);
+      } else if (next != nullptr && (next->token_end - next->token_begin) * group < kGemmRows) {
+        const auto [next_lo, next_hi] = item_keys(t, p, *next);
+        add_lines(t, t.block_table + next->seq * t.max_blocks, kv_row * itemsize, next_lo, std::min(next_hi, next_lo + kKeyChunk),
+                  next->kv_head_begin * D * itemsize, (next->kv_head_end - next->kv_head_begin) * D * itemsize,
+                  s.pf_lines);
       }
     }
     // float16 pools: widen the chunk's rows for all the item's heads at once, walking each slot row
@@ -1055,10 +1088,14 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
       softmax_rows(scores, rows, keys, c0, pos_first, group, window, row_max, row_sum, s.alpha.data());
       rescale(out, s.alpha.data(), rows, dim_p);
       const ProbLayout layout{1, kKeyChunk};
+      const int64_t lines = static_cast<int64_t>(s.pf_lines.size());
+      const int64_t share = (lines + heads - 1) / heads, l0 = std::min(lines, h * share);
+      const Prefetches pf{static_cast<const char*>(t.key_cache), static_cast<const char*>(t.value_cache),
+                          s.pf_lines.data() + l0, std::min(lines - l0, share), (share + keys - 1) / keys};
       if (f16_direct) {
-        pv_chunk(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p);
+        pv_chunk(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p, pf);
       } else {
-        pv_chunk(scores, layout, s.v_rows.data(), rows, keys, out, dim_p);
+        pv_chunk(scores, layout, s.v_rows.data(), rows, keys, out, dim_p, pf);
       }
     }
   }

@@ -109,7 +109,9 @@ void write_new_kv(const StepTensors& t, const AttentionParams& p);
 WorkPlan plan_work(const StepTensors& t, const AttentionParams& p);
 
 // Computes one work item (reads the pools; writes only its output rows or its partial slot).
-void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials);
+// NEXT (or null): the item this thread will likely take next; a decode item asks for its first keys while it ends.
+void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials,
+                   const WorkItem* next = nullptr);
 
 // Merges the parts of one split group into its output rows.
 void combine_split(const StepTensors& t, const AttentionParams& p, const SplitGroup& group,

@@ -144,7 +144,9 @@ struct ParallelJob {
 
 void run_item(void* user_data, size_t index) {
   const auto* job = static_cast<const ParallelJob*>(user_data);
-  octavo::run_work_item(*job->tensors, *job->params, job->plan->items[index], *job->partials);
+  const auto& items = job->plan->items;
+  octavo::run_work_item(*job->tensors, *job->params, items[index], *job->partials,
+                        index + 1 < items.size() ? &items[index + 1] : nullptr);
 }
 
 void run_combine(void* user_data, size_t index) {
