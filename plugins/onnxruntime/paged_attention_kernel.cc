@@ -226,15 +226,18 @@ struct Prefetches {
   int64_t per_key = 0;
 };
 
-// out[r][col..col + NV*kWidth) += sum_j prob(j, r) * v_rows[j][col..] for RB rows.
-template <int RB, int NV, typename T>
+// out[r][col..col + NV*kWidth) += sum_j prob(j, r) * v_rows[j][col..] for RB rows. ASK (decode): ask for PF's lines
+// on the way (a template flag: the prefill tiles, without it, measured ~10 % faster than with an empty list).
+template <int RB, int NV, typename T, bool Ask>
 void pv_tile(const float* __restrict__ probs, ProbLayout layout, const T* const* v_rows, int64_t keys, int64_t col,
-             float* __restrict__ out, int64_t dim_p, Prefetches pf = {}) {
+             float* __restrict__ out, int64_t dim_p, Prefetches pf) {
   vf acc[RB][NV] = {};
   for (int64_t j = 0; j < keys; ++j) {
-    for (int64_t l = j * pf.per_key; l < std::min(pf.count, (j + 1) * pf.per_key); ++l) {
-      __builtin_prefetch(pf.k + pf.lines[l], 0, 2);
-      __builtin_prefetch(pf.v + pf.lines[l], 0, 2);
+    if constexpr (Ask) {
+      for (int64_t l = j * pf.per_key; l < std::min(pf.count, (j + 1) * pf.per_key); ++l) {
+        __builtin_prefetch(pf.k + pf.lines[l], 0, 2);
+        __builtin_prefetch(pf.v + pf.lines[l], 0, 2);
+      }
     }
     vf v[NV];
     for (int i = 0; i < NV; ++i) v[i] = load_row(v_rows[j] + col + i * kWidth);
@@ -250,38 +253,38 @@ void pv_tile(const float* __restrict__ probs, ProbLayout layout, const T* const*
     }
 }
 
-template <int RB, typename T>
+template <int RB, typename T, bool Ask>
 void pv_rows(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t keys, float* out, int64_t dim_p,
-             Prefetches pf = {}) {
+             Prefetches pf) {
   int64_t col = 0;
-  for (; col + kVecsPerTile * kWidth <= dim_p; col += kVecsPerTile * kWidth, pf = {})
-    pv_tile<RB, kVecsPerTile, T>(probs, layout, v_rows, keys, col, out, dim_p, pf);
+  for (; col + kVecsPerTile * kWidth <= dim_p; col += kVecsPerTile * kWidth, pf = {})  // the first tile asks
+    pv_tile<RB, kVecsPerTile, T, Ask>(probs, layout, v_rows, keys, col, out, dim_p, pf);
   switch ((dim_p - col) / kWidth) {
     case 0: break;
-    case 1: pv_tile<RB, 1, T>(probs, layout, v_rows, keys, col, out, dim_p); break;
-    case 2: pv_tile<RB, 2, T>(probs, layout, v_rows, keys, col, out, dim_p); break;
-    default: pv_tile<RB, 3, T>(probs, layout, v_rows, keys, col, out, dim_p); break;
+    case 1: pv_tile<RB, 1, T, Ask>(probs, layout, v_rows, keys, col, out, dim_p, pf); break;
+    case 2: pv_tile<RB, 2, T, Ask>(probs, layout, v_rows, keys, col, out, dim_p, pf); break;
+    default: pv_tile<RB, 3, T, Ask>(probs, layout, v_rows, keys, col, out, dim_p, pf); break;
   }
 }
 
 // out[m][:] += sum_j prob(j, m) * v_rows[j][:] for all rows: kRowsPerTile-row tiles, then one tile
 // of the rest (decode: a GQA group's rows share every V load).
-template <typename T>
+template <typename T, bool Ask = false>
 void pv_chunk(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t rows, int64_t keys, float* out,
               int64_t dim_p, Prefetches pf = {}) {
   int64_t m = 0;
   for (; m + kRowsPerTile <= rows; m += kRowsPerTile, pf = {})  // the first tile asks for PF's lines
-    pv_rows<kRowsPerTile>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p, pf);
+    pv_rows<kRowsPerTile, T, Ask>(probs + m * layout.row_stride, layout, v_rows, keys, out + m * dim_p, dim_p, pf);
   const float* const p = probs + m * layout.row_stride;
   float* const o = out + m * dim_p;
   static_assert(kRowsPerTile == 6, "the tail below covers 1..5 rows");
   switch (rows - m) {
     case 0: break;
-    case 1: pv_rows<1>(p, layout, v_rows, keys, o, dim_p, pf); break;
-    case 2: pv_rows<2>(p, layout, v_rows, keys, o, dim_p, pf); break;
-    case 3: pv_rows<3>(p, layout, v_rows, keys, o, dim_p, pf); break;
-    case 4: pv_rows<4>(p, layout, v_rows, keys, o, dim_p, pf); break;
-    default: pv_rows<5>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    case 1: pv_rows<1, T, Ask>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    case 2: pv_rows<2, T, Ask>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    case 3: pv_rows<3, T, Ask>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    case 4: pv_rows<4, T, Ask>(p, layout, v_rows, keys, o, dim_p, pf); break;
+    default: pv_rows<5, T, Ask>(p, layout, v_rows, keys, o, dim_p, pf); break;
   }
 }
 
@@ -1093,9 +1096,9 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
       const Prefetches pf{static_cast<const char*>(t.key_cache), static_cast<const char*>(t.value_cache),
                           s.pf_lines.data() + l0, std::min(lines - l0, share), (share + keys - 1) / keys};
       if (f16_direct) {
-        pv_chunk(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p, pf);
+        pv_chunk<uint16_t, true>(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p, pf);
       } else {
-        pv_chunk(scores, layout, s.v_rows.data(), rows, keys, out, dim_p, pf);
+        pv_chunk<float, true>(scores, layout, s.v_rows.data(), rows, keys, out, dim_p, pf);
       }
     }
   }
