@@ -408,22 +408,17 @@ void prefetch_rows(const StepTensors& t, int64_t slot_bytes, const int64_t* slot
   }
 }
 
-// Appends the byte offsets of the 64-byte lines [first, first + bytes) of the pool rows (SLOT_BYTES each) of keys
-// [q0, q1) of a sequence (block TABLE) to LINES.
-void add_lines(const StepTensors& t, const int32_t* table, int64_t slot_bytes, int64_t q0, int64_t q1, int64_t first,
-               int64_t bytes, std::vector<int64_t>& lines) {
-  if (q0 >= q1) return;
-  const int64_t bs = t.block_size;
-  int64_t block = q0 / bs, offset = q0 % bs;
-  int64_t base = static_cast<int64_t>(table[block]) * bs;
-  for (int64_t pos = q0; pos < q1; ++pos) {
-    for (int64_t b = 0; b < bytes; b += 64) lines.push_back((base + offset) * slot_bytes + first + b);
-    if (++offset == bs && pos + 1 < q1) {
-      offset = 0;
-      base = static_cast<int64_t>(table[++block]) * bs;
-    }
+// Appends the byte offsets of the 64-byte lines [first, first + bytes) of COUNT pool slots' rows (SLOT_BYTES each;
+// the slots chunk_slots found) to LINES: what prefetch_rows would ask for at once, for Prefetches to spread.
+void slot_lines(const int64_t* slots, int64_t count, int64_t slot_bytes, int64_t first, int64_t bytes,
+                std::vector<int64_t>& lines) {
+  for (int64_t j = 0; j < count; ++j) {
+    for (int64_t b = 0; b < bytes; b += 64) lines.push_back(slots[j] * slot_bytes + first + b);
   }
 }
+
+// Whether an item of ROWS rows (query tokens x the group's heads) takes the GEMM (prefill) path.
+inline bool gemm_rows(int64_t rows) { return rows >= kGemmRows; }
 
 // Keys [lo, hi) any query token of ITEM sees (causal, the sliding window, the item's part of a split range).
 std::pair<int64_t, int64_t> item_keys(const StepTensors& t, const AttentionParams& p, const WorkItem& item) {
@@ -875,7 +870,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   const int64_t rows = num_q * group;  // row m = token (m / group), query head (m % group) of the kv head
   const int64_t rows_p = round_up(rows, kWidth);
   const int64_t heads = item.kv_head_end - item.kv_head_begin;
-  const bool gemm = rows >= kGemmRows;
+  const bool gemm = gemm_rows(rows);
   const bool direct_v = D % kWidth == 0;  // value rows are read straight from the pool
   const bool f16 = t.kv_type == KvType::kFloat16;
   // float16 decode reads the pool rows in registers; prefill (GEMM) and head_dim not a multiple of
@@ -950,7 +945,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
 
   for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
     const int64_t keys = std::min(key_hi - c0, kKeyChunk);
-    if (gemm && c0 != key_lo) {
+    if (c0 != key_lo) {
       std::swap(s.slots, s.next_slots);  // found by the previous chunk
     } else {
       chunk_slots(t, table, c0, keys, s.slots.data());
@@ -961,22 +956,24 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
     // (decode batches asking for the whole next chunk at its start ran at ~1/3 of the DRAM bandwidth).
     const int64_t span = heads * D * itemsize;  // bytes of one slot row the item reads
     if (c0 == key_lo) prefetch_rows(t, kv_row * itemsize, s.slots.data(), keys, item.kv_head_begin * D * itemsize, span);
+    const int64_t next_keys = std::min(key_hi - (c0 + kKeyChunk), kKeyChunk);
+    if (next_keys > 0) chunk_slots(t, table, c0 + kKeyChunk, next_keys, s.next_slots.data());
     if (gemm) {
-      const int64_t next_keys = std::min(key_hi - (c0 + kKeyChunk), kKeyChunk);
-      if (next_keys > 0) chunk_slots(t, table, c0 + kKeyChunk, next_keys, s.next_slots.data());
       std::fill(s.next_slots.begin() + std::max<int64_t>(next_keys, 0), s.next_slots.end(), -1);
     } else {
       // Decode: the lines of the next chunk (at the last chunk: the first chunk of the next item, which this
       // thread likely takes next), asked for a few per key during this chunk's P . V, head by head.
       s.pf_lines.clear();
-      if (c0 + kKeyChunk < key_hi) {
-        add_lines(t, table, kv_row * itemsize, c0 + kKeyChunk, std::min(key_hi, c0 + 2 * kKeyChunk),
-                  item.kv_head_begin * D * itemsize, span, s.pf_lines);
-      } else if (next != nullptr && (next->token_end - next->token_begin) * group < kGemmRows) {
+      if (next_keys > 0) {
+        slot_lines(s.next_slots.data(), next_keys, kv_row * itemsize, item.kv_head_begin * D * itemsize, span, s.pf_lines);
+      } else if (next != nullptr && !gemm_rows((next->token_end - next->token_begin) * group)) {
         const auto [next_lo, next_hi] = item_keys(t, p, *next);
-        add_lines(t, t.block_table + next->seq * t.max_blocks, kv_row * itemsize, next_lo, std::min(next_hi, next_lo + kKeyChunk),
-                  next->kv_head_begin * D * itemsize, (next->kv_head_end - next->kv_head_begin) * D * itemsize,
-                  s.pf_lines);
+        const int64_t first_keys = std::min(next_hi - next_lo, kKeyChunk);
+        if (first_keys > 0) {  // the loop ends here: next_slots is free
+          chunk_slots(t, t.block_table + next->seq * t.max_blocks, next_lo, first_keys, s.next_slots.data());
+          slot_lines(s.next_slots.data(), first_keys, kv_row * itemsize, next->kv_head_begin * D * itemsize,
+                     (next->kv_head_end - next->kv_head_begin) * D * itemsize, s.pf_lines);
+        }
       }
     }
     // float16 pools: widen the chunk's rows for all the item's heads at once, walking each slot row
