@@ -582,29 +582,38 @@ inline __m512 load_params_wide(const BlockWeights& w, const void* base, int64_t 
   return _mm512_loadu_ps(static_cast<const float*>(base) + index);
 }
 
-// One block's exact int32 sums of wide_integer_tile, into S (R x G, row-major). A function of its own, with the
-// sums starting from memory: with them zeroed in registers, or inside the loop over blocks, GCC 12 copied or
-// spilled every sum once per pair.
+// One block's exact int32 sums of wide_integer_tile, into S (R x G, row-major). The first pair's madd starts each
+// sum (the same int32 lanes as dpwssd from zero), so S needs no zeroing: a zeroed S in memory, read back by the
+// loop, cost a memset of R x G x 64 bytes a block (~7 % of a 48-row step). A function of its own: with the sums
+// inside the loop over blocks, GCC 12 copied or spilled every sum once per pair.
 template <int R, int G, int Pairs>
 __attribute__((noinline)) void wide_integer_sums(const int16_t* __restrict qb, int64_t k, int64_t pairs,
                                                  const int16_t* const* cb, wide_sums* __restrict s) {
   if constexpr (Pairs > 0) pairs = Pairs;
-  wide_sums acc[R][G];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) acc[r][g] = s[r * G + g];
-  }
   const int16_t* c0 = cb[0];
   const int16_t* c1 = cb[G > 1 ? 1 : 0];
   const int16_t* c2 = cb[G > 2 ? 2 : 0];
   const int16_t* c3 = cb[G > 3 ? 3 : 0];
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512i c[G];
+  auto load_codes = [&](int64_t j, __m512i* c) {
     c[0] = _mm512_load_si512(c0 + j * 2 * kPanel);
     if constexpr (G > 1) c[1] = _mm512_load_si512(c1 + j * 2 * kPanel);
     if constexpr (G > 2) c[2] = _mm512_load_si512(c2 + j * 2 * kPanel);
     if constexpr (G > 3) c[3] = _mm512_load_si512(c3 + j * 2 * kPanel);
+  };
+  wide_sums acc[R][G];
+  {
+    __m512i c[G];
+    load_codes(0, c);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_set1_epi32(pair_of(qb + r * k));
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[r][g] = reinterpret_cast<wide_sums>(_mm512_madd_epi16(c[g], x));
+    }
+  }
+  for (int64_t j = 1; j < pairs; ++j) {
+    __m512i c[G];
+    load_codes(j, c);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_set1_epi32(pair_of(qb + r * k + 2 * j));
@@ -624,7 +633,7 @@ template <int R, int G, int Pairs>
 void wide_integer_block(const BlockWeights& w, const int16_t* qb, const float* q_scale, const float* block_sums,
                         int64_t p0, int64_t b, const int16_t* const* cb, __m512* __restrict acc) {
   const int64_t nb = w.k / w.block_size;
-  alignas(64) wide_sums s[R * G] = {};
+  alignas(64) wide_sums s[R * G];  // every sum written by wide_integer_sums
   wide_integer_sums<R, G, Pairs>(qb, w.k, w.block_size / 2, cb, s);
   for (int g = 0; g < G; ++g) {
     const __m512 scale = load_params_wide(w, w.scales, ((p0 + g) * nb + b) * kPanel);
