@@ -56,6 +56,9 @@ CASES = {
     # Many sequences: several kv heads per work item (one pass over each slot row serves them all).
     "decode_many_seqs_heads_per_item": ([(past, 1) for past in range(3, 400, 10)], 8, 4, 64, 16, 0, 0.0),
     "decode_many_seqs_heads_per_item_hd40": ([(past, 1) for past in range(0, 330, 9)], 8, 4, 40, 3, 0, 0.0),
+    # Odd GQA groups: a triple of rows shares each key load (then pairs); 40 = 32 vector dims + a scalar tail.
+    "decode_gqa3_hd40": ([(past, 1) for past in (0, 4, 5, 63, 64, 65, 130)], 9, 3, 40, 16, 0, 0.0),
+    "decode_gqa5_window_softcap": ([(past, 1) for past in (1, 70, 200)], 10, 2, 64, 16, 50, 4.0),
 }
 
 

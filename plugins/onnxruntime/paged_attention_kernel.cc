@@ -140,10 +140,65 @@ void qk_dot(const T* const* k_rows, const T* zeros, const float* q, int64_t rows
     }
     return;
   }
-  // Rows in pairs: kWidth / 2 keys of two rows at once share every key load (GQA groups of 2, or
-  // any even number of rows). The sums are formed exactly as one row at a time would form them.
-  constexpr int kHalf = kWidth / 2;
+  // An odd number of rows (GQA groups of 3, 5, ...) starts with a triple: kWidth / 3 keys of three rows at once
+  // share every key load (the lanes past 3 x that stay zero), so no row makes a second pass over the chunk's keys.
+  // Then rows in pairs: kWidth / 2 keys of two rows at once (GQA groups of 2, or any even number of rows). Every
+  // sum is formed exactly as one row at a time would form it (the same products and the same lane tree).
+  constexpr int kThird = kWidth / 3;
   int64_t m0 = 0;
+  if (rows >= 3 && rows % 2 == 1) {
+    const float* q0 = q;
+    const float* q1 = q0 + D;
+    const float* q2 = q1 + D;
+    for (int64_t j0 = 0; j0 < keys; j0 += kThird) {
+      const T* k[kThird];
+      for (int l = 0; l < kThird; ++l) k[l] = j0 + l < keys ? k_rows[j0 + l] : zeros;
+      vf acc[kWidth];  // [row 0: keys 0..kThird) [row 1] [row 2] [zeros]
+      for (int i = 3 * kThird; i < kWidth; ++i) acc[i] = simd::splat(0.0f);
+      const vf qa = simd::load(q0);
+      const vf qb = simd::load(q1);
+      const vf qc = simd::load(q2);
+      for (int l = 0; l < kThird; ++l) {
+        const vf kv = load_row(k[l]);
+        acc[l] = qa * kv;
+        acc[kThird + l] = qb * kv;
+        acc[2 * kThird + l] = qc * kv;
+      }
+      for (int64_t d = kWidth; d < vector_dims; d += kWidth) {
+        const vf qad = simd::load(q0 + d);
+        const vf qbd = simd::load(q1 + d);
+        const vf qcd = simd::load(q2 + d);
+        for (int l = 0; l < kThird; ++l) {
+          const vf kv = load_row(k[l] + d);
+          acc[l] += qad * kv;
+          acc[kThird + l] += qbd * kv;
+          acc[2 * kThird + l] += qcd * kv;
+        }
+      }
+      vf sums = simd::reduce_lanes<kWidth>(acc);
+      if (vector_dims < D) {
+        for (int l = 0; l < kThird; ++l) {
+          float tail0 = 0.0f, tail1 = 0.0f, tail2 = 0.0f;
+          for (int64_t d = vector_dims; d < D; ++d) {
+            tail0 += q0[d] * value_of(k[l] + d);
+            tail1 += q1[d] * value_of(k[l] + d);
+            tail2 += q2[d] * value_of(k[l] + d);
+          }
+          sums[l] += tail0;
+          sums[kThird + l] += tail1;
+          sums[2 * kThird + l] += tail2;
+        }
+      }
+      float lanes[kWidth];
+      simd::store(lanes, sums);
+      const size_t n = sizeof(float) * static_cast<size_t>(std::min<int64_t>(kThird, keys - j0));  // rows end at kKeyChunk
+      std::memcpy(scores + j0, lanes, n);
+      std::memcpy(scores + kKeyChunk + j0, lanes + kThird, n);
+      std::memcpy(scores + 2 * kKeyChunk + j0, lanes + 2 * kThird, n);
+    }
+    m0 = 3;
+  }
+  constexpr int kHalf = kWidth / 2;
   for (; m0 + 2 <= rows; m0 += 2) {
     const float* q0 = q + m0 * D;
     const float* q1 = q0 + D;

@@ -60,7 +60,7 @@ inline float reduce_max(vf v) {
 // Horizontal sums of kWidth vectors at once: lane i of the result is the sum of v[i * stride]'s lanes.
 // A tree of pairwise shuffles + adds (kWidth - 1 adds in all) instead of kWidth scalar reductions.
 template <int Block>
-inline vf fold_pair(vf x, vf y) {  // x, y hold one key per 2*Block lanes; result one per Block lanes
+__attribute__((always_inline)) inline vf fold_pair(vf x, vf y) {  // x, y hold one key per 2*Block lanes; result one per Block lanes
   vi lo, hi;
   for (int q = 0; q < kWidth / Block; ++q) {
     const int source = (q % 2 == 0) ? 0 : kWidth;
@@ -74,7 +74,7 @@ inline vf fold_pair(vf x, vf y) {  // x, y hold one key per 2*Block lanes; resul
 }
 
 template <int N, int Stride = 1>
-inline vf reduce_lanes(const vf* v) {
+__attribute__((always_inline)) inline vf reduce_lanes(const vf* v) {
   if constexpr (N == 1) {
     return v[0];
   } else {
