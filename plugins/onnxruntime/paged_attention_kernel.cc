@@ -121,14 +121,58 @@ inline vf load_row(const uint16_t* p) { return half::load_widened(p); }
 inline float value_of(const float* p) { return *p; }
 inline float value_of(const uint16_t* p) { return half::to_float(*p); }
 
-// Decode: scores[m][j] (row-major, kKeyChunk per row) for few rows, kWidth keys at a time with
-// one shuffle-tree reduction.
+// Decode scores of G rows (q: G rows of head_dim, scores: their rows, kKeyChunk apart): kWidth / G keys of all G
+// rows at once share every key load, their sums in one vector register each (lanes past G x kWidth / G stay zero),
+// summed together by one shuffle tree. Each (row, key) sum is formed as it is for G = 1 (the same products in the
+// same order, the same lane tree), so which G a row is scored with does not change a bit.
+template <int G, typename T>
+void qk_rows(const T* const* k_rows, const T* zeros, const float* q, int64_t head_dim, int64_t keys, float* scores) {
+  constexpr int kKeys = kWidth / G;
+  const int64_t D = head_dim;
+  const int64_t vector_dims = D / kWidth * kWidth;  // the rest (head_dim % kWidth) is summed in scalar
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
+    const T* k[kKeys];
+    for (int l = 0; l < kKeys; ++l) k[l] = j0 + l < keys ? k_rows[j0 + l] : zeros;
+    vf acc[kWidth];  // [row 0: keys 0..kKeys) [row 1: keys 0..kKeys) ... [zeros]
+    for (int i = G * kKeys; i < kWidth; ++i) acc[i] = simd::splat(0.0f);
+    vf qv[G];
+    for (int g = 0; g < G; ++g) qv[g] = simd::load(q + g * D);
+    for (int l = 0; l < kKeys; ++l) {
+      const vf kv = load_row(k[l]);
+      for (int g = 0; g < G; ++g) acc[g * kKeys + l] = qv[g] * kv;
+    }
+    for (int64_t d = kWidth; d < vector_dims; d += kWidth) {  // kWidth independent FMA chains
+      for (int g = 0; g < G; ++g) qv[g] = simd::load(q + g * D + d);
+      for (int l = 0; l < kKeys; ++l) {
+        const vf kv = load_row(k[l] + d);
+        for (int g = 0; g < G; ++g) acc[g * kKeys + l] += qv[g] * kv;
+      }
+    }
+    vf sums = simd::reduce_lanes<kWidth>(acc);
+    if (vector_dims < D) {
+      for (int l = 0; l < kKeys; ++l) {
+        for (int g = 0; g < G; ++g) {
+          float tail = 0.0f;
+          for (int64_t d = vector_dims; d < D; ++d) tail += q[g * D + d] * value_of(k[l] + d);
+          sums[g * kKeys + l] += tail;
+        }
+      }
+    }
+    float lanes[kWidth];
+    simd::store(lanes, sums);
+    const int64_t n = std::min<int64_t>(kKeys, keys - j0);  // a row's scores end at kKeyChunk
+    for (int g = 0; g < G; ++g) std::memcpy(scores + g * kKeyChunk + j0, lanes + g * kKeys, sizeof(float) * n);
+  }
+}
+
+// Decode: scores[m][j] (row-major, kKeyChunk per row) for few rows. An odd number of rows of 3 or more (GQA
+// groups of 3, 5, ...) starts with a triple, then rows go in pairs (GQA groups of 2, any even count), and a last
+// single row alone: so no row of a group walks the chunk's keys a second time on its own.
 template <typename T>
 void qk_dot(const T* const* k_rows, const T* zeros, const float* q, int64_t rows, int64_t head_dim, int64_t keys,
             float* scores) {
   const int64_t D = head_dim;
-  const int64_t vector_dims = D / kWidth * kWidth;  // the rest (head_dim % kWidth) is summed in scalar
-  if (vector_dims == 0) {
+  if (D < kWidth) {
     for (int64_t j = 0; j < keys; ++j) {
       for (int64_t m = 0; m < rows; ++m) {
         const float* qm = q + m * D;
@@ -140,130 +184,13 @@ void qk_dot(const T* const* k_rows, const T* zeros, const float* q, int64_t rows
     }
     return;
   }
-  // An odd number of rows (GQA groups of 3, 5, ...) starts with a triple: kWidth / 3 keys of three rows at once
-  // share every key load (the lanes past 3 x that stay zero), so no row makes a second pass over the chunk's keys.
-  // Then rows in pairs: kWidth / 2 keys of two rows at once (GQA groups of 2, or any even number of rows). Every
-  // sum is formed exactly as one row at a time would form it (the same products and the same lane tree).
-  constexpr int kThird = kWidth / 3;
   int64_t m0 = 0;
   if (rows >= 3 && rows % 2 == 1) {
-    const float* q0 = q;
-    const float* q1 = q0 + D;
-    const float* q2 = q1 + D;
-    for (int64_t j0 = 0; j0 < keys; j0 += kThird) {
-      const T* k[kThird];
-      for (int l = 0; l < kThird; ++l) k[l] = j0 + l < keys ? k_rows[j0 + l] : zeros;
-      vf acc[kWidth];  // [row 0: keys 0..kThird) [row 1] [row 2] [zeros]
-      for (int i = 3 * kThird; i < kWidth; ++i) acc[i] = simd::splat(0.0f);
-      const vf qa = simd::load(q0);
-      const vf qb = simd::load(q1);
-      const vf qc = simd::load(q2);
-      for (int l = 0; l < kThird; ++l) {
-        const vf kv = load_row(k[l]);
-        acc[l] = qa * kv;
-        acc[kThird + l] = qb * kv;
-        acc[2 * kThird + l] = qc * kv;
-      }
-      for (int64_t d = kWidth; d < vector_dims; d += kWidth) {
-        const vf qad = simd::load(q0 + d);
-        const vf qbd = simd::load(q1 + d);
-        const vf qcd = simd::load(q2 + d);
-        for (int l = 0; l < kThird; ++l) {
-          const vf kv = load_row(k[l] + d);
-          acc[l] += qad * kv;
-          acc[kThird + l] += qbd * kv;
-          acc[2 * kThird + l] += qcd * kv;
-        }
-      }
-      vf sums = simd::reduce_lanes<kWidth>(acc);
-      if (vector_dims < D) {
-        for (int l = 0; l < kThird; ++l) {
-          float tail0 = 0.0f, tail1 = 0.0f, tail2 = 0.0f;
-          for (int64_t d = vector_dims; d < D; ++d) {
-            tail0 += q0[d] * value_of(k[l] + d);
-            tail1 += q1[d] * value_of(k[l] + d);
-            tail2 += q2[d] * value_of(k[l] + d);
-          }
-          sums[l] += tail0;
-          sums[kThird + l] += tail1;
-          sums[2 * kThird + l] += tail2;
-        }
-      }
-      float lanes[kWidth];
-      simd::store(lanes, sums);
-      const size_t n = sizeof(float) * static_cast<size_t>(std::min<int64_t>(kThird, keys - j0));  // rows end at kKeyChunk
-      std::memcpy(scores + j0, lanes, n);
-      std::memcpy(scores + kKeyChunk + j0, lanes + kThird, n);
-      std::memcpy(scores + 2 * kKeyChunk + j0, lanes + 2 * kThird, n);
-    }
+    qk_rows<3>(k_rows, zeros, q, D, keys, scores);
     m0 = 3;
   }
-  constexpr int kHalf = kWidth / 2;
-  for (; m0 + 2 <= rows; m0 += 2) {
-    const float* q0 = q + m0 * D;
-    const float* q1 = q0 + D;
-    for (int64_t j0 = 0; j0 < keys; j0 += kHalf) {
-      const T* k[kHalf];
-      for (int l = 0; l < kHalf; ++l) k[l] = j0 + l < keys ? k_rows[j0 + l] : zeros;
-      vf acc[kWidth];  // [row 0: keys 0..kHalf) [row 1: keys 0..kHalf)
-      const vf qa = simd::load(q0);
-      const vf qb = simd::load(q1);
-      for (int l = 0; l < kHalf; ++l) {
-        const vf kv = load_row(k[l]);
-        acc[l] = qa * kv;
-        acc[kHalf + l] = qb * kv;
-      }
-      for (int64_t d = kWidth; d < vector_dims; d += kWidth) {
-        const vf qad = simd::load(q0 + d);
-        const vf qbd = simd::load(q1 + d);
-        for (int l = 0; l < kHalf; ++l) {
-          const vf kv = load_row(k[l] + d);
-          acc[l] += qad * kv;
-          acc[kHalf + l] += qbd * kv;
-        }
-      }
-      vf sums = simd::reduce_lanes<kWidth>(acc);
-      if (vector_dims < D) {
-        for (int l = 0; l < kHalf; ++l) {
-          float tail0 = 0.0f, tail1 = 0.0f;
-          for (int64_t d = vector_dims; d < D; ++d) {
-            tail0 += q0[d] * value_of(k[l] + d);
-            tail1 += q1[d] * value_of(k[l] + d);
-          }
-          sums[l] += tail0;
-          sums[kHalf + l] += tail1;
-        }
-      }
-      float lanes[kWidth];
-      simd::store(lanes, sums);
-      std::memcpy(scores + m0 * kKeyChunk + j0, lanes, sizeof(float) * kHalf);
-      std::memcpy(scores + (m0 + 1) * kKeyChunk + j0, lanes + kHalf, sizeof(float) * kHalf);
-    }
-  }
-  if (m0 == rows) return;
-  for (int64_t j0 = 0; j0 < keys; j0 += kWidth) {
-    const T* k[kWidth];
-    for (int l = 0; l < kWidth; ++l) k[l] = j0 + l < keys ? k_rows[j0 + l] : zeros;
-    for (int64_t m = m0; m < rows; ++m) {
-      const float* qm = q + m * D;
-      vf acc[kWidth];
-      const vf q0 = simd::load(qm);
-      for (int l = 0; l < kWidth; ++l) acc[l] = q0 * load_row(k[l]);
-      for (int64_t d = kWidth; d < vector_dims; d += kWidth) {  // kWidth independent FMA chains
-        const vf qd = simd::load(qm + d);
-        for (int l = 0; l < kWidth; ++l) acc[l] += qd * load_row(k[l] + d);
-      }
-      vf sums = simd::reduce_lanes<kWidth>(acc);
-      if (vector_dims < D) {
-        for (int l = 0; l < kWidth; ++l) {
-          float tail = 0.0f;
-          for (int64_t d = vector_dims; d < D; ++d) tail += qm[d] * value_of(k[l] + d);
-          sums[l] += tail;
-        }
-      }
-      simd::store(scores + m * kKeyChunk + j0, sums);
-    }
-  }
+  for (; m0 + 2 <= rows; m0 += 2) qk_rows<2>(k_rows, zeros, q + m0 * D, D, keys, scores + m0 * kKeyChunk);
+  if (m0 < rows) qk_rows<1>(k_rows, zeros, q + m0 * D, D, keys, scores + m0 * kKeyChunk);
 }
 
 // Where probability (key j, row r) lives: probs[j * key_stride + r * row_stride].
