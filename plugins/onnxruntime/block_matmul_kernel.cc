@@ -582,14 +582,16 @@ inline __m512 load_params_wide(const BlockWeights& w, const void* base, int64_t 
   return _mm512_loadu_ps(static_cast<const float*>(base) + index);
 }
 
-// One block's exact int32 sums of wide_integer_tile, into S (R x G, row-major). The first pair's madd starts each
-// sum (the same int32 lanes as dpwssd from zero), so S needs no zeroing: a zeroed S in memory, read back by the
-// loop, cost a memset of R x G x 64 bytes a block (~7 % of a 48-row step). A function of its own: with the sums
+// One block of wide_integer_tile: its exact int32 sums (R x G registers), then scaled into ACC in integer_tile's
+// order, from the registers. The first pair's madd starts each sum (the same int32 lanes as dpwssd from zero): a
+// zeroed array of sums in memory cost a memset of R x G x 64 bytes a block. A function of its own: with the sums
 // inside the loop over blocks, GCC 12 copied or spilled every sum once per pair.
 template <int R, int G, int Pairs>
-__attribute__((noinline)) void wide_integer_sums(const int16_t* __restrict qb, int64_t k, int64_t pairs,
-                                                 const int16_t* const* cb, wide_sums* __restrict s) {
-  if constexpr (Pairs > 0) pairs = Pairs;
+__attribute__((noinline)) void wide_integer_block(const BlockWeights& w, const int16_t* __restrict qb,
+                                                  const float* q_scale, const float* block_sums, int64_t nb,
+                                                  int64_t p0, int64_t b, const int16_t* const* cb,
+                                                  __m512* __restrict acc) {
+  const int64_t k = w.k, pairs = Pairs > 0 ? Pairs : w.block_size / 2;
   const int16_t* c0 = cb[0];
   const int16_t* c1 = cb[G > 1 ? 1 : 0];
   const int16_t* c2 = cb[G > 2 ? 2 : 0];
@@ -600,7 +602,7 @@ __attribute__((noinline)) void wide_integer_sums(const int16_t* __restrict qb, i
     if constexpr (G > 2) c[2] = _mm512_load_si512(c2 + j * 2 * kPanel);
     if constexpr (G > 3) c[3] = _mm512_load_si512(c3 + j * 2 * kPanel);
   };
-  wide_sums acc[R][G];
+  wide_sums sums[R][G];
   {
     __m512i c[G];
     load_codes(0, c);
@@ -608,7 +610,7 @@ __attribute__((noinline)) void wide_integer_sums(const int16_t* __restrict qb, i
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_set1_epi32(pair_of(qb + r * k));
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) acc[r][g] = reinterpret_cast<wide_sums>(_mm512_madd_epi16(c[g], x));
+      for (int g = 0; g < G; ++g) sums[r][g] = reinterpret_cast<wide_sums>(_mm512_madd_epi16(c[g], x));
     }
   }
   for (int64_t j = 1; j < pairs; ++j) {
@@ -618,29 +620,17 @@ __attribute__((noinline)) void wide_integer_sums(const int16_t* __restrict qb, i
     for (int r = 0; r < R; ++r) {
       const __m512i x = _mm512_set1_epi32(pair_of(qb + r * k + 2 * j));
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) acc[r][g] = dot_add_wide(acc[r][g], c[g], x);
+      for (int g = 0; g < G; ++g) sums[r][g] = dot_add_wide(sums[r][g], c[g], x);
     }
   }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) s[r * G + g] = acc[r][g];
-  }
-}
-
-// One block of wide_integer_tile: its sums, scaled into ACC in integer_tile's order.
-template <int R, int G, int Pairs>
-void wide_integer_block(const BlockWeights& w, const int16_t* qb, const float* q_scale, const float* block_sums,
-                        int64_t p0, int64_t b, const int16_t* const* cb, __m512* __restrict acc) {
-  const int64_t nb = w.k / w.block_size;
-  alignas(64) wide_sums s[R * G];  // every sum written by wide_integer_sums
-  wide_integer_sums<R, G, Pairs>(qb, w.k, w.block_size / 2, cb, s);
   for (int g = 0; g < G; ++g) {
     const __m512 scale = load_params_wide(w, w.scales, ((p0 + g) * nb + b) * kPanel);
     const __m512 offset = load_params_wide(w, w.offsets, ((p0 + g) * nb + b) * kPanel);
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512 f = _mm512_set1_ps(q_scale[r * nb + b]), sum = _mm512_set1_ps(block_sums[r * nb + b]);
-      acc[r * G + g] = _mm512_fmadd_ps(offset, sum, _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, reinterpret_cast<__m512i>(s[r * G + g])),
+      acc[r * G + g] = _mm512_fmadd_ps(offset, sum, _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, reinterpret_cast<__m512i>(sums[r][g])),
                                                                     _mm512_mul_ps(scale, f), acc[r * G + g]));
     }
   }
@@ -656,7 +646,7 @@ void wide_integer_tile(const BlockWeights& w, const Activations& a, int64_t r0, 
     const int16_t* cb[G];
     for (int g = 0; g < G; ++g) cb[g] = buf[g] + at;
     wide_integer_block<R, G, Pairs>(w, a.q.get() + r0 * w.k + b * w.block_size, a.q_scale.get() + r0 * nb,
-                                    a.block_sums.get() + r0 * nb, p0, b, cb, acc);
+                                    a.block_sums.get() + r0 * nb, nb, p0, b, cb, acc);
   }
 }
 
