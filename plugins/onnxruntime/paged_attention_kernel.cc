@@ -221,11 +221,22 @@ void pv_tile(const float* __restrict__ probs, ProbLayout layout, const T* const*
         __builtin_prefetch(pf.v + pf.lines[l], 0, 2);
       }
     }
-    vf v[NV];
-    for (int i = 0; i < NV; ++i) v[i] = load_row(v_rows[j] + col + i * kWidth);
-    for (int r = 0; r < RB; ++r) {
-      const float p = probs[j * layout.key_stride + r * layout.row_stride];
-      for (int i = 0; i < NV; ++i) acc[r][i] += p * v[i];
+    if constexpr (NV > kVecsPerTile) {
+      // a wide tile (pv_vectors): the rows' probabilities first, then one value vector at a time, RB x NV
+      // accumulators + RB + 1 registers (3 x 4 on AVX2: 16 of 16), where loading all NV vectors first would spill
+      vf p[RB];
+      for (int r = 0; r < RB; ++r) p[r] = simd::splat(probs[j * layout.key_stride + r * layout.row_stride]);
+      for (int i = 0; i < NV; ++i) {
+        const vf v = load_row(v_rows[j] + col + i * kWidth);
+        for (int r = 0; r < RB; ++r) acc[r][i] += p[r] * v;
+      }
+    } else {  // NV value vectors + one probability at a time (6 rows x kVecsPerTile: 15 of 16 registers on AVX2)
+      vf v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = load_row(v_rows[j] + col + i * kWidth);
+      for (int r = 0; r < RB; ++r) {
+        const float p = probs[j * layout.key_stride + r * layout.row_stride];
+        for (int i = 0; i < NV; ++i) acc[r][i] += p * v[i];
+      }
     }
   }
   for (int r = 0; r < RB; ++r)
@@ -235,11 +246,25 @@ void pv_tile(const float* __restrict__ probs, ProbLayout layout, const T* const*
     }
 }
 
+// Dim vectors of a P . V tile of RB rows: kVecsPerTile, or on 8-lane vectors with few rows (decode: a GQA group's
+// 1-3 rows) as many as 12 accumulators hold, so each key's value row is walked in fewer passes (SmolLM2's 3 rows of
+// 64 dims: 2 passes instead of 4; 1 row: 1).
+template <int RB>
+constexpr int pv_vectors() {
+  if constexpr (kWidth != 8 || RB > 3) return kVecsPerTile;
+  return RB == 1 ? 8 : 4;
+}
+
 template <int RB, typename T, bool Ask>
 void pv_rows(const float* probs, ProbLayout layout, const T* const* v_rows, int64_t keys, float* out, int64_t dim_p,
              Prefetches pf) {
   int64_t col = 0;
-  for (; col + kVecsPerTile * kWidth <= dim_p; col += kVecsPerTile * kWidth, pf = {})  // the first tile asks
+  constexpr int kWide = pv_vectors<RB>();
+  if constexpr (kWide != kVecsPerTile) {
+    for (; col + kWide * kWidth <= dim_p; col += kWide * kWidth, pf = {})  // the first tile asks
+      pv_tile<RB, kWide, T, Ask>(probs, layout, v_rows, keys, col, out, dim_p, pf);
+  }
+  for (; col + kVecsPerTile * kWidth <= dim_p; col += kVecsPerTile * kWidth, pf = {})
     pv_tile<RB, kVecsPerTile, T, Ask>(probs, layout, v_rows, keys, col, out, dim_p, pf);
   switch ((dim_p - col) / kWidth) {
     case 0: break;
