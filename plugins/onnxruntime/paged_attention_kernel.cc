@@ -339,7 +339,7 @@ void softmax_columns(float* scores, int64_t width, int64_t keys, int64_t c, floa
   for (int64_t j = 0; j < keys; ++j) {
     for (int v = 0; v < NV; ++v) {
       float* x = scores + j * width + c + v * kWidth;
-      const vf prob = simd::exp(simd::load(x) - base[v]);
+      const vf prob = simd::exp_nonpositive(simd::load(x) - base[v]);
       simd::store(x, prob);
       sum[v] += prob;
     }

@@ -104,6 +104,33 @@ __attribute__((always_inline)) inline vf exp(vf x) {
   return x < lo ? splat(0.0f) : result;
 }
 
+// exp(d) for d <= 0 (a score minus its row's running maximum: the prefill softmax's one exp per score) in fewer
+// operations than exp above (15 against ~21): t = d log2(e), n = round(t) by the 1.5 * 2^23 trick, whose float's low
+// bits hold n, 2^(t - n) by a degree-5 polynomial fitted to the relative error on [-1/2, 1/2] with p(0) = 1 (a row's
+// maximum still gets probability 1), and n added to its exponent bits. Relative error: the polynomial's ~2e-7 plus
+// t's rounding, |t| 2^-24 ln 2: <= 1e-6 for results above 1e-7, 3.9e-6 at worst near the underflow (a float64
+// sweep of [-110, 0]; exp above: ~1e-7 throughout, by a two-part ln 2) — in a softmax, errors far below the float32
+// sums' own. Exactly 0 below t = -126, and for -inf and NaN (clamped first, as exp's clamp does).
+__attribute__((always_inline)) inline vf exp_nonpositive(vf d) {
+  typedef uint32_t vu __attribute__((vector_size(kWidth * sizeof(uint32_t))));
+  const vf t = max(d * 1.44269504088896341f, splat(-127.0f));  // -inf and NaN -> -127
+  const vf r = t + 12582912.0f;
+  const vf f = t - (r - 12582912.0f);  // exact: |t - n| <= 1/2
+  vf p = splat(1.3302209554240108e-3f);
+  p = p * f + 9.6729323267936707e-3f;
+  p = p * f + 5.5506151169538498e-2f;
+  p = p * f + 2.4022217094898224e-1f;
+  p = p * f + 6.9314706325531006e-1f;
+  p = p * f + 1.0f;
+  vu bits, n;
+  std::memcpy(&bits, &p, sizeof bits);
+  std::memcpy(&n, &r, sizeof n);
+  bits += n << 23;  // r's mantissa is 2^22 + n: the 2^22 and r's exponent bits shift out of the 32
+  vf result;
+  std::memcpy(&result, &bits, sizeof result);
+  return t < -126.0f ? splat(0.0f) : result;
+}
+
 // c * tanh(x / c), via tanh(y) = 1 - 2 / (exp(2y) + 1).
 inline vf softcap(vf x, float c) {
   const vf e = exp(x * (2.0f / c));
