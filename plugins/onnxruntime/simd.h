@@ -82,12 +82,16 @@ __attribute__((always_inline)) inline vf reduce_lanes(const vf* v) {
   }
 }
 
+constexpr float kLog2e = 1.44269504088896341f;
+// t + kRound - kRound rounds |t| < 2^22 to the nearest integer (ties to even), whose value the sum's low bits hold
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+
 // exp(x) in float, relative error ~1e-7 (Cephes-style polynomial); inputs below -87.3 give exactly 0.
 __attribute__((always_inline)) inline vf exp(vf x) {
   const vf lo = splat(-87.3f);
   const vf xc = min(max(x, lo), splat(88.3f));
-  const vf rounded = xc * 1.44269504088896341f + 12582912.0f;  // round(x / ln 2) via the 1.5*2^23 trick
-  const vf n = rounded - 12582912.0f;
+  const vf rounded = xc * kLog2e + kRound;  // round(x / ln 2)
+  const vf n = rounded - kRound;
   vf r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   vf p = splat(1.9875691500e-4f);
@@ -105,17 +109,17 @@ __attribute__((always_inline)) inline vf exp(vf x) {
 }
 
 // exp(d) for d <= 0 (a score minus its row's running maximum: the prefill softmax's one exp per score) in fewer
-// operations than exp above (15 against ~21): t = d log2(e), n = round(t) by the 1.5 * 2^23 trick, whose float's low
-// bits hold n, 2^(t - n) by a degree-5 polynomial fitted to the relative error on [-1/2, 1/2] with p(0) = 1 (a row's
-// maximum still gets probability 1), and n added to its exponent bits. Relative error: the polynomial's ~2e-7 plus
+// operations than exp above (15 against ~21): t = d log2(e), n = round(t) by kRound (t + kRound's low bits hold n),
+// 2^(t - n) by a degree-5 polynomial fitted to the relative error on [-1/2, 1/2] with p(0) = 1 (a row's maximum
+// still gets probability 1), and n added to its exponent bits. Relative error: the polynomial's ~2e-7 plus
 // t's rounding, |t| 2^-24 ln 2: <= 1e-6 for results above 1e-7, 3.9e-6 at worst near the underflow (a float64
 // sweep of [-110, 0]; exp above: ~1e-7 throughout, by a two-part ln 2) — in a softmax, errors far below the float32
 // sums' own. Exactly 0 below t = -126, and for -inf and NaN (clamped first, as exp's clamp does).
 __attribute__((always_inline)) inline vf exp_nonpositive(vf d) {
   typedef uint32_t vu __attribute__((vector_size(kWidth * sizeof(uint32_t))));
-  const vf t = max(d * 1.44269504088896341f, splat(-127.0f));  // -inf and NaN -> -127
-  const vf r = t + 12582912.0f;
-  const vf f = t - (r - 12582912.0f);  // exact: |t - n| <= 1/2
+  const vf t = max(d * kLog2e, splat(-127.0f));  // -inf and NaN -> -127
+  const vf r = t + kRound;
+  const vf f = t - (r - kRound);  // exact: |t - n| <= 1/2
   vf p = splat(1.3302209554240108e-3f);
   p = p * f + 9.6729323267936707e-3f;
   p = p * f + 5.5506151169538498e-2f;
