@@ -9,8 +9,10 @@
 //   panels is widened to int16 once into per-thread buffers (L1/L2), then tiles of 6 rows x 16 columns take
 //   each block's exact int32 sums from the buffer (6 x 2 int32 accumulators, two madd + two add per pair of k
 //   and row: twice the multiply-adds per instruction of a float32 FMA) and scale them into float32 per block,
-//   in the decode kernel's order (a row's y is the same bits in a batch as alone). Measured on a 2-core Zen 3,
-//   one thread, SmolLM2's shapes: 1.2-1.35x the float32 tiles at 16-48 rows.
+//   in the decode kernel's order (a row's y is the same bits in a batch as alone). On AVX2 builds without VNNI
+//   each block's pair loop is assembly (integer_sums: GCC spilled a third of the sums to the stack); a 2-core
+//   Zen 3 (two madd a cycle, as many as FMAs) with SmolLM2's shapes at 48 rows: 3072 x 576 1121-1128 -> 776-789
+//   us, 960 x 576 645 -> 307 us, the Q8_0 LM head 21.8 -> 13.4 ms; the float32 tiles take 926 us on the first.
 // - the float32 path (a prompt's or a mixed step past 8 rows, and a step the 16-bit rounding refuses): a chunk
 //   of the group's weights is dequantized into float32 buffers, then register-blocked 6 x 16 tiles of y
 //   accumulate over them with FMAs.
@@ -488,52 +490,217 @@ void widen_chunk(const BlockWeights& w, int64_t p, int64_t k0, int64_t k1, int16
 }
 
 #if !defined(__AVX512F__)
-// R rows (from r0) of one panel over blocks [b0, b1) (their widened codes at buf): per block, exact int32
-// sums of codes x 16-bit activations (_mm256_madd_epi16, 16 multiply-adds an instruction, twice the
-// multiply-adds of a float32 FMA), then the block's float32 scaling into lo / hi (R x 16 floats).
+// One block of integer_tile: R rows' exact int32 sums of codes x 16-bit activations over the block's pairs of k
+// (_mm256_madd_epi16: 16 multiply-adds an instruction, two a cycle on Zen 3 against two 8-wide FMAs), then the
+// block's float32 scaling into lo / hi (R x 16 floats, in memory) in integer_panel's order: scaled sums, then the
+// offsets' term (a row's y is the same bits whichever kernel and batch it is in). The first pair's madd starts
+// each sum. A function of its own, as wide_integer_block: with the sums inside the loop over blocks, GCC kept
+// half of them on the stack (a store and a reload per pair; measured 0.8x the float32 FMA tiles at 48 rows).
+#if !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define OCTAVO_INT_TILE_ASM 1
+// The exact int32 sums of an R-row tile over one block's PAIRS pairs of k (pairs >= 1), in assembly, into
+// sums[2r] (columns 0-7) and sums[2r + 1] (8-15) of row r. GCC (12, 13) hoists every row's broadcast ahead of the
+// multiply-adds whatever the source says (6 + 2 + 12 > 16 registers at 6 rows) and keeps a third of the sums on
+// the stack, a store and a reload per pair (the 6-row tile then ran at 0.8x the float32 FMA tiles at 48 rows,
+// where madd does twice their multiply-adds a cycle on Zen 3); at 1, 2 and 5 rows it spilled too. Here the sums
+// stay in ymm0-11: per pair, two loads of codes (ymm12-13), then per row a broadcast of its pair of x (ymm14) and
+// 2 madd + 2 add. Builds with VNNI keep the intrinsics (one instruction a multiply-add, no scratch register).
+#define OCTAVO_ZERO(i) "vpxor %%xmm" #i ", %%xmm" #i ", %%xmm" #i "\n\t"
+#define OCTAVO_STORE(i) "vmovdqa %%ymm" #i ", " #i "*32(%[sums])\n\t"
+#define OCTAVO_ROW(addr, s, t)                  \
+  "vpbroadcastd " addr ", %%ymm14\n\t"          \
+  "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t"      \
+  "vpaddd %%ymm15, %%ymm" #s ", %%ymm" #s "\n\t" \
+  "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t"      \
+  "vpaddd %%ymm14, %%ymm" #t ", %%ymm" #t "\n\t"
+#define OCTAVO_R1 OCTAVO_ROW("(%[qa])", 0, 1)
+#define OCTAVO_R2 OCTAVO_R1 OCTAVO_ROW("(%[qa], %[stride])", 2, 3)
+#define OCTAVO_R3 OCTAVO_R2 OCTAVO_ROW("(%[qa], %[stride], 2)", 4, 5)
+#define OCTAVO_R4 OCTAVO_R3 OCTAVO_ROW("(%[qc])", 6, 7)
+#define OCTAVO_R5 OCTAVO_R4 OCTAVO_ROW("(%[qc], %[stride])", 8, 9)
+#define OCTAVO_R6 OCTAVO_R5 OCTAVO_ROW("(%[qc], %[stride], 2)", 10, 11)
+#define OCTAVO_Z1 OCTAVO_ZERO(0) OCTAVO_ZERO(1)
+#define OCTAVO_Z2 OCTAVO_Z1 OCTAVO_ZERO(2) OCTAVO_ZERO(3)
+#define OCTAVO_Z3 OCTAVO_Z2 OCTAVO_ZERO(4) OCTAVO_ZERO(5)
+#define OCTAVO_Z4 OCTAVO_Z3 OCTAVO_ZERO(6) OCTAVO_ZERO(7)
+#define OCTAVO_Z5 OCTAVO_Z4 OCTAVO_ZERO(8) OCTAVO_ZERO(9)
+#define OCTAVO_Z6 OCTAVO_Z5 OCTAVO_ZERO(10) OCTAVO_ZERO(11)
+#define OCTAVO_S1 OCTAVO_STORE(0) OCTAVO_STORE(1)
+#define OCTAVO_S2 OCTAVO_S1 OCTAVO_STORE(2) OCTAVO_STORE(3)
+#define OCTAVO_S3 OCTAVO_S2 OCTAVO_STORE(4) OCTAVO_STORE(5)
+#define OCTAVO_S4 OCTAVO_S3 OCTAVO_STORE(6) OCTAVO_STORE(7)
+#define OCTAVO_S5 OCTAVO_S4 OCTAVO_STORE(8) OCTAVO_STORE(9)
+#define OCTAVO_S6 OCTAVO_S5 OCTAVO_STORE(10) OCTAVO_STORE(11)
+#define OCTAVO_INT_SUMS(R)                                                                                     \
+  asm volatile(OCTAVO_Z##R "1:\n\t"                                                                            \
+               "vmovdqa (%[c]), %%ymm12\n\t"                                                                   \
+               "vmovdqa 32(%[c]), %%ymm13\n\t" OCTAVO_R##R                                                     \
+               "add $4, %[qa]\n\t"                                                                             \
+               "add $4, %[qc]\n\t"                                                                             \
+               "add $64, %[c]\n\t"                                                                             \
+               "dec %[n]\n\t"                                                                                  \
+               "jnz 1b\n\t" OCTAVO_S##R                                                                        \
+               : [qa] "+r"(qa), [qc] "+r"(qc), [c] "+r"(cb), [n] "+r"(pairs)                                   \
+               : [stride] "r"(stride), [sums] "r"(sums)                                                         \
+               : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", \
+                 "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc")
+
+template <int R>
+inline void integer_sums(const int16_t* qb, int64_t k, const __m256i* cb, int64_t pairs, __m256i* sums) {
+  const int16_t* qa = qb;          // rows 0-2
+  const int16_t* qc = qb + 3 * k;  // rows 3-5 (not read below 4 rows)
+  const int64_t stride = k * static_cast<int64_t>(sizeof(int16_t));
+  if constexpr (R == 1) OCTAVO_INT_SUMS(1);
+  if constexpr (R == 2) OCTAVO_INT_SUMS(2);
+  if constexpr (R == 3) OCTAVO_INT_SUMS(3);
+  if constexpr (R == 4) OCTAVO_INT_SUMS(4);
+  if constexpr (R == 5) OCTAVO_INT_SUMS(5);
+  if constexpr (R == 6) OCTAVO_INT_SUMS(6);
+}
+#undef OCTAVO_INT_SUMS
+#undef OCTAVO_ZERO
+#undef OCTAVO_STORE
+#undef OCTAVO_ROW
+#undef OCTAVO_R1
+#undef OCTAVO_R2
+#undef OCTAVO_R3
+#undef OCTAVO_R4
+#undef OCTAVO_R5
+#undef OCTAVO_R6
+#undef OCTAVO_Z1
+#undef OCTAVO_Z2
+#undef OCTAVO_Z3
+#undef OCTAVO_Z4
+#undef OCTAVO_Z5
+#undef OCTAVO_Z6
+#undef OCTAVO_S1
+#undef OCTAVO_S2
+#undef OCTAVO_S3
+#undef OCTAVO_S4
+#undef OCTAVO_S5
+#undef OCTAVO_S6
+#endif
+
+// One block of integer_tile: R rows' exact int32 sums of codes x 16-bit activations over the block's pairs of k
+// (_mm256_madd_epi16: 16 multiply-adds an instruction, two a cycle on Zen 3 against two 8-wide FMAs), then the
+// block's float32 scaling into lo / hi (R x 16 floats, in memory) in integer_panel's order: scaled sums, then the
+// offsets' term (a row's y is the same bits whichever kernel and batch it is in). The first pair's madd starts
+// each sum. A function of its own, as wide_integer_block: with the sums inside the loop over blocks, GCC kept
+// half of them on the stack (a store and a reload per pair; measured 0.8x the float32 FMA tiles at 48 rows).
+#if !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define OCTAVO_INT_TILE_ASM 1
+// The exact int32 sums of a 6-row tile over one block's PAIRS pairs of k (pairs >= 1), in assembly, into
+// sums[2r] (columns 0-7) and sums[2r + 1] (8-15) of row r. GCC (12, 13) hoists every row's broadcast ahead of the
+// multiply-adds whatever the source says (6 + 2 + 12 > 16 registers) and keeps a third of the sums on the
+// stack, a store and a reload per pair (the tile then ran at 0.8x the float32 FMA tiles at 48 rows, where madd
+// does twice their multiply-adds a cycle on Zen 3). Here the 12 sums stay in ymm0-11: per pair, two loads of
+// codes, then per row a broadcast of its pair of x and 2 madd + 2 add. Builds with VNNI keep the intrinsics.
+inline void integer_sums6(const int16_t* qb, int64_t k, const __m256i* cb, int64_t pairs, __m256i* sums) {
+  const int16_t* qa = qb;          // rows 0-2
+  const int16_t* qc = qb + 3 * k;  // rows 3-5
+  const int64_t stride = k * static_cast<int64_t>(sizeof(int16_t));
+  asm volatile(
+      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
+      "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
+      "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
+      "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
+      "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
+      "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+      "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
+      "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
+      "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
+      "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
+      "vpxor %%xmm10, %%xmm10, %%xmm10\n\t"
+      "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+      "1:\n\t"
+      "vmovdqa (%[c]), %%ymm12\n\t"
+      "vmovdqa 32(%[c]), %%ymm13\n\t"
+#define OCTAVO_INT_ROW(addr, s, t)         \
+  "vpbroadcastd " addr ", %%ymm14\n\t"     \
+  "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t" \
+  "vpaddd %%ymm15, %%ymm" s ", %%ymm" s "\n\t" \
+  "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t" \
+  "vpaddd %%ymm14, %%ymm" t ", %%ymm" t "\n\t"
+      OCTAVO_INT_ROW("(%[qa])", "0", "1")
+      OCTAVO_INT_ROW("(%[qa], %[stride])", "2", "3")
+      OCTAVO_INT_ROW("(%[qa], %[stride], 2)", "4", "5")
+      OCTAVO_INT_ROW("(%[qc])", "6", "7")
+      OCTAVO_INT_ROW("(%[qc], %[stride])", "8", "9")
+      OCTAVO_INT_ROW("(%[qc], %[stride], 2)", "10", "11")
+#undef OCTAVO_INT_ROW
+      "add $4, %[qa]\n\t"
+      "add $4, %[qc]\n\t"
+      "add $64, %[c]\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      "vmovdqa %%ymm0, (%[sums])\n\t"
+      "vmovdqa %%ymm1, 32(%[sums])\n\t"
+      "vmovdqa %%ymm2, 64(%[sums])\n\t"
+      "vmovdqa %%ymm3, 96(%[sums])\n\t"
+      "vmovdqa %%ymm4, 128(%[sums])\n\t"
+      "vmovdqa %%ymm5, 160(%[sums])\n\t"
+      "vmovdqa %%ymm6, 192(%[sums])\n\t"
+      "vmovdqa %%ymm7, 224(%[sums])\n\t"
+      "vmovdqa %%ymm8, 256(%[sums])\n\t"
+      "vmovdqa %%ymm9, 288(%[sums])\n\t"
+      "vmovdqa %%ymm10, 320(%[sums])\n\t"
+      "vmovdqa %%ymm11, 352(%[sums])\n\t"
+      : [qa] "+r"(qa), [qc] "+r"(qc), [c] "+r"(cb), [n] "+r"(pairs)
+      : [stride] "r"(stride), [sums] "r"(sums)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm14", "xmm15", "memory", "cc");
+}
+#endif
+
+// One block of integer_tile: R rows' exact int32 sums of codes x 16-bit activations over the block's pairs of k
+// (_mm256_madd_epi16: 16 multiply-adds an instruction, two a cycle on Zen 3 against two 8-wide FMAs), then the
+// block's float32 scaling into lo / hi (R x 16 floats, in memory) in integer_panel's order: scaled sums, then the
+// offsets' term (a row's y is the same bits whichever kernel and batch it is in).
 template <int R, int Pairs>
-void integer_tile(const BlockWeights& w, const Activations& a, int64_t r0, int64_t p, int64_t b0, int64_t b1,
-                  const int16_t* buf, __m256* __restrict lo, __m256* __restrict hi) {
-  static_assert(R >= 1 && R <= 6, "integer tile rows");
-  const int64_t nb = w.k / w.block_size, pairs = Pairs > 0 ? Pairs : w.block_size / 2, k = w.k;
-  const int16_t* __restrict q = a.q.get() + r0 * k;
-  const float* __restrict q_scale = a.q_scale.get() + r0 * nb;
-  const float* __restrict block_sums = a.block_sums.get() + r0 * nb;
-  for (int64_t b = b0; b < b1; ++b) {
-    const __m256i* cb = reinterpret_cast<const __m256i*>(buf) + (b - b0) * pairs * 2;
-    const int16_t* qb = q + b * w.block_size;
-    __m256i s0 = _mm256_setzero_si256(), t0 = s0, s1 = s0, t1 = s0, s2 = s0, t2 = s0, s3 = s0, t3 = s0, s4 = s0,
-            t4 = s0, s5 = s0, t5 = s0;
-#pragma GCC unroll 4
+__attribute__((noinline)) void integer_block(const BlockWeights& w, const int16_t* __restrict qb,
+                                             const float* __restrict q_scale, const float* __restrict block_sums,
+                                             int64_t nb, int64_t p, int64_t b, const __m256i* __restrict cb,
+                                             __m256* __restrict lo, __m256* __restrict hi) {
+  const int64_t k = w.k, pairs = Pairs > 0 ? Pairs : w.block_size / 2;
+  alignas(32) __m256i sums[2 * R];
+#if defined(OCTAVO_INT_TILE_ASM)
+  integer_sums<R>(qb, k, cb, pairs, sums);
+#else
+  {
+    for (int i = 0; i < 2 * R; ++i) sums[i] = _mm256_setzero_si256();
     for (int64_t j = 0; j < pairs; ++j) {
       const __m256i c0 = _mm256_load_si256(cb + 2 * j), c1 = _mm256_load_si256(cb + 2 * j + 1);
-      const auto acc = [&](int r, __m256i& s, __m256i& t) {  // row r's sums for pair j (named, not an array)
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
         const __m256i x = _mm256_set1_epi32(pair_of(qb + r * k + 2 * j));
-        s = dot_add(s, c0, x);
-        t = dot_add(t, c1, x);
-      };
-      acc(0, s0, t0);
-      if constexpr (R > 1) acc(1, s1, t1);
-      if constexpr (R > 2) acc(2, s2, t2);
-      if constexpr (R > 3) acc(3, s3, t3);
-      if constexpr (R > 4) acc(4, s4, t4);
-      if constexpr (R > 5) acc(5, s5, t5);
+        sums[2 * r] = dot_add(sums[2 * r], c0, x);
+        sums[2 * r + 1] = dot_add(sums[2 * r + 1], c1, x);
+      }
     }
-    const Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
-    const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
-    const auto row = [&](int r, __m256i s, __m256i t) {
-      const __m256 f = _mm256_set1_ps(q_scale[r * nb + b]), sum = _mm256_set1_ps(block_sums[r * nb + b]);
-      // integer_panel's order (scaled sums, then the offsets' term; the bias after the last block): a row's y is
-      // the same bits whichever kernel and batch it is in
-      lo[r] = _mm256_fmadd_ps(offset.lo, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale.lo, f), lo[r]));
-      hi[r] = _mm256_fmadd_ps(offset.hi, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(scale.hi, f), hi[r]));
-    };
-    row(0, s0, t0);
-    if constexpr (R > 1) row(1, s1, t1);
-    if constexpr (R > 2) row(2, s2, t2);
-    if constexpr (R > 3) row(3, s3, t3);
-    if constexpr (R > 4) row(4, s4, t4);
-    if constexpr (R > 5) row(5, s5, t5);
+  }
+#endif
+  const Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
+  const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    const __m256 f = _mm256_set1_ps(q_scale[r * nb + b]), sum = _mm256_set1_ps(block_sums[r * nb + b]);
+    lo[r] = _mm256_fmadd_ps(offset.lo, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[2 * r]), _mm256_mul_ps(scale.lo, f), lo[r]));
+    hi[r] = _mm256_fmadd_ps(offset.hi, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[2 * r + 1]), _mm256_mul_ps(scale.hi, f), hi[r]));
+  }
+}
+
+// R rows (from r0) of one panel over blocks [b0, b1) (their widened codes at buf), a block at a time.
+template <int R, int Pairs>
+void integer_tile(const BlockWeights& w, const Activations& a, int64_t r0, int64_t p, int64_t b0, int64_t b1,
+                  const int16_t* buf, __m256* lo, __m256* hi) {
+  static_assert(R >= 1 && R <= 6, "integer tile rows");
+  const int64_t nb = w.k / w.block_size, pairs = Pairs > 0 ? Pairs : w.block_size / 2;
+  const int16_t* q = a.q.get() + r0 * w.k;
+  const float* q_scale = a.q_scale.get() + r0 * nb;
+  const float* block_sums = a.block_sums.get() + r0 * nb;
+  for (int64_t b = b0; b < b1; ++b) {
+    integer_block<R, Pairs>(w, q + b * w.block_size, q_scale, block_sums, nb, p, b,
+                            reinterpret_cast<const __m256i*>(buf) + (b - b0) * pairs * 2, lo, hi);
   }
 }
 
