@@ -222,6 +222,28 @@ def test_sequence_result_is_bit_identical_alone_or_in_any_batch(library: str, ba
         np.testing.assert_array_equal(alone_out, batch_out[rows], err_msg=f"sequence {b}")
 
 
+@pytest.mark.parametrize("seqs", [[(300, 1)], [(1000, 1)], [(260, 40)], [(0, 9), (300, 1)]],
+                         ids=["decode", "decode_split_keys", "prefill", "batch"])
+def test_nan_query_reaches_the_output_and_only_its_head(library: str, seqs: list) -> None:
+    """A NaN in one query head (a broken model or weights) gives NaN in that head's output rows and nothing else:
+    the sampler then fails the step (sampler.py) rather than sampling from a finite average of the values, which is
+    what the decode softmax gave before (simd::exp clamped NaN to exp(-87.3))."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    session = make_session(library, num_heads=heads, kv_num_heads=kv_heads, scale=head_dim ** -0.5)
+    step = random_step(np.random.default_rng(5), seqs, num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                       block_size=16)
+    feeds = step.feeds()
+    query = feeds["query"].copy()
+    token = step.cumulative_sequence_length[-1] - 1  # the last sequence's last token
+    query[token, 4 * head_dim:5 * head_dim] = np.nan  # query head 4 (kv head 1)
+    feeds["query"] = query
+    (out, *_) = session.run(None, feeds)
+    nan = np.isnan(out)
+    assert nan[token, 4 * head_dim:5 * head_dim].all()
+    nan[token, 4 * head_dim:5 * head_dim] = False
+    assert not nan.any(), "NaN leaked into other heads or tokens"
+
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 def test_iobinding_writes_callers_pool_zero_copy(library: str, kv_dtype: str) -> None:
     """As the runtime uses it: pools bound once as OrtValues over numpy, cache outputs dangling. Two steps

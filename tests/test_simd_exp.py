@@ -1,7 +1,8 @@
 """simd.h's two exponentials against float64, compiled on their own (no ONNX Runtime): exp_nonpositive, the prefill
 softmax's exp of scores minus their running max, and exp, the decode softmax's. test_op only sees them through the
 op's outputs at 1e-5; this holds each to the error bound docs/op.md states, over every float32 exponent of its
-range, and checks the special values the softmax relies on (-inf and NaN give 0, 0 gives exactly 1).
+range, and checks the special values the softmax relies on (-inf gives 0, 0 gives exactly 1; NaN gives 0 from
+exp_nonpositive, NaN from exp).
 
 The program sweeps d from -104 to 0 (all results in float32's normal range and down to 0), evaluating a vector of
 kWidth inputs at a time, the way the kernel does, and prints the worst relative errors; the reference is the C
@@ -9,6 +10,7 @@ library's exp in double.
 """
 from __future__ import annotations
 
+import math
 import subprocess
 from pathlib import Path
 
@@ -115,3 +117,10 @@ def test_exp_nonpositive_special_values(sweeps: dict[str, list[float]]) -> None:
     assert neg_inf == 0.0 and nan == 0.0  # a masked score (-inf) and a NaN contribute nothing
     assert zero == 1.0  # the running max itself: exactly 1
     assert far == 0.0
+
+
+def test_exp_special_values(sweeps: dict[str, list[float]]) -> None:
+    *_, neg_inf, nan, zero, far = sweeps["exp"]
+    assert neg_inf == 0.0 and far == 0.0
+    assert math.isnan(nan)  # a NaN score must reach the output (test_op: the decode softmax hid it before)
+    assert zero == 1.0

@@ -105,7 +105,9 @@ __attribute__((always_inline)) inline vf exp(vf x) {
   vf two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   const vf result = p * two_n;
-  return x < lo ? splat(0.0f) : result;
+  // NaN stays NaN (the clamps above turn it into -87.3, whose exp is 1.2e-38): a NaN score then reaches the
+  // op's output, and the sampler fails the step, instead of a finite average of the values hiding it
+  return x != x ? x : (x < lo ? splat(0.0f) : result);
 }
 
 // exp(d) for d <= 0 (a score minus its row's running maximum: the prefill softmax's one exp per score) in fewer
