@@ -42,7 +42,8 @@ from octavo.runtime.backends.oplib import library_path
 U = 2.0 ** -24  # float32 unit roundoff
 MAX_INT_ROWS = 8  # kIntRows in block_matmul_kernel.h: steps of up to 8 rows take the 16-bit path
 INT_ROWS = (1, 2, 3, 4, 5, 7, 8)  # one pass of 4 rows over a panel, two passes, partial passes
-FLOAT_ROWS = (9, 13, 14, 64, 300)  # float32 tiles (or, decode steps, 16-bit 6-row tiles): partial (rows % 6 = 3, 1, 2, 4), several, many
+# float32 tiles (or, decode steps, 16-bit 6-row tiles): partial (rows % 6 = 3, 1, 2, 4), several, many
+FLOAT_ROWS = (9, 13, 14, 64, 300)
 # K-quants need K a multiple of 256; the 32-blocks also run K = 96 and 544 (not multiples of 256) below
 _K = {t: (256 if t.endswith("_K") else 96) for t in NATIVE_TYPES}
 

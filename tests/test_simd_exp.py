@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -62,8 +61,7 @@ void sweep(const char* name, F fn) {
     if (!(x < 0.0f)) break;
   }
   flush();
-  const vf special = vf{} + 0.0f;
-  vf s = special;
+  vf s = vf{} + 0.0f;  // the special values: -inf, NaN, 0, far below the range
   s[0] = -std::numeric_limits<float>::infinity();
   s[1] = std::numeric_limits<float>::quiet_NaN();
   s[2] = 0.0f;

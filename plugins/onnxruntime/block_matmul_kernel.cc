@@ -490,12 +490,6 @@ void widen_chunk(const BlockWeights& w, int64_t p, int64_t k0, int64_t k1, int16
 }
 
 #if !defined(__AVX512F__)
-// One block of integer_tile: R rows' exact int32 sums of codes x 16-bit activations over the block's pairs of k
-// (_mm256_madd_epi16: 16 multiply-adds an instruction, two a cycle on Zen 3 against two 8-wide FMAs), then the
-// block's float32 scaling into lo / hi (R x 16 floats, in memory) in integer_panel's order: scaled sums, then the
-// offsets' term (a row's y is the same bits whichever kernel and batch it is in). The first pair's madd starts
-// each sum. A function of its own, as wide_integer_block: with the sums inside the loop over blocks, GCC kept
-// half of them on the stack (a store and a reload per pair; measured 0.8x the float32 FMA tiles at 48 rows).
 #if !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define OCTAVO_INT_TILE_ASM 1
 // The exact int32 sums of an R-row tile over one block's PAIRS pairs of k (pairs >= 1), in assembly, into
@@ -584,78 +578,8 @@ inline void integer_sums(const int16_t* qb, int64_t k, const __m256i* cb, int64_
 // One block of integer_tile: R rows' exact int32 sums of codes x 16-bit activations over the block's pairs of k
 // (_mm256_madd_epi16: 16 multiply-adds an instruction, two a cycle on Zen 3 against two 8-wide FMAs), then the
 // block's float32 scaling into lo / hi (R x 16 floats, in memory) in integer_panel's order: scaled sums, then the
-// offsets' term (a row's y is the same bits whichever kernel and batch it is in). The first pair's madd starts
-// each sum. A function of its own, as wide_integer_block: with the sums inside the loop over blocks, GCC kept
-// half of them on the stack (a store and a reload per pair; measured 0.8x the float32 FMA tiles at 48 rows).
-#if !defined(__AVXVNNI__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-#define OCTAVO_INT_TILE_ASM 1
-// The exact int32 sums of a 6-row tile over one block's PAIRS pairs of k (pairs >= 1), in assembly, into
-// sums[2r] (columns 0-7) and sums[2r + 1] (8-15) of row r. GCC (12, 13) hoists every row's broadcast ahead of the
-// multiply-adds whatever the source says (6 + 2 + 12 > 16 registers) and keeps a third of the sums on the
-// stack, a store and a reload per pair (the tile then ran at 0.8x the float32 FMA tiles at 48 rows, where madd
-// does twice their multiply-adds a cycle on Zen 3). Here the 12 sums stay in ymm0-11: per pair, two loads of
-// codes, then per row a broadcast of its pair of x and 2 madd + 2 add. Builds with VNNI keep the intrinsics.
-inline void integer_sums6(const int16_t* qb, int64_t k, const __m256i* cb, int64_t pairs, __m256i* sums) {
-  const int16_t* qa = qb;          // rows 0-2
-  const int16_t* qc = qb + 3 * k;  // rows 3-5
-  const int64_t stride = k * static_cast<int64_t>(sizeof(int16_t));
-  asm volatile(
-      "vpxor %%xmm0, %%xmm0, %%xmm0\n\t"
-      "vpxor %%xmm1, %%xmm1, %%xmm1\n\t"
-      "vpxor %%xmm2, %%xmm2, %%xmm2\n\t"
-      "vpxor %%xmm3, %%xmm3, %%xmm3\n\t"
-      "vpxor %%xmm4, %%xmm4, %%xmm4\n\t"
-      "vpxor %%xmm5, %%xmm5, %%xmm5\n\t"
-      "vpxor %%xmm6, %%xmm6, %%xmm6\n\t"
-      "vpxor %%xmm7, %%xmm7, %%xmm7\n\t"
-      "vpxor %%xmm8, %%xmm8, %%xmm8\n\t"
-      "vpxor %%xmm9, %%xmm9, %%xmm9\n\t"
-      "vpxor %%xmm10, %%xmm10, %%xmm10\n\t"
-      "vpxor %%xmm11, %%xmm11, %%xmm11\n\t"
-      "1:\n\t"
-      "vmovdqa (%[c]), %%ymm12\n\t"
-      "vmovdqa 32(%[c]), %%ymm13\n\t"
-#define OCTAVO_INT_ROW(addr, s, t)         \
-  "vpbroadcastd " addr ", %%ymm14\n\t"     \
-  "vpmaddwd %%ymm14, %%ymm12, %%ymm15\n\t" \
-  "vpaddd %%ymm15, %%ymm" s ", %%ymm" s "\n\t" \
-  "vpmaddwd %%ymm14, %%ymm13, %%ymm14\n\t" \
-  "vpaddd %%ymm14, %%ymm" t ", %%ymm" t "\n\t"
-      OCTAVO_INT_ROW("(%[qa])", "0", "1")
-      OCTAVO_INT_ROW("(%[qa], %[stride])", "2", "3")
-      OCTAVO_INT_ROW("(%[qa], %[stride], 2)", "4", "5")
-      OCTAVO_INT_ROW("(%[qc])", "6", "7")
-      OCTAVO_INT_ROW("(%[qc], %[stride])", "8", "9")
-      OCTAVO_INT_ROW("(%[qc], %[stride], 2)", "10", "11")
-#undef OCTAVO_INT_ROW
-      "add $4, %[qa]\n\t"
-      "add $4, %[qc]\n\t"
-      "add $64, %[c]\n\t"
-      "dec %[n]\n\t"
-      "jnz 1b\n\t"
-      "vmovdqa %%ymm0, (%[sums])\n\t"
-      "vmovdqa %%ymm1, 32(%[sums])\n\t"
-      "vmovdqa %%ymm2, 64(%[sums])\n\t"
-      "vmovdqa %%ymm3, 96(%[sums])\n\t"
-      "vmovdqa %%ymm4, 128(%[sums])\n\t"
-      "vmovdqa %%ymm5, 160(%[sums])\n\t"
-      "vmovdqa %%ymm6, 192(%[sums])\n\t"
-      "vmovdqa %%ymm7, 224(%[sums])\n\t"
-      "vmovdqa %%ymm8, 256(%[sums])\n\t"
-      "vmovdqa %%ymm9, 288(%[sums])\n\t"
-      "vmovdqa %%ymm10, 320(%[sums])\n\t"
-      "vmovdqa %%ymm11, 352(%[sums])\n\t"
-      : [qa] "+r"(qa), [qc] "+r"(qc), [c] "+r"(cb), [n] "+r"(pairs)
-      : [stride] "r"(stride), [sums] "r"(sums)
-      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-        "xmm13", "xmm14", "xmm15", "memory", "cc");
-}
-#endif
-
-// One block of integer_tile: R rows' exact int32 sums of codes x 16-bit activations over the block's pairs of k
-// (_mm256_madd_epi16: 16 multiply-adds an instruction, two a cycle on Zen 3 against two 8-wide FMAs), then the
-// block's float32 scaling into lo / hi (R x 16 floats, in memory) in integer_panel's order: scaled sums, then the
-// offsets' term (a row's y is the same bits whichever kernel and batch it is in).
+// offsets' term (a row's y is the same bits whichever kernel and batch it is in). A function of its own, as
+// wide_integer_block: inside the loop over blocks GCC kept the sums on the stack.
 template <int R, int Pairs>
 __attribute__((noinline)) void integer_block(const BlockWeights& w, const int16_t* __restrict qb,
                                              const float* __restrict q_scale, const float* __restrict block_sums,
@@ -665,17 +589,15 @@ __attribute__((noinline)) void integer_block(const BlockWeights& w, const int16_
   alignas(32) __m256i sums[2 * R];
 #if defined(OCTAVO_INT_TILE_ASM)
   integer_sums<R>(qb, k, cb, pairs, sums);
-#else
-  {
-    for (int i = 0; i < 2 * R; ++i) sums[i] = _mm256_setzero_si256();
-    for (int64_t j = 0; j < pairs; ++j) {
-      const __m256i c0 = _mm256_load_si256(cb + 2 * j), c1 = _mm256_load_si256(cb + 2 * j + 1);
+#else  // VNNI builds: one vpdpwssd a multiply-add
+  for (int i = 0; i < 2 * R; ++i) sums[i] = _mm256_setzero_si256();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m256i c0 = _mm256_load_si256(cb + 2 * j), c1 = _mm256_load_si256(cb + 2 * j + 1);
 #pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_set1_epi32(pair_of(qb + r * k + 2 * j));
-        sums[2 * r] = dot_add(sums[2 * r], c0, x);
-        sums[2 * r + 1] = dot_add(sums[2 * r + 1], c1, x);
-      }
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_set1_epi32(pair_of(qb + r * k + 2 * j));
+      sums[2 * r] = dot_add(sums[2 * r], c0, x);
+      sums[2 * r + 1] = dot_add(sums[2 * r + 1], c1, x);
     }
   }
 #endif
