@@ -52,6 +52,10 @@ class UnknownRequestError(OctavoError, KeyError):
         return str(self.args[0]) if self.args else "unknown request"
 
 
+class OverloadedError(OctavoError):
+    """A bounded queue is full (e.g. constraints waiting to compile): retry shortly (HTTP 503 with Retry-After)."""
+
+
 class EngineDeadError(OctavoError):
     """The engine's step loop stopped (shutdown or fatal error); no new requests are accepted."""
 

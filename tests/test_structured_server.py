@@ -144,6 +144,10 @@ def test_pydantic_parse_and_streaming(client, server, ws_bias) -> None:  # noqa:
     ("chat", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),  # (served on completions)
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+              "tool_choice": "required"}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+              "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
 ])
 def test_bad_constraints_are_400_naming_the_field(server, route: str, fields: dict, param: str) -> None:  # noqa: ANN001
     base = {"messages": MSGS} if route == "chat" else {"prompt": "x"}

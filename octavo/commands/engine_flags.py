@@ -39,6 +39,12 @@ HELP: dict[str, str] = {
     "quant_block_size": "with --weights int8/int4: values per scale / zero point (a power of two >= 16)",
     "quantize_lm_head": "with --weights int8/int4: quantize the LM head too",
     "quant_kernel": QUANT_KERNEL_HELP + " (own cache folder)",
+    "max_constraint_bytes": "largest output constraint (JSON schema, grammar, regex, choices) in characters",
+    "max_constraint_depth": "deepest nesting + $ref / rule-reference chain of an output constraint (at most 10000)",
+    "max_constraint_rules": "most schema objects / grammar rules in an output constraint",
+    "max_constraint_alternatives": "most branches of one anyOf / oneOf / grammar rule (at most 1900)",
+    "max_constraint_choices": "most choices, or values of one enum, in an output constraint",
+    "constraint_compile_timeout": "seconds a request waits for its output constraint to compile (then a 400)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
 }
 # what a default of None means, for --help

@@ -40,6 +40,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
 from octavo.runtime.step_record import StepListener
 from octavo.runtime.tokenizer import Tokenizer
+from octavo.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 Callback = Callable[[RequestOutput], None]
@@ -182,6 +183,19 @@ class AsyncEngine:
             self.abort_nowait(request_id)
         except UnknownRequestError:
             pass
+
+    async def prepare_constraint(self, params: StructuredOutputsParams) -> None:
+        """Compile PARAMS' output constraint on the grammar workers (never on the event loop), so a request can
+        be refused before it is queued: StructuredOutputError if the constraint is unusable, passes the limits
+        or does not compile in time; OverloadedError if too many are waiting to compile. The compiled grammar
+        is cached, so the request's own matcher is then a copy."""
+        compiler = self.engine.structured.compiler
+        waited = asyncio.wrap_future(compiler.prepare(params))
+        waited.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even after a time-out
+        try:  # shield: the compile is shared with every request of the same constraint; it is never cancelled
+            await asyncio.wait_for(asyncio.shield(waited), compiler.limits.compile_timeout)
+        except TimeoutError:
+            raise compiler.timeout_error(params) from None
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)

@@ -51,7 +51,8 @@ class LLMEngine:
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size)  # grammars, masks
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,  # grammars, masks
+                                                  args.constraint_limits())
         self.beams = BeamSearchManager(self.scheduler, self.block_manager, self.backend, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
                                      self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal,

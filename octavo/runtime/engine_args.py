@@ -7,6 +7,9 @@ from octavo.errors import InvalidRequestError
 from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, check_quant_options, check_weight_options,
                                          not_on_tensorrt)
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
+from octavo.structured.limits import ConstraintLimits
+
+_LIMITS = ConstraintLimits()
 
 
 @dataclass(slots=True)
@@ -36,6 +39,19 @@ class EngineArgs:
     # MatMulNBits at accuracy_level 4); None = "block". Part of the cache folder's name; must match an export folder
     quant_kernel: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (float16 for a GGUF's own blocks, else float32: runtime/kv_dtype.py) | "float32" | "float16"
+    # how large an output constraint (JSON schema, regex, choice, grammar) may be: checked before it is compiled
+    # (octavo/structured/limits.py, docs/security.md); past a limit the request gets a 400 naming it
+    max_constraint_bytes: int = _LIMITS.max_bytes  # characters of the schema / grammar / regex / choices
+    max_constraint_depth: int = _LIMITS.max_depth  # nesting + $ref / rule-reference chains (at most 10,000)
+    max_constraint_rules: int = _LIMITS.max_rules  # schema objects / grammar rules
+    max_constraint_alternatives: int = _LIMITS.max_alternatives  # of one anyOf / oneOf / rule (at most 1,900)
+    max_constraint_choices: int = _LIMITS.max_choices  # choice entries, values of one enum
+    constraint_compile_timeout: float = _LIMITS.compile_timeout  # seconds a request waits for its grammar
+
+    def constraint_limits(self) -> ConstraintLimits:
+        return ConstraintLimits(self.max_constraint_bytes, self.max_constraint_depth, self.max_constraint_rules,
+                                self.max_constraint_alternatives, self.max_constraint_choices,
+                                self.constraint_compile_timeout)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -52,6 +68,7 @@ class EngineArgs:
         if self.weights not in (None, "fp32", "int8", "int4", "gguf"):
             raise InvalidRequestError(f"weights must be 'fp32', 'int8', 'int4' or 'gguf', got {self.weights!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        self.constraint_limits().validate()
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from octavo.errors import EngineDeadError, InvalidRequestError, OctavoError, PromptTooLongError, StepFailedError
+from octavo.errors import (EngineDeadError, InvalidRequestError, OctavoError, OverloadedError, PromptTooLongError,
+                           StepFailedError)
 
 # HTTP status -> OpenAI's error "type"
 _TYPES = {401: "authentication_error"}
@@ -46,8 +47,9 @@ class ApiError(Exception):
     """Raised by request parsing and route handlers; the app turns it into a JSON error response."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:  # noqa: A002 - OpenAI's field name
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:  # noqa: A002
         super().__init__(message)
+        self.headers = headers  # extra response headers (Retry-After on a 503 "overloaded")
         self.status = status
         self.message = message
         self.param = param
@@ -78,6 +80,8 @@ def from_exception(exc: BaseException) -> ApiError:
         return bad_request(str(exc), getattr(exc, "param", None))
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, OverloadedError):
+        return ApiError(503, str(exc), code="overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, StepFailedError):
         return ApiError(500, f"generation failed: {exc}", code="step_failed")
     if isinstance(exc, OctavoError):

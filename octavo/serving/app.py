@@ -32,6 +32,8 @@ from octavo.serving.protocol import ChatRequest, CompletionRequest, Limits, chec
 from octavo.serving.tokenize_routes import add_tokenize_routes
 from octavo.serving.tool_output import ToolStream, tool_message, whole_message
 from octavo.serving.tools import template_messages
+from octavo.structured.manager import CONSTRAINT_FAILED
+from octavo.structured.params import StructuredOutputError
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ def build_app(state: ServerState) -> web.Application:
 
 
 def _json_error(err: ApiError, request: web.Request | None = None) -> web.Response:
-    resp = web.json_response(err.body(), status=err.status)
+    resp = web.json_response(err.body(), status=err.status, headers=err.headers)
     if request is not None and request.get(CLOSE_AFTER):
         resp.force_close()
     return resp
@@ -280,6 +282,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _completions(request: web.Request, st: ServerState, engine: AsyncEngine,
                        req: CompletionRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
+    await _prepare_constraint(engine, req)
     rid = R.new_id("cmpl")
     gen = Generation(engine, st.metrics, req.prompts, req.params, rid, req.options.priority)
     return await _run(request, st, gen, _CompletionShape(st, req, gen, rid))
@@ -292,6 +295,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req: ChatRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
+    await _prepare_constraint(engine, req)
     c = req.chat
     try:  # off the event loop: a long conversation takes a while to render and tokenize
         tools = {"tools": req.tools} if req.tools else {}  # as transformers' apply_chat_template(tools=...)
@@ -306,6 +310,21 @@ async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req:
     rid = R.new_id("chatcmpl")
     gen = Generation(engine, st.metrics, [{"prompt_token_ids": ids}], req.params, rid, req.options.priority)
     return await _run(request, st, gen, _ChatShape(st, req, gen, rid))
+
+
+async def _prepare_constraint(engine: AsyncEngine, req: ChatRequest | CompletionRequest) -> None:
+    """Compile the request's output constraint (on the engine's grammar workers) before anything is queued: a
+    400 naming the field it came from if it is unusable or too large, a 503 if too many are compiling."""
+    so = req.params.structured_outputs
+    if so is None:
+        return
+    try:
+        await engine.prepare_constraint(so)
+    except StructuredOutputError as exc:
+        where = req.constraint_where or "structured_outputs"
+        raise bad_request(f"'{where}': {exc}", where.split("[")[0].split(".")[0]) from None
+    except Exception as exc:  # noqa: BLE001 - overloaded (503), or a compiler bug (500, logged)
+        raise _engine_error(exc) from None
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:
@@ -596,8 +615,11 @@ def _decoder(st: ServerState) -> Any:
 
 
 def _step_failed(u: ChoiceUpdate) -> ApiError:
-    """The error of a choice the engine finished with "error" (a failed step): a 500 before any header
-    went out, an in-band error event after."""
+    """The error of a choice the engine finished with "error": a 500 for a failed step, a 400 when the output's
+    constraint could not be followed (the request's grammar, not the server) — before any header went out;
+    an in-band error event after."""
+    if u.error is not None and u.error.startswith(CONSTRAINT_FAILED):
+        return ApiError(400, u.error, param="structured_outputs", code="constraint_failed")
     return ApiError(500, f"generation failed: {u.error or 'the engine step failed'}", code="step_failed")
 
 
@@ -610,7 +632,7 @@ async def _run(request: web.Request, st: ServerState, gen: Generation,
         except Exception as exc:  # noqa: BLE001
             raise _engine_error(exc) from None
         failed = next((u for u in first or () if u.finish_reason == "error"), None)
-        if failed is not None:  # nothing sent yet: a plain 500 rather than an event stream
+        if failed is not None:  # nothing sent yet: a plain error rather than an event stream
             raise _step_failed(failed)
         if shape.req.stream:
             return await _stream(request, shape, first, it)

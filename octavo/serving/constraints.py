@@ -7,15 +7,15 @@ Where a constraint can come from, all equivalent, at most one per request:
   - vLLM's older names: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, with
     `guided_whitespace_pattern` and `guided_decoding_backend` (only llguidance here: "auto", "guidance"
     and "llguidance" are accepted, any other backend is a 400 rather than silently ours).
-Each is compiled to a grammar right here (no tokenizer needed), so a malformed schema / regex / grammar
-is a 400 before anything is queued.
+Parsing reads the fields only (Python, on the event loop): the constraint is compiled by the engine's grammar
+workers (octavo/structured/compiler.py), which the route awaits before the request is queued, so a malformed or
+oversized schema / regex / grammar is still a 400 naming its field before anything runs.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from octavo.serving.api_error import bad_request
-from octavo.structured.grammar import build_grammar
 from octavo.structured.params import StructuredOutputError, StructuredOutputsParams
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -58,17 +58,7 @@ def parse_constraint(d: dict[str, Any]) -> tuple[StructuredOutputsParams | None,
                           sources[1][1])
     if not sources:
         return None, None
-    params, field = sources[0]
-    check(params, field)
-    return params, field
-
-
-def check(params: StructuredOutputsParams, field: str) -> None:
-    """Compile PARAMS' grammar (no tokenizer): a 400 naming FIELD if it is malformed."""
-    try:
-        build_grammar(params)
-    except StructuredOutputError as exc:
-        raise bad_request(f"'{field}': {exc}", field) from None
+    return sources[0]
 
 
 def _response_format(rf: Any) -> StructuredOutputsParams | None:
@@ -106,17 +96,19 @@ def _response_format(rf: Any) -> StructuredOutputsParams | None:
                       "response_format")
 
 
-def from_request_parameters(parameters: str | dict[str, Any] | None) -> StructuredOutputsParams | None:
-    """The constraint of a Triton request: its request parameters (`parameters` of a tritonclient infer, the
-    extra fields of a generate body) under the same names as the HTTP fields. Triton parameters are scalars,
-    so objects and lists come as JSON text. InvalidRequestError if malformed."""
+def from_request_parameters(parameters: str | dict[str, Any] | None,
+                            ) -> tuple[StructuredOutputsParams, str] | tuple[None, None]:
+    """The constraint of a Triton request and the parameter it came from: its request parameters (`parameters`
+    of a tritonclient infer, the extra fields of a generate body) under the same names as the HTTP fields.
+    Triton parameters are scalars, so objects and lists come as JSON text. InvalidRequestError if malformed
+    (the constraint itself is compiled when the request is submitted: name the parameter in its error)."""
     from octavo.errors import InvalidRequestError
     from octavo.serving.api_error import ApiError
 
     import json
 
     if not parameters:
-        return None
+        return None, None
     try:
         d = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
     except ValueError as exc:
@@ -132,6 +124,6 @@ def from_request_parameters(parameters: str | dict[str, Any] | None) -> Structur
         if v is not None:
             picked[name] = v
     try:
-        return parse_constraint(picked)[0]
+        return parse_constraint(picked)
     except ApiError as exc:
         raise InvalidRequestError(f"request parameter {exc.message}") from None

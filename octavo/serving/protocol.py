@@ -89,6 +89,7 @@ class CompletionRequest:
     options: OutputOptions = field(default_factory=OutputOptions)
     prompt_logprobs: int | None = None  # vLLM's field: top-k per prompt token, returned as choices[].prompt_logprobs
     score_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) only, nothing generated
+    constraint_where: str | None = None  # the request field the output constraint came from (for its errors)
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None  # as the chat template receives them
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     parallel_tool_calls: bool = True
+    constraint_where: str | None = None  # the request field the output constraint came from (for its errors)
 
 
 class _Body:
@@ -454,7 +456,7 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         raise bad_request("'min_tokens' must be 0 when 'max_tokens' is 0 (echo: score the prompt only)", "min_tokens")
     max_tokens = 1 if score_only else _max_tokens(b, ("max_tokens",), 16, limits)
     prompts = _prompts(b, limits)
-    structured, _ = parse_constraint(b.d)
+    structured, source = parse_constraint(b.d)
     params = _sampling(b, limits, max_tokens, logprobs, structured)
     # the prompt's logprobs: asked for directly (vLLM), or echoed with logprobs (OpenAI's legacy shape)
     wanted = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
@@ -468,7 +470,7 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         model=_model(b), prompts=prompts, params=params,
         stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
         options=_output_options(b, continuous, logprobs is not None),
-        prompt_logprobs=prompt_logprobs, score_only=score_only,
+        prompt_logprobs=prompt_logprobs, score_only=score_only, constraint_where=source,
     )
 
 
@@ -551,7 +553,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
         raise bad_request("tool_choice 'auto' needs a tool call parser: start the server with --tool-call-parser "
                           "(hermes, llama3_json), or send tool_choice 'required', 'none' or a named function",
                           "tool_choice")
-    forced = constraint(tools, choice, parallel)
+    forced, forced_where = constraint(tools, choice, parallel)
     if forced is not None and structured is not None:
         raise bad_request(f"'{source}' cannot be combined with tool_choice {choice.mode!r} (which constrains the "
                           "output to the tool call)", source)
@@ -572,7 +574,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
         model=_model(b), messages=messages, params=params,
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
         options=_output_options(b, continuous, logprobs), chat=_chat_options(b, messages),
-        tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+        tools=tools, tool_choice=choice, parallel_tool_calls=parallel, constraint_where=forced_where or source,
     )
 
 

@@ -74,6 +74,8 @@ class OpenAIServer:
         engine: Any | None = None
         try:
             engine = await asyncio.to_thread(self._load_engine)
+            # the tokenizer's llguidance bridge holds the GIL for ~0.5-1.5 s: built now, not at the first constraint
+            await asyncio.to_thread(engine.engine.structured.warm)
             await engine.start()
             tokenizer, vocab_size, max_model_len = _engine_facts(engine)
             st.tokenizer = tokenizer

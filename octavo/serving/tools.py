@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from octavo.serving.api_error import bad_request
-from octavo.serving.constraints import check
 from octavo.structured.params import StructuredOutputError, StructuredOutputsParams
 
 MAX_TOOLS = 128
@@ -109,10 +108,12 @@ def function(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return next(t["function"] for t in tools if t["function"]["name"] == name)
 
 
-def constraint(tools: list[dict[str, Any]] | None, choice: ToolChoice, parallel: bool) -> StructuredOutputsParams | None:
-    """The output constraint that enforces CHOICE (None for none / auto)."""
+def constraint(tools: list[dict[str, Any]] | None, choice: ToolChoice,
+               parallel: bool) -> tuple[StructuredOutputsParams, str] | tuple[None, None]:
+    """The output constraint that enforces CHOICE and where its schema comes from, for errors ((None, None) for
+    none / auto). Compiled by the engine's grammar workers, which the route awaits."""
     if tools is None or choice.mode in ("none", "auto"):
-        return None
+        return None, None
     if choice.mode == "function":
         schema = function(tools, choice.name or "")["parameters"]
         where = f"tools[{[t['function']['name'] for t in tools].index(choice.name)}].function.parameters"
@@ -124,8 +125,7 @@ def constraint(tools: list[dict[str, Any]] | None, choice: ToolChoice, parallel:
         params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     except StructuredOutputError as exc:
         raise bad_request(f"'{where}': {exc}", "tools") from None
-    check(params, where)
-    return params
+    return params, where
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:

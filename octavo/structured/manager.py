@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from octavo.structured.compiler import GrammarCompiler
+from octavo.structured.grammar import error_text
+from octavo.structured.limits import ConstraintLimits
 from octavo.structured.matcher import GrammarMatcher
 
 if TYPE_CHECKING:
@@ -34,6 +36,11 @@ log = logging.getLogger(__name__)
 # a step's masks are computed on the worker when at least this many rows are constrained: the hand-off
 # (~0.1 ms) is small next to a model step, and even one row's mask can take ~1 ms on a fresh grammar state
 OVERLAP_MIN_ROWS = 1
+
+
+# how the error of a request whose output's constraint failed mid-generation begins (a parser limit met on the
+# way, e.g.): the server answers it with a 400 `constraint_failed` rather than a 500
+CONSTRAINT_FAILED = "the output's constraint failed"
 
 
 @dataclass(slots=True)
@@ -50,7 +57,7 @@ def commit_token(req: Request, token: int) -> CommitResult:
     if g.is_terminated:  # (an EOS after completion: nothing to match)
         return CommitResult(terminated=True)
     if not g.accept(token):
-        return CommitResult(error=f"token {token} does not match the output's grammar: {g.error()[:300]}")
+        return CommitResult(error=f"{CONSTRAINT_FAILED} at token {token}: {error_text(g.error(), 300)}")
     return CommitResult(terminated=g.is_terminated)
 
 
@@ -72,6 +79,7 @@ class MaskStats:
 class StructuredOutputManager:
     tokenizer: Tokenizer
     vocab_size: int
+    limits: ConstraintLimits = field(default_factory=ConstraintLimits)
     compiler: GrammarCompiler = field(init=False)
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     _pending: concurrent.futures.Future | None = None
@@ -79,12 +87,13 @@ class StructuredOutputManager:
     masks: MaskStats = field(default_factory=MaskStats)
 
     def __post_init__(self) -> None:
-        self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.limits)
 
     # -- requests -----------------------------------------------------------------------------------
     def init_requests(self, reqs: Sequence[Request]) -> None:
         """Give each request whose params ask for structured outputs its own matcher (StructuredOutputError,
-        an InvalidRequestError, if the constraint is unusable). Safe from any thread."""
+        an InvalidRequestError, if the constraint is unusable or passes the limits; OverloadedError if too many
+        are waiting to compile). Safe from any thread; blocks while the grammar compiles on the workers."""
         for req in reqs:
             so = req.params.structured_outputs
             if so is not None and req.grammar is None:
@@ -136,7 +145,13 @@ class StructuredOutputManager:
         self.masks.fill_seconds += time.perf_counter() - t
         return mask
 
+    def warm(self) -> None:
+        """Build the tokenizer bridge now (~0.5-1.5 s holding the GIL): a server does it while it loads, so its
+        first constrained request does not freeze the event loop."""
+        self.compiler.llg_tokenizer()
+
     def close(self) -> None:
+        self.compiler.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -29,6 +29,8 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import ENGINE_METRICS
 from octavo.serving.engine_params import engine_args_from_strings
 from octavo.serving.constraints import from_request_parameters
+from octavo.structured.manager import CONSTRAINT_FAILED
+from octavo.structured.params import StructuredOutputError
 
 log = logging.getLogger("octavo.triton")
 
@@ -57,6 +59,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     exclude_input: bool
+    constraint_source: str | None = None  # the request parameter the output constraint came from
 
 
 @dataclass(slots=True)
@@ -123,7 +126,7 @@ def parse_request(request: Any) -> ParsedRequest:
     if stop is not None:
         words = [_as_text(w, "stop_words") for w in stop.as_numpy().reshape(-1)]
         kwargs["stop"] = [w for w in words if w]
-    structured = from_request_parameters(request.parameters())  # guided_json, structured_outputs, ...
+    structured, source = from_request_parameters(request.parameters())  # guided_json, structured_outputs, ...
     if structured is not None:
         kwargs["structured_outputs"] = structured
     stream = _optional_scalar(request, "stream")
@@ -133,7 +136,7 @@ def parse_request(request: Any) -> ParsedRequest:
     except TypeError as exc:
         raise InvalidRequestError(str(exc)) from None
     return ParsedRequest(prompt, params, bool(stream) if stream is not None else False,
-                         bool(exclude) if exclude is not None else False)
+                         bool(exclude) if exclude is not None else False, source)
 
 
 def _error_response(message: str, code: str = "INVALID_ARG") -> Any:
@@ -232,15 +235,18 @@ class TritonPythonModel:
                 self.engine.submit(parsed.prompt, parsed.params, request_id,
                                    lambda out, live=live: self._on_output(live, out))
             except Exception as exc:  # noqa: BLE001 - InvalidRequestError, PromptTooLongError, EngineDeadError, ...
-                self._finish_with_error(live, f"octavo: {exc}",
+                where = f"request parameter {parsed.constraint_source}: " if isinstance(exc, StructuredOutputError) else ""
+                self._finish_with_error(live, f"octavo: {where}{exc}",
                                         "INVALID_ARG" if isinstance(exc, InvalidRequestError) else "INTERNAL")
         return None
 
     # ---- responses out (engine thread) -------------------------------------------------------------------
     def _on_output(self, live: LiveRequest, out: RequestOutput) -> None:
         completion = out.outputs[0]
-        if completion.finish_reason == "error":
-            self._finish_with_error(live, f"octavo: {completion.error or 'request failed'}", "INTERNAL")
+        if completion.finish_reason == "error":  # the request's own constraint failing is its fault, not the server's
+            bad = completion.error is not None and completion.error.startswith(CONSTRAINT_FAILED)
+            self._finish_with_error(live, f"octavo: {completion.error or 'request failed'}",
+                                    "INVALID_ARG" if bad else "INTERNAL")
             return
         with live.lock:
             if live.done:
