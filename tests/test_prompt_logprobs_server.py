@@ -199,3 +199,21 @@ def test_streamed_prompt_logprobs_come_with_each_choices_first_chunk(http) -> No
     assert sorted(firsts) == [0, 1]
     assert len(firsts[0]["prompt_logprobs"]) == len(ids) and len(firsts[1]["prompt_logprobs"]) == 7
     assert firsts[0]["prompt_logprobs"][0] is None and str(ids[1]) in firsts[0]["prompt_logprobs"][1]
+
+
+def test_prompt_logprob_entries_per_request_are_bounded(src) -> None:  # noqa: ANN001
+    """docs/security.md: prompt tokens x (top-k + 1) past --max-prompt-logprob-entries is a 400 naming the
+    numbers (issue 48: echo + logprobs 20 on an 8,190-token prompt took 34 s and 516 MB); under it, the same
+    prompt is scored."""
+    ea = EngineArgs(model=str(exported(src)), num_blocks=128, block_size=16, max_num_seqs=4, num_threads=1,
+                    max_prompt_logprob_entries=100)
+    with serve_in_thread(ea, served_model_names=(NAME,)) as s, httpx.Client(base_url=s.base_url, timeout=60) as c:
+        ids = list(range(5, 30))  # 25 tokens: 24 scored
+        r = c.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 0, "echo": True,
+                                             "logprobs": 20})
+        assert r.status_code == 400 and "504 logprob entries" in r.json()["error"]["message"], r.text
+        assert "--max-prompt-logprob-entries" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 0, "echo": True,
+                                             "logprobs": 3})  # 24 x 4 = 96 entries
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 25

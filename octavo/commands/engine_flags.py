@@ -44,6 +44,8 @@ HELP: dict[str, str] = {
     "max_constraint_rules": "most schema objects / grammar rules in an output constraint",
     "max_constraint_alternatives": "most branches of one anyOf / oneOf / grammar rule (at most 1900)",
     "max_constraint_choices": "most choices, or values of one enum, in an output constraint",
+    "max_prompt_logprob_entries": "most prompt logprob entries (scored prompt tokens x (top-k + 1)) one request may "
+                                  "ask for (prompt_logprobs, echo with logprobs)",
     "constraint_compile_timeout": "seconds a request waits for its output constraint to compile (then a 400)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
 }

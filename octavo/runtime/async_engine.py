@@ -40,6 +40,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
 from octavo.runtime.step_record import StepListener
 from octavo.runtime.tokenizer import Tokenizer
+from octavo.structured.compile_workers import CompileFuture
 from octavo.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -190,12 +191,19 @@ class AsyncEngine:
         or does not compile in time; OverloadedError if too many are waiting to compile. The compiled grammar
         is cached, so the request's own matcher is then a copy."""
         compiler = self.engine.structured.compiler
-        waited = asyncio.wrap_future(compiler.prepare(params))
+        job = compiler.prepare(params)
+        waited = asyncio.wrap_future(job)
         waited.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even after a time-out
-        try:  # shield: the compile is shared with every request of the same constraint; it is never cancelled
-            await asyncio.wait_for(asyncio.shield(waited), compiler.limits.compile_timeout)
-        except TimeoutError:
-            raise compiler.timeout_error(params) from None
+        timeout = compiler.limits.compile_timeout
+        while True:  # the time-out runs from when a worker starts the compile, not while it queues
+            left = job.seconds_left(timeout) if isinstance(job, CompileFuture) else None
+            try:  # shield: the compile is shared with every request of the same constraint; it is never cancelled
+                await asyncio.wait_for(asyncio.shield(waited), max(left, 0.0) if left is not None else timeout)
+                return
+            except TimeoutError:
+                left = job.seconds_left(timeout) if isinstance(job, CompileFuture) else None
+                if left is not None and left <= 0:
+                    raise compiler.timeout_error(params) from None
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)

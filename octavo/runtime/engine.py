@@ -56,7 +56,8 @@ class LLMEngine:
         self.beams = BeamSearchManager(self.scheduler, self.block_manager, self.backend, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
                                      self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal,
-                                     prompt_logprob_rows=prompt_logprob_rows)
+                                     prompt_logprob_rows=prompt_logprob_rows,
+                                     max_prompt_logprob_entries=args.max_prompt_logprob_entries)
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []

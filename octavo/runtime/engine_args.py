@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from octavo.errors import InvalidRequestError
 from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, check_quant_options, check_weight_options,
                                          not_on_tensorrt)
+from octavo.runtime.input_processor import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
 from octavo.structured.limits import ConstraintLimits
 
@@ -47,6 +48,8 @@ class EngineArgs:
     max_constraint_alternatives: int = _LIMITS.max_alternatives  # of one anyOf / oneOf / rule (at most 1,900)
     max_constraint_choices: int = _LIMITS.max_choices  # choice entries, values of one enum
     constraint_compile_timeout: float = _LIMITS.compile_timeout  # seconds a request waits for its grammar
+    # prompt_logprobs / echo + logprobs: scored prompt tokens x (top-k + 1) one request may ask for (a 400 past it)
+    max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 
     def constraint_limits(self) -> ConstraintLimits:
         return ConstraintLimits(self.max_constraint_bytes, self.max_constraint_depth, self.max_constraint_rules,
@@ -69,6 +72,10 @@ class EngineArgs:
             raise InvalidRequestError(f"weights must be 'fp32', 'int8', 'int4' or 'gguf', got {self.weights!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         self.constraint_limits().validate()
+        if isinstance(self.max_prompt_logprob_entries, bool) or not isinstance(self.max_prompt_logprob_entries, int) \
+                or self.max_prompt_logprob_entries < 1:
+            raise InvalidRequestError(f"max_prompt_logprob_entries must be an integer >= 1, got "
+                                      f"{self.max_prompt_logprob_entries!r}")
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")

@@ -25,6 +25,9 @@ from octavo.runtime.tokenizer import Tokenizer
 from octavo.structured.manager import StructuredOutputManager
 
 Prompt = str | list[int] | dict[str, Any]
+# a request's prompt logprobs live as Python objects until its response is written (~200 bytes an entry, more
+# as JSON): bounded per request, like the sampled tokens' logprobs are by max_tokens x 20
+DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 65_536
 
 
 def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[str, str]:
@@ -38,13 +41,15 @@ def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int,
                  block_size: int, seed: int, structured: StructuredOutputManager | None = None,
-                 beam_search_refusal: str | None = None, prompt_logprob_rows: int = 1) -> None:
+                 beam_search_refusal: str | None = None, prompt_logprob_rows: int = 1,
+                 max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES) -> None:
         """beam_search_refusal: why this engine cannot run beam search (None: it can). prompt_logprob_rows:
         the logits rows a step can return beyond one per sequence (0: prompt_logprobs is refused)."""
         self.tokenizer = tokenizer
         self.structured = structured  # compiles output constraints (None: a request with one is refused)
         self.beam_search_refusal = beam_search_refusal
         self.prompt_logprob_rows = prompt_logprob_rows
+        self.max_prompt_logprob_entries = max_prompt_logprob_entries  # scored prompt tokens x (top-k + 1), at most
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -73,6 +78,13 @@ class InputProcessor:
                                       else "prompt_logprobs needs logits rows beyond one per sequence, and this "
                                       "backend returns no more (a TensorRT engine: rebuild it with a larger "
                                       "max_num_logits)")
+        if params.prompt_logprobs is not None:
+            entries = (len(ids) - 1) * (params.prompt_logprobs + 1)
+            if entries > self.max_prompt_logprob_entries:
+                raise InvalidRequestError(
+                    f"prompt_logprobs={params.prompt_logprobs} on a {len(ids)}-token prompt is {entries} logprob entries; "
+                    f"this server returns at most {self.max_prompt_logprob_entries} per request "
+                    f"(--max-prompt-logprob-entries): ask for fewer top logprobs or score a shorter prompt")
         now = time.time() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):

@@ -129,15 +129,50 @@ def constraint(tools: list[dict[str, Any]] | None, choice: ToolChoice,
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """JSON array of calls, each {"name": <one of the tools>, "parameters": <its schema>}."""
+    """JSON array of calls, each {"name": <one of the tools>, "parameters": <its schema>}. Each tool's schema
+    becomes a definition of the array's schema (`$defs/tool<i>`), its local `$ref`s ("#/$defs/X", pydantic's
+    nested models) rewritten to point inside it, so they resolve where the schema now stands."""
     items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "parameters": t["function"]["parameters"]},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+                                               "parameters": {"$ref": f"#/$defs/tool{i}"}},
+              "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+                              "items": items[0] if len(items) == 1 else {"anyOf": items},
+                              "$defs": {f"tool{i}": _rebased(t["function"]["parameters"], f"#/$defs/tool{i}")
+                                        for i, t in enumerate(tools)}}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+_VALUES = frozenset({"enum", "const", "default", "examples"})  # keywords whose values are data, not schemas
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """A copy of SCHEMA whose local `$ref`s ("#...") are relative to ROOT instead of the document's root."""
+    out = _copy_node(schema, root)
+    todo = [out]
+    while todo:  # iterative: a schema's depth is limited later (octavo/structured/limits.py), not here
+        node = todo.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in list(items):
+            if isinstance(node, dict) and k in _VALUES:
+                continue
+            if isinstance(v, (dict, list)):
+                node[k] = _copy_node(v, root)
+                todo.append(node[k])
+    return out
+
+
+def _copy_node(v: Any, root: str) -> Any:
+    if isinstance(v, list):
+        return list(v)
+    if not isinstance(v, dict):
+        return v
+    out = dict(v)
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def calls_from_required(text: str) -> list[ToolCall] | None:

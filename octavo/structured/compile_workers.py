@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,18 @@ class CompileQueueFullError(OverloadedError):
     """More constraints are waiting to compile than the queue holds."""
 
 
+class CompileFuture(concurrent.futures.Future):
+    """A job's Future, and when a worker began it (a request's compile time-out runs from then, not from the
+    time it waited in the queue behind others)."""
+
+    started_at: float | None = None
+
+    def seconds_left(self, timeout: float) -> float | None:
+        """TIMEOUT minus the seconds the job has run (None while it waits for a worker)."""
+        started = self.started_at
+        return None if started is None else timeout - (time.monotonic() - started)
+
+
 @dataclass(slots=True)
 class CompileWorkers:
     threads: int = 2
@@ -45,10 +58,10 @@ class CompileWorkers:
     def __post_init__(self) -> None:
         self._jobs = queue.Queue(self.max_queued)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> CompileFuture:
         """Run FN(*ARGS) on a worker; its Future. CompileQueueFullError when the queue is full."""
         self._start()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut = CompileFuture()
         try:
             self._jobs.put_nowait((fut, fn, args))
         except queue.Full:
@@ -84,6 +97,7 @@ class CompileWorkers:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue
+            fut.started_at = time.monotonic()
             try:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter (a pyo3 panic is a BaseException)

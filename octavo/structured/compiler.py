@@ -6,7 +6,7 @@ llguidance does see cannot overflow the stack it runs on.
 
     prepare(params)  ─► a Future of the compiled template: from the cache, from a compile already under way
                         (one compile per key, whoever asks), or a new job on the workers
-    matcher(params)  ─► waits for it (at most limits.compile_timeout) and hands out a private copy
+    matcher(params)  ─► waits for it (limits.compile_timeout from when a worker starts it) and hands out a copy
 
 The bridge (an llguidance LLTokenizer built from our tokenizer's tokenizer.json) takes ~0.5-1.5 s for a 50k
 vocabulary and holds the GIL while it is built, so a server builds it while loading (`warm`); elsewhere it is
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from octavo.structured.compile_workers import CompileWorkers
+from octavo.structured.compile_workers import CompileFuture, CompileWorkers
 from octavo.structured.grammar import build_grammar, error_text
 from octavo.structured.limits import ConstraintLimits
 from octavo.structured.matcher import GrammarMatcher
@@ -115,10 +115,16 @@ class GrammarCompiler:
         """A fresh matcher at the start of PARAMS' grammar; StructuredOutputError if it is unusable or does not
         compile within limits.compile_timeout."""
         fut = self.prepare(params)
-        try:
-            template = fut.result(timeout=self.limits.compile_timeout)
-        except concurrent.futures.TimeoutError:
-            raise self.timeout_error(params) from None
+        timeout = self.limits.compile_timeout
+        while True:
+            left = fut.seconds_left(timeout) if isinstance(fut, CompileFuture) else None
+            try:
+                template = fut.result(timeout=max(left, 0.0) if left is not None else timeout)
+                break
+            except concurrent.futures.TimeoutError:
+                left = fut.seconds_left(timeout) if isinstance(fut, CompileFuture) else None
+                if left is not None and left <= 0:
+                    raise self.timeout_error(params) from None
         return GrammarMatcher(template.deep_copy(), params.cache_key())
 
     def timeout_error(self, params: StructuredOutputsParams) -> StructuredOutputError:
