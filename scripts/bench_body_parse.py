@@ -1,4 +1,4 @@
-"""Cost of the server's JSON body check (octavo.serving.app.parse_json_body) against plain json.loads of the
+"""Cost of the server's JSON body check (octavo.serving.body.parse_json_body) against plain json.loads of the
 same body, measured side by side in ONE run: the body is parsed on the event loop, so the strict-UTF-8 and
 lone-surrogate checks must add little beyond the decode itself (re-serialising the body with json.dumps, as it
 once did, cost 2.4-4x the decode on a 1.4 MB token list).
@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from octavo.serving.app import parse_json_body
+from octavo.serving.body import parse_json_body
 
 BODIES: dict[str, object] = {
     "token_ids": {"prompt": [5 + i % 300 for i in range(300_000)]},

@@ -43,7 +43,7 @@ from octavo.export.manifest import Manifest
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
+from octavo.serving.state import ServerConfig
 from octavo.serving.background import ServerThread
 from octavo.serving.server import OpenAIServer
 

@@ -102,7 +102,7 @@ def _check_summary(s: dict, n: int, want_out: int, want_in: int) -> None:
 def test_bench_serve_against_our_server(model_dir, tmp_path, capsys) -> None:  # noqa: ANN001
     from octavo.runtime.async_engine import AsyncEngine
     from octavo.runtime.engine_args import EngineArgs
-    from octavo.serving.app import ServerConfig
+    from octavo.serving.state import ServerConfig
     from octavo.serving.background import ServerThread
     from octavo.serving.server import OpenAIServer
 

@@ -32,7 +32,7 @@ from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.backends.faulty import FaultPlan, FaultyBackend
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
+from octavo.serving.state import ServerConfig
 from octavo.serving.background import ServerThread
 from octavo.serving.server import OpenAIServer
 

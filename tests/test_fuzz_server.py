@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
+from octavo.serving.state import ServerConfig
 from octavo.serving.background import ServerThread
 from octavo.serving.openapi import OPENAPI_PATH, add_openapi_route, openapi_schema, server_schema
 from octavo.serving.server import OpenAIServer

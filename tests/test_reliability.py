@@ -28,7 +28,7 @@ from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.sampling_params import SamplingParams
-from octavo.serving.app import ServerConfig
+from octavo.serving.state import ServerConfig
 from octavo.serving.background import ServerThread
 from octavo.serving.server import OpenAIServer
 from pool_check import check_pool

@@ -28,7 +28,7 @@ from toy_backend import ToyBackend, make_toy_model_dir
 
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
+from octavo.serving.state import ServerConfig
 from octavo.serving.background import ServerThread
 from octavo.serving.server import OpenAIServer
 
@@ -228,7 +228,7 @@ ACCEPT_ERRORS_CHILD = textwrap.dedent(r"""
     from toy_backend import ToyBackend
     from octavo.runtime.async_engine import AsyncEngine
     from octavo.runtime.engine_args import EngineArgs
-    from octavo.serving.app import ServerConfig
+    from octavo.serving.state import ServerConfig
     from octavo.serving.background import ServerThread
     from octavo.serving.server import OpenAIServer
     import httpx

@@ -17,7 +17,7 @@ from serve_process import serve_in_thread, until_idle
 from octavo import LLM, SamplingParams
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.engine_args import EngineArgs
-from octavo.serving.app import ServerConfig
+from octavo.serving.state import ServerConfig
 from octavo.serving.background import ServerThread
 from octavo.serving.server import OpenAIServer
 

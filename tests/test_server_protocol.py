@@ -77,7 +77,7 @@ def test_completion_logprobs_shape() -> None:
 def test_lone_surrogates_are_400_valid_pairs_and_escaped_backslashes_pass() -> None:
     import json
 
-    from octavo.serving.app import parse_json_body
+    from octavo.serving.body import parse_json_body
 
     for raw in (b'{"prompt": "\\ud800"}', b'{"prompt": "ok \\uDFFF"}', b'{"prompt": "\\ud83d\\ude00\\ud83d"}',
                 b'{"messages": [{"role": "user", "content": ["x", {"\\udc00": 1}]}]}', b'{"prompt": "\xed\xa0\x80"}'):
@@ -96,7 +96,7 @@ def test_surrogate_check_agrees_with_the_decoded_strings() -> None:
     import json
     import random
 
-    from octavo.serving.app import parse_json_body
+    from octavo.serving.body import parse_json_body
 
     pieces = ["\\\\", "\\ud83d", "\\uDE00", "\\udbff", "\\uDc00", "\\u0041", "ud800", "\\n", '\\"', "a", "\u00e9"]
     rng = random.Random(7)
@@ -144,7 +144,7 @@ def test_body_check_is_one_scan_beyond_json_decoding(kind: str, monkeypatch: pyt
     a benchmark, measured side by side: scripts/bench_body_parse.py (docs/performance.md)."""
     import json
 
-    from octavo.serving import app
+    from octavo.serving import body
 
     value = {"token_ids": {"prompt": [5 + i % 300 for i in range(300_000)]},
              "text": {"prompt": "The quick brown fox jumps over the lazy dog. " * 35_000},
@@ -160,9 +160,9 @@ def test_body_check_is_one_scan_beyond_json_decoding(kind: str, monkeypatch: pyt
     monkeypatch.setattr(json.JSONEncoder, "encode", no_serialising)
     scans: list[int] = []
     for name in ("_SUSPECT", "_SURROGATE_ESCAPE", "_BACKSLASH_OR_PAIR"):
-        monkeypatch.setattr(app, name, _CountedPattern(getattr(app, name), scans))
-    assert app.parse_json_body(raw) == value
+        monkeypatch.setattr(body, name, _CountedPattern(getattr(body, name), scans))
+    assert body.parse_json_body(raw) == value
     assert scans == [len(raw)], scans  # one pass over the text (str of ASCII JSON: as long as the bytes)
     with pytest.raises(ApiError, match="surrogates not allowed"):
-        app.parse_json_body(lone)  # and a suspect one is refused
+        body.parse_json_body(lone)  # and a suspect one is refused
     assert len(scans) > 1, scans  # the counting really sees the check's passes

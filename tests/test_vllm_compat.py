@@ -375,7 +375,7 @@ def test_per_request_metrics_when_asked(client, url) -> None:  # noqa: ANN001
 def test_enable_per_request_metrics_flag(model_dir) -> None:  # noqa: ANN001
     from octavo.runtime.async_engine import AsyncEngine
     from octavo.runtime.engine_args import EngineArgs
-    from octavo.serving.app import ServerConfig
+    from octavo.serving.state import ServerConfig
     from octavo.serving.background import ServerThread
     from octavo.serving.server import OpenAIServer
 

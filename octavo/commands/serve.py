@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     from octavo.demo.model import model_argument
     from octavo.runtime.async_engine import AsyncEngine
-    from octavo.serving.app import ServerConfig
+    from octavo.serving.state import ServerConfig
     from octavo.serving.connections import raise_open_file_limit
     from octavo.serving.server import OpenAIServer
 

@@ -10,7 +10,7 @@ descriptors; asyncio's accept loop then fails with EMFILE and logs a traceback p
   accept() itself never runs out of descriptors.
 - Header and idle timeouts are aiohttp's keep-alive timer (it runs from the connection's start and after
   every response until the next request's headers are complete; a partial header does not extend it);
-  body timeouts are applied by the routes (octavo.serving.app).
+  body timeouts are applied by the routes (octavo.serving.routes).
 - `RateLimitedLoopErrors` replaces the event loop's exception handler while the server runs: each kind of
   error is logged once per interval, with a count of what was suppressed.
 """

@@ -366,7 +366,7 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
 
 
 def server_schema(state: Any) -> dict[str, Any]:
-    """The document for a running server (an octavo.serving.app.ServerState): its names and limits."""
+    """The document for a running server (an octavo.serving.state.ServerState): its names and limits."""
     import octavo
 
     cfg = state.config

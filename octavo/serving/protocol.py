@@ -3,20 +3,21 @@
 Every field is type-checked here, so a malformed body becomes a 400 that names the parameter
 (never a 500 from deep inside the engine). A field we know but do not implement is a 400 when it asks for
 anything but its default (REFUSED_EXTENSIONS, _REFUSED_CHAT), never silently ignored; an unknown field is
-logged once per server (as vLLM does) and ignored. Output constraints: serving/constraints.py; tools:
+logged once per server (as vLLM does) and ignored. The body's typed getters: serving/body.py; a chat's
+messages and rendering options: serving/chat_messages.py; output constraints: serving/constraints.py; tools:
 serving/tools.py.
 """
 from __future__ import annotations
 
 import logging
-import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.errors import InvalidRequestError
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serving.api_error import ApiError, bad_request
+from octavo.serving.body import Body, listed, show
+from octavo.serving.chat_messages import ChatOptions, chat_options, parse_messages
 from octavo.serving.constraints import CONSTRAINT_FIELDS, parse_constraint
 from octavo.serving.tools import ToolChoice, constraint, parse_tool_choice, parse_tools
 from octavo.structured.params import StructuredOutputsParams
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # top-k logprobs per token (OpenAI allows 5 / 20, vLLM 20)
 _INT64 = 2**63
-_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# a role outside _CHAT_ROLES is handed to the chat template (which may refuse it) if it is a plain word: no
-# whitespace or markup that could forge the template's own role delimiters
-_CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 # vLLM request fields this server does not implement: given with a value other than their default, they are a 400
 # (silently ignoring them would change what the client gets); name -> the value that means "off"
 REFUSED_EXTENSIONS: dict[str, Any] = {
@@ -93,18 +90,6 @@ class CompletionRequest:
 
 
 @dataclass(slots=True)
-class ChatOptions:
-    """How the conversation becomes a prompt (vLLM's chat extensions)."""
-
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
-    echo: bool = False  # the reply starts with the last message's content when that message is the assistant's
-    chat_template: str | None = None  # this request's own template (rendered in the same sandbox)
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
-    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
-
-
-@dataclass(slots=True)
 class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]
@@ -121,92 +106,11 @@ class ChatRequest:
     constraint_where: str | None = None  # the request field the output constraint came from (for its errors)
 
 
-class _Body:
-    """Typed getters over a JSON object; each raises a 400 naming the parameter."""
-
-    def __init__(self, body: Any) -> None:
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
-        self.d: dict[str, Any] = body
-
-    def present(self, name: str) -> bool:
-        return self.d.get(name) is not None
-
-    def boolean(self, name: str, default: bool) -> bool:
-        return self._typed(name, default, bool, "a boolean")
-
-    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-        v = self.d.get(name)
-        if v is None:
-            return default
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise bad_request(f"'{name}' must be an integer, got {_show(v)}", name)
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise bad_request(f"'{name}' must be an integer {_range(lo, hi)}, got {v}", name)
-        return v
-
-    def number(self, name: str, default: float, lo: float | None = None, hi: float | None = None,
-               lo_open: bool = False) -> float:
-        v = self.d.get(name)
-        if v is None:
-            return default
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise bad_request(f"'{name}' must be a finite number, got {_show(v)}", name)
-        if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-            left = "(" if lo_open else "["
-            raise bad_request(f"'{name}' must be in {left}{_bound(lo)}, {_bound(hi)}], got {v}", name)
-        return float(v)
-
-    def string(self, name: str, default: str | None) -> str | None:
-        return self._typed(name, default, str, "a string")
-
-    def _typed(self, name: str, default: Any, kind: type, what: str) -> Any:
-        """The field NAME if it is a KIND, DEFAULT if absent or null; else a 400 saying it must be WHAT."""
-        v = self.d.get(name)
-        if v is None:
-            return default
-        if not isinstance(v, kind):
-            raise bad_request(f"'{name}' must be {what}, got {_show(v)}", name)
-        return v
-
-    def int_list(self, name: str) -> list[int]:
-        v = self.d.get(name)
-        if v is None:
-            return []
-        if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) for x in v):
-            raise bad_request(f"'{name}' must be a list of integers", name)
-        return v
-
-
-def _show(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 40 else s[:37] + "..."
-
-
-def _bound(b: float | None) -> str:
-    return "inf" if b is None else str(b)
-
-
-def _range(lo: int | None, hi: int | None) -> str:
-    """'between 0 and 20' / '>= 1' / '<= 5', with 2^63-style powers for the int64 limits."""
-    def show(x: int) -> str:
-        for k in (63, 64):
-            if x in (2**k - 1, -(2**k)):
-                return f"{'-' if x < 0 else ''}2^{k}{'-1' if x > 0 else ''}"
-        return str(x)
-
-    if lo is not None and hi is not None:
-        return f"between {show(lo)} and {show(hi)}"
-    return f">= {show(lo)}" if lo is not None else f"<= {show(hi)}" if hi is not None else ""
-
-
 # ---------------------------------------------------------------------------------------------------
 # shared sampling fields
 
 
-def _stop(b: _Body) -> list[str]:
+def _stop(b: Body) -> list[str]:
     v = b.d.get("stop")
     if v is None:
         return []
@@ -219,7 +123,7 @@ def _stop(b: _Body) -> list[str]:
     return v
 
 
-def _logit_bias(b: _Body, vocab_size: int) -> dict[int, float] | None:
+def _logit_bias(b: Body, vocab_size: int) -> dict[int, float] | None:
     """token id -> bias in [-100, 100]. A 400 names every offending key and value, not only the first."""
     v = b.d.get("logit_bias")
     if v is None:
@@ -237,16 +141,16 @@ def _logit_bias(b: _Body, vocab_size: int) -> dict[int, float] | None:
         if not 0 <= tok < vocab_size:
             outside.append(tok)
         elif not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
-            bad_values.append(f"{key}: {_show(bias)}")
+            bad_values.append(f"{key}: {show(bias)}")
         else:
             out[tok] = float(bias)
     problems = []
     if not_ids:
-        problems.append(f"keys must be token ids (integers written as strings), not {_listed(not_ids)}")
+        problems.append(f"keys must be token ids (integers written as strings), not {listed(not_ids)}")
     if outside:
         problems.append(_out_of_vocabulary(outside, vocab_size))
     if bad_values:
-        problems.append(f"biases must be numbers between -100 and 100, not {_listed(bad_values, quote=False)}")
+        problems.append(f"biases must be numbers between -100 and 100, not {listed(bad_values, quote=False)}")
     if problems:
         raise bad_request("'logit_bias': " + "; ".join(problems), "logit_bias")
     return out
@@ -254,18 +158,11 @@ def _logit_bias(b: _Body, vocab_size: int) -> dict[int, float] | None:
 
 def _out_of_vocabulary(ids: list[int], vocab_size: int) -> str:
     several = len(ids) > 1
-    return (f"token id{'s' if several else ''} {_listed(ids)} {'are' if several else 'is'} out of vocabulary "
+    return (f"token id{'s' if several else ''} {listed(ids)} {'are' if several else 'is'} out of vocabulary "
             f"(allowed: 0 to {vocab_size - 1})")
 
 
-def _listed(items: list[Any], quote: bool = True, limit: int = 20) -> str:
-    """Up to LIMIT items, comma-separated (the count of the rest after them)."""
-    shown = [_show(x) if quote else str(x) for x in items[:limit]]
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(shown) + more
-
-
-def _max_tokens(b: _Body, names: tuple[str, ...], default: int | None, limits: Limits) -> int | None:
+def _max_tokens(b: Body, names: tuple[str, ...], default: int | None, limits: Limits) -> int | None:
     value: int | None = None
     for name in names:  # first present wins (chat: max_completion_tokens over the deprecated max_tokens)
         value = b.integer(name, None, lo=1)
@@ -279,7 +176,7 @@ def _max_tokens(b: _Body, names: tuple[str, ...], default: int | None, limits: L
     return limits.max_tokens_cap
 
 
-def _stream(b: _Body) -> tuple[bool, bool, bool]:
+def _stream(b: Body) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous_usage_stats). continuous_usage_stats alone implies include_usage, as
     in vLLM (whose include_usage defaults to true inside stream_options); an explicit include_usage false wins."""
     stream = b.boolean("stream", False)
@@ -294,14 +191,14 @@ def _stream(b: _Body) -> tuple[bool, bool, bool]:
     for key in ("include_usage", "continuous_usage_stats"):
         value = opts.get(key)
         if value is not None and not isinstance(value, bool):
-            raise bad_request(f"'stream_options.{key}' must be a boolean, got {_show(value)}", "stream_options")
+            raise bad_request(f"'stream_options.{key}' must be a boolean, got {show(value)}", "stream_options")
         flags[key] = value
     continuous = bool(flags["continuous_usage_stats"])
     include = flags["include_usage"] if flags["include_usage"] is not None else continuous
     return stream, include, continuous and include
 
 
-def _output_options(b: _Body, continuous: bool, logprobs_on: bool) -> OutputOptions:
+def _output_options(b: Body, continuous: bool, logprobs_on: bool) -> OutputOptions:
     for name, off in REFUSED_EXTENSIONS.items():
         if name in b.d and b.d[name] is not None and b.d[name] != off:
             raise bad_request(f"'{name}' is not supported by this server (leave it unset)", name)
@@ -315,7 +212,7 @@ def _output_options(b: _Body, continuous: bool, logprobs_on: bool) -> OutputOpti
     )
 
 
-def _prompt_logprobs(b: _Body) -> int | None:
+def _prompt_logprobs(b: Body) -> int | None:
     """vLLM's prompt_logprobs: top-k logprobs of every prompt token (None: not asked)."""
     v = b.integer("prompt_logprobs", None)
     if v is not None and not 0 <= v <= MAX_LOGPROBS:
@@ -324,7 +221,7 @@ def _prompt_logprobs(b: _Body) -> int | None:
     return v
 
 
-def _beam(b: _Body, n: int) -> bool:
+def _beam(b: Body, n: int) -> bool:
     """use_beam_search (vLLM's): beam width max(n, best_of), the n best returned, ranked by cumulative logprob /
     length ** length_penalty. The fields beam search does not use are refused, not ignored."""
     if not b.boolean("use_beam_search", False):
@@ -344,7 +241,7 @@ def _beam(b: _Body, n: int) -> bool:
     return True
 
 
-def _check_fields(b: _Body, known: frozenset[str], limits: Limits, refused: dict[str, Any] | None = None) -> None:
+def _check_fields(b: Body, known: frozenset[str], limits: Limits, refused: dict[str, Any] | None = None) -> None:
     """400 for a known-but-unimplemented field that asks for something; log each unknown field once."""
     for name, off in (refused or {}).items():
         if b.d.get(name) is not None and b.d[name] != off:
@@ -356,7 +253,7 @@ def _check_fields(b: _Body, known: frozenset[str], limits: Limits, refused: dict
             log.warning("ignoring unknown request field %r (logged once)", name[:80])
 
 
-def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | None,
+def _sampling(b: Body, limits: Limits, max_tokens: int | None, logprobs: int | None,
               structured: StructuredOutputsParams | None = None) -> SamplingParams:
     n = b.integer("n", 1, lo=1, hi=limits.max_n)
     best_of = b.integer("best_of", None, lo=1, hi=limits.max_n)
@@ -407,7 +304,7 @@ def _sampling(b: _Body, limits: Limits, max_tokens: int | None, logprobs: int | 
         raise bad_request(str(exc)) from None
 
 
-def _model(b: _Body) -> str | None:
+def _model(b: Body) -> str | None:
     return b.string("model", None)
 
 
@@ -415,7 +312,7 @@ def _model(b: _Body) -> str | None:
 # /v1/completions
 
 
-def _prompts(b: _Body, limits: Limits) -> list[str | list[int]]:
+def _prompts(b: Body, limits: Limits) -> list[str | list[int]]:
     p = b.d.get("prompt")
     msg = "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists"
     if p is None:
@@ -441,7 +338,7 @@ def _prompts(b: _Body, limits: Limits) -> list[str | list[int]]:
 
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
-    b = _Body(body)
+    b = Body(body)
     _check_fields(b, _COMPLETION_FIELDS, limits)
     if b.present("suffix"):
         raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
@@ -478,72 +375,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
 # /v1/chat/completions
 
 
-def _content(m: dict[str, Any], i: int) -> str:
-    c = m.get("content")
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):
-        texts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                  "are supported", "messages")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def _tool_calls(m: dict[str, Any], i: int) -> list[dict[str, Any]] | None:
-    """An assistant message's earlier tool calls, checked, in OpenAI's shape."""
-    calls = m.get("tool_calls")
-    if calls is None:
-        return None
-    where = f"messages[{i}].tool_calls"
-    if m.get("role") != "assistant" or not isinstance(calls, list):
-        raise bad_request(f"'{where}' must be a list, on an assistant message", "messages")
-    out = []
-    for j, c in enumerate(calls):
-        f = c.get("function") if isinstance(c, dict) else None
-        if (not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str)
-                or c.get("type", "function") != "function"):
-            raise bad_request(f"'{where}[{j}]' must be {{'id', 'type': 'function', 'function': {{'name': str, "
-                              "'arguments': JSON text}}}}", "messages")
-        out.append({"id": c["id"] if isinstance(c.get("id"), str) else f"call_{i}_{j}", "type": "function",
-                    "function": {"name": f["name"], "arguments": f["arguments"]}})
-    return out
-
-
-def _messages(b: _Body) -> list[dict[str, Any]]:
-    msgs = b.d.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
-        role = m.get("role")
-        if role not in _CHAT_ROLES and not (isinstance(role, str) and _CUSTOM_ROLE.fullmatch(role)):
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, or another role the "
-                              "chat template accepts written as a plain word (letters, digits, '_', '-', '.'; "
-                              f"at most 64), got {_show(role)}", "messages")
-        msg: dict[str, Any] = {"role": role, "content": _content(m, i)}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        calls = _tool_calls(m, i)
-        if calls:
-            msg["tool_calls"] = calls
-        if role == "tool" and m.get("tool_call_id") is not None:
-            if not isinstance(m["tool_call_id"], str):
-                raise bad_request(f"'messages[{i}].tool_call_id' must be a string", "messages")
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
-    return out
-
-
 def parse_chat(body: Any, limits: Limits) -> ChatRequest:
-    b = _Body(body)
+    b = Body(body)
     _check_fields(b, _CHAT_FIELDS, limits, _REFUSED_CHAT)
     structured, source = parse_constraint(b.d)
     tools = parse_tools(b.d)
@@ -564,7 +397,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     top = top or 0
     stream, include_usage, continuous = _stream(b)
     max_tokens = _max_tokens(b, ("max_completion_tokens", "max_tokens"), None, limits)
-    messages = _messages(b)
+    messages = parse_messages(b)
     params = _sampling(b, limits, max_tokens, top if logprobs else None, forced or structured)
     if _prompt_logprobs(b) is not None:
         raise bad_request("'prompt_logprobs' is not supported on /v1/chat/completions yet: send the chat's token ids "
@@ -573,46 +406,9 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     return ChatRequest(
         model=_model(b), messages=messages, params=params,
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
-        options=_output_options(b, continuous, logprobs), chat=_chat_options(b, messages),
+        options=_output_options(b, continuous, logprobs), chat=chat_options(b, messages),
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel, constraint_where=forced_where or source,
     )
-
-
-# names the renderer sets itself: chat_template_kwargs may not replace them (their own fields do that)
-# (and the renderer's own options: a variable of that name would reach encode_chat, not the template)
-_TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
-                      "raise_exception", "tools", "documents", "chat_template", "add_special_tokens",
-                      "special_tokens_in_content")
-MAX_CHAT_TEMPLATE_CHARS = 64 << 10
-
-
-def _chat_options(b: _Body, messages: list[dict[str, str]]) -> ChatOptions:
-    add_gen = b.boolean("add_generation_prompt", True)
-    cont = b.boolean("continue_final_message", False)
-    if add_gen and cont:
-        raise bad_request("'continue_final_message' continues the last message, so it needs "
-                          "'add_generation_prompt': false (both cannot be true)", "continue_final_message")
-    if cont and messages[-1]["role"] != "assistant":
-        raise bad_request("'continue_final_message' needs the last message to be the assistant's (the text to "
-                          f"continue), got role {messages[-1]['role']!r}", "continue_final_message")
-    template = b.string("chat_template", None)
-    if template is not None and not template.strip():
-        raise bad_request("'chat_template' must not be empty", "chat_template")
-    if template is not None and len(template) > MAX_CHAT_TEMPLATE_CHARS:
-        raise bad_request(f"'chat_template' is {len(template)} characters; at most {MAX_CHAT_TEMPLATE_CHARS}",
-                          "chat_template")
-    kwargs = b.d.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
-    clash = [k for k in kwargs if k in _TEMPLATE_RESERVED]
-    if clash:
-        raise bad_request(f"'chat_template_kwargs' may not set {_listed(clash)}: the renderer sets them (use the "
-                          "request fields of those names where there is one)", "chat_template_kwargs")
-    return ChatOptions(add_generation_prompt=add_gen, continue_final_message=cont, echo=b.boolean("echo", False),
-                       chat_template=template, chat_template_kwargs=dict(kwargs),
-                       add_special_tokens=b.boolean("add_special_tokens", False))
 
 
 def check_model(requested: str | None, served: tuple[str, ...]) -> None:

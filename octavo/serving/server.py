@@ -18,10 +18,11 @@ from aiohttp import web
 
 from octavo.errors import OctavoError
 from octavo.serving.api_error import ApiError
-from octavo.serving.app import ServerConfig, ServerState, build_app
+from octavo.serving.app import build_app
 from octavo.serving.connections import GuardedSite, RateLimitedLoopErrors
 from octavo.serving.metrics import ServerMetrics
 from octavo.serving.protocol import Limits
+from octavo.serving.state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)
 

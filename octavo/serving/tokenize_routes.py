@@ -22,7 +22,9 @@ from aiohttp import web
 
 from octavo.errors import InvalidRequestError
 from octavo.serving.api_error import bad_request
-from octavo.serving.protocol import _Body, _chat_options, _messages, check_model
+from octavo.serving.body import Body, parse_json_body
+from octavo.serving.chat_messages import chat_options, parse_messages
+from octavo.serving.protocol import check_model
 
 __all__ = ["add_tokenize_routes"]
 
@@ -76,13 +78,11 @@ def add_tokenize_routes(app: web.Application, state_key: web.AppKey) -> None:
     app.router.add_get("/tokenizer_info", tokenizer_info)
 
 
-def _body(raw: bytes) -> _Body:
-    from octavo.serving.app import parse_json_body  # the app imports this module
-
-    return _Body(parse_json_body(raw))
+def _body(raw: bytes) -> Body:
+    return Body(parse_json_body(raw))
 
 
-async def _tokenize(b: _Body, st: Any) -> tuple[_Body, list[int]]:
+async def _tokenize(b: Body, st: Any) -> tuple[Body, list[int]]:
     check_model(b.string("model", None), st.config.served_model_names)
     has_prompt, has_messages = b.d.get("prompt") is not None, b.d.get("messages") is not None
     if has_prompt == has_messages:
@@ -94,8 +94,8 @@ async def _tokenize(b: _Body, st: Any) -> tuple[_Body, list[int]]:
         assert prompt is not None
         add_special = b.boolean("add_special_tokens", True)
         return b, await _run("prompt", tok.encode, prompt, add_special)
-    messages = _messages(b)
-    c = _chat_options(b, messages)  # the chat route's own options and checks: the same ids as it
+    messages = parse_messages(b)
+    c = chat_options(b, messages)  # the chat route's own options and checks: the same ids as it
 
     def render_and_encode() -> list[int]:
         return tok.encode_chat(messages, c.add_generation_prompt, add_special_tokens=c.add_special_tokens,
