@@ -38,7 +38,7 @@ CANCEL_SHARE = 0.7
 FINALIZED = "stopped; max batch size seen"  # the line octavo's finalize() logs
 EXIT_TIMEOUT_S = 3  # tritonserver's own wait on SIGTERM; short, since octavo holds nothing by then
 KNOWN_DEFECT = ("tritonserver 2.51's frontend kept a request of a cancelled stream, so the model "
-                "never unloaded (reproduced with a trivial decoupled model, no octavo: scripts/triton_cancel_race.py; "
+                "never unloaded (reproduced with a trivial decoupled model, no octavo; "
                 "docs/triton.md, 'Shutdown after cancelled streams')")
 
 

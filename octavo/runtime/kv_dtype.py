@@ -6,11 +6,11 @@ stay float32 and the op converts K/V on write and on read). What "auto" picks:
 
 | export                                             | "auto" pool | why                                        |
 | ---                                                | ---         | ---                                        |
-| a GGUF file's own quantized blocks (weights "gguf") | float16     | llama.cpp's default K/V type for the same file; half the bytes each batched decode step reads (docs/performance.md) |
+| a GGUF file's own quantized blocks (weights "gguf") | float16     | llama.cpp's default K/V type for the same file; half the bytes each batched decode step reads (docs/performance-log.md) |
 | anything else (fp32, int8, int4; HF or GGUF)        | the manifest's dtype (float32 on onnxruntime) | the exactness tests against transformers |
 
 "float32" asks for the manifest's float32 pools whatever the weights (on SmolLM2's GGUF an fp16 history moved
-chosen-token logprobs by <= 0.0067 over 10 x 128 greedy tokens, none of them changed: docs/performance.md).
+chosen-token logprobs by <= 0.0067 over 10 x 128 greedy tokens, none of them changed: docs/performance-log.md).
 """
 from __future__ import annotations
 

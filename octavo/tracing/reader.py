@@ -1,4 +1,4 @@
-"""Trace files: one JSON object per engine step (the trace row of docs/TEAM.md), one per line.
+"""Trace files: one JSON object per engine step (the trace row of docs/demo.md, "Trace files"), one per line.
 
 The engine writes them (EngineArgs.trace_path) and passes the same dicts to step listeners; this module
 reads them back and checks each row's shape, so every renderer can trust the fields it uses.
