@@ -50,8 +50,8 @@ class EngineArgs:
     # MatMulNBits at accuracy_level 4); None = "block". Part of the cache folder's name; must match an export folder
     quant_kernel: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (float16 for a GGUF's own blocks, else float32: runtime/kv_dtype.py) | "float32" | "float16"
-    # onnxruntime backend only; None = the environment's default (ENVIRONMENT_DEFAULTS, with_environment_defaults):
-    # rewrite the graph at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
+    # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
+    # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
     # unless $OCTAVO_ORT_FUSIONS is "0"
     ort_fusions: bool | None = None
     ort_spinning: str | None = None  # ORT_SPINNING_MODES; None = $OCTAVO_ORT_SPINNING, else "run"
@@ -92,7 +92,7 @@ class EngineArgs:
                                       "for quantized weights; tensorrt runs float weights only (leave it unset)")
 
     def with_environment_defaults(self, environ: Mapping[str, str] | None = None) -> EngineArgs:
-        """These arguments with every field of ENVIRONMENT_DEFAULTS that is None set from ENVIRONMENT (default
+        """These arguments with every field of ENVIRONMENT_DEFAULTS that is None set from ENVIRON (default
         os.environ): the one place octavo reads OCTAVO_ORT_FUSIONS, OCTAVO_ORT_SPINNING and OCTAVO_AMX. Fields
         already set stay; unset variables give the built-in defaults (fusions on, spinning "run", AMX on)."""
         environ = os.environ if environ is None else environ

@@ -19,7 +19,8 @@ bool amx_bf16_usable();
 
 // Whether this process may run AVX512-BF16 vector code (VDPBF16PS; with AVX-512 F, BW, VL and the OS saving ZMM
 // state) in an AVX-512 build: the bfloat16 prompt paths' kernels where AMX is not usable (a CPU without AMX, such
-// as Zen 4 or Cooper Lake, or AMX switched off). Same bfloat16 operands, float32 sums in another order than the tiles'.
+// as Zen 4 or Cooper Lake, or AMX switched off). Same bfloat16 operands, float32 sums in another order than the
+// tiles'.
 bool bf16_dot_usable();
 
 // The calling thread's tile configuration for the AMX paths (all 8 tiles 16 rows x 64 bytes: float32 16 x 16
