@@ -54,24 +54,26 @@ def test_bad_pool_size(llama_export: tuple[Path, Manifest]) -> None:
 
 def test_spinning_modes_agree_and_a_typo_is_refused(llama_export: tuple[Path, Manifest],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """OCTAVO_ORT_SPINNING ("run" default, "0", "1") changes how ORT's threads wait, never the numbers;
-    any other value is an error naming the choices, not a silent default."""
+    """ort_spinning ("run" default, "0", "1"; EngineArgs' default from OCTAVO_ORT_SPINNING) changes how ORT's
+    threads wait, never the numbers; any other value is an error naming the choices, not a silent default."""
     import numpy as np
 
     from octavo.bench.roofline import _decode_inputs
     from octavo.errors import InvalidRequestError
+    from octavo.runtime.engine_args import EngineArgs
 
     folder, manifest = llama_export
     logits = {}
     for mode in ("run", "0", "1"):
-        monkeypatch.setenv("OCTAVO_ORT_SPINNING", mode)
-        backend = OnnxRuntimeBackend(folder, manifest, num_blocks=8, block_size=8, num_threads=2)
+        backend = OnnxRuntimeBackend(folder, manifest, num_blocks=8, block_size=8, num_threads=2, ort_spinning=mode)
         logits[mode] = np.array(backend.run(_decode_inputs(2, 5, 8)))
         backend.close()
     assert np.array_equal(logits["run"], logits["0"]) and np.array_equal(logits["run"], logits["1"])
+    with pytest.raises(InvalidRequestError, match="ort_spinning.*'run'"):
+        OnnxRuntimeBackend(folder, manifest, num_blocks=8, block_size=8, num_threads=2, ort_spinning="yes")
     monkeypatch.setenv("OCTAVO_ORT_SPINNING", "yes")
     with pytest.raises(InvalidRequestError, match="OCTAVO_ORT_SPINNING.*'run'"):
-        OnnxRuntimeBackend(folder, manifest, num_blocks=8, block_size=8, num_threads=2)
+        EngineArgs(model=str(folder)).with_environment_defaults()
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])

@@ -553,6 +553,8 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 from test_block_matmul import _blocks, _session
 from octavo.export.block_layout import panel_weights
+from octavo.runtime.backends.oplib import set_amx
+assert set_amx(False)  # on until told: the library reads no environment
 blocks, _ = _blocks("Q4_1", 149, 576, seed=21)
 pw = panel_weights(blocks)
 x = np.random.default_rng(22).standard_normal((64, 576)).astype(np.float32)
@@ -562,8 +564,9 @@ np.savez(sys.argv[2], prompt=_session(pw).run(None, {"x": x})[0],
 """
 
 
-def test_octavo_amx_0_turns_every_amx_path_off(tmp_path: Path) -> None:
-    """OCTAVO_AMX=0 (read once per process): a prompt step of the default node is the FMA tiles' bits (prompt_amx
+def test_amx_switched_off_turns_every_amx_path_off(tmp_path: Path) -> None:
+    """The library's AMX switch off (oplib.set_amx(False), what EngineArgs.amx=False / OCTAVO_AMX=0 do; one per
+    process, so in a process of its own): a prompt step of the default node is the FMA tiles' bits (prompt_amx
     = 0), a decode batch the 16-bit tiles' (the same bits either way), and a prompt_bf16 node's prompt step what a
     CPU without AMX computes: the AVX512-BF16 vectors' bfloat16 products where the CPU has them, else the FMA
     tiles'."""
@@ -572,8 +575,9 @@ def test_octavo_amx_0_turns_every_amx_path_off(tmp_path: Path) -> None:
     import sys
 
     out = tmp_path / "off.npz"
+    env = {k: v for k, v in os.environ.items() if k != "OCTAVO_AMX"}  # the switch alone turns AMX off
     subprocess.run([sys.executable, "-c", _AMX_OFF_SCRIPT, str(Path(__file__).parent), str(out)], check=True,
-                   env={**os.environ, "OCTAVO_AMX": "0"}, timeout=300)
+                   env=env, timeout=300)
     got = np.load(out)
     blocks, _ = _blocks("Q4_1", 149, 576, seed=21)
     pw = panel_weights(blocks)

@@ -119,14 +119,16 @@ def hf_logits(model: Any, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-def run_chunks(folder: Path, manifest: Manifest, ids: list[int], bounds: list[int]) -> np.ndarray:
-    """The prompt IDS prefilled in chunks (bounds), every logits row, over a reversed block table."""
+def run_chunks(folder: Path, manifest: Manifest, ids: list[int], bounds: list[int],
+               ort_fusions: bool = True) -> np.ndarray:
+    """The prompt IDS prefilled in chunks (bounds), every logits row, over a reversed block table (ORT_FUSIONS:
+    the backend's graph rewrites on or off)."""
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
     from step_inputs import one_sequence
 
     block_size, num_blocks = 16, -(-len(ids) // 16)
     table = np.arange(num_blocks, dtype=np.int32)[::-1].copy()
-    backend = OnnxRuntimeBackend(folder, manifest, num_blocks, block_size, num_threads=1)
+    backend = OnnxRuntimeBackend(folder, manifest, num_blocks, block_size, num_threads=1, ort_fusions=ort_fusions)
     try:
         rows = [backend.run(one_sequence(ids[a:b], a, table, block_size, all_logits=True))
                 for a, b in zip(bounds, bounds[1:])]
@@ -137,14 +139,12 @@ def run_chunks(folder: Path, manifest: Manifest, ids: list[int], bounds: list[in
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
 @pytest.mark.parametrize("name", MODELS)
-def test_logits_match_transformers_past_the_original_context(yarn_model, monkeypatch, name: str, fused: bool) -> None:  # noqa: ANN001
+def test_logits_match_transformers_past_the_original_context(yarn_model, name: str, fused: bool) -> None:  # noqa: ANN001
     """A 200-token prompt (the original context is 64) in a long prefill chunk, a short one and decode
     steps: every row equals transformers' logits, with the ORT rotary fusion on and off."""
-    if not fused:
-        monkeypatch.setenv("OCTAVO_ORT_FUSIONS", "0")
     _, folder, manifest, model = yarn_model(name)
     ids = np.random.default_rng(11).integers(0, manifest.vocab_size, 200).tolist()
-    got = run_chunks(folder, manifest, ids, [0, 150, 190, 191, 192, 200])
+    got = run_chunks(folder, manifest, ids, [0, 150, 190, 191, 192, 200], ort_fusions=fused)
     want = hf_logits(model, ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
     assert (got[ORIGINAL:].argmax(-1) == want[ORIGINAL:].argmax(-1)).all()

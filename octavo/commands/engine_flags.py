@@ -2,7 +2,8 @@
 (generate, chat, serve, bench throughput, demo, triton) and the same words as Triton's config.pbtxt parameters.
 
 A field `max_num_seqs` is the flag `--max-num-seqs`; a bool field `enable_prefix_caching` is the pair
-`--enable-prefix-caching / --no-enable-prefix-caching` (as vLLM spells them). Values are parsed by the Triton
+`--enable-prefix-caching / --no-enable-prefix-caching` (as vLLM spells them), also when it may be None (`amx`:
+`--amx / --no-amx`, neither = the field's default). Values are parsed by the Triton
 parameters' converter (octavo/serving/engine_params.py), so `--kv-cache-memory 2G` and the parameter
 `kv_cache_memory: "2G"` mean the same. A field added to EngineArgs gets its flag at once; HELP below gives it a
 sentence (until then its help names the field). Earlier spellings stay accepted as aliases (ALIASES).
@@ -16,7 +17,7 @@ from typing import Any
 
 from octavo.errors import InvalidRequestError
 from octavo.export.quant_options import QUANT_KERNEL_HELP, QUANT_KERNELS
-from octavo.runtime.engine_args import EngineArgs
+from octavo.runtime.engine_args import ENVIRONMENT_DEFAULTS, ORT_SPINNING_MODES, EngineArgs
 from octavo.runtime.kv_dtype import KV_CACHE_DTYPES
 from octavo.serving.engine_params import convert_value, engine_parameter_names
 
@@ -48,6 +49,12 @@ HELP: dict[str, str] = {
                                   "ask for (prompt_logprobs, echo with logprobs)",
     "constraint_compile_timeout": "seconds a request waits for its output constraint to compile (then a 400)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
+    "ort_fusions": "onnxruntime: fuse RoPE into ONNX Runtime's RotaryEmbedding and then into PagedAttention when "
+                   "loading the graph (same logits, fewer nodes)",
+    "ort_spinning": "onnxruntime: how its threads wait: run (spin during a step, stop after it), 0 (block), 1 (spin "
+                    "always)",
+    "amx": "the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch "
+           "per process)",
 }
 # what a default of None means, for --help
 NONE_MEANS: dict[str, str] = {
@@ -59,6 +66,9 @@ NONE_MEANS: dict[str, str] = {
     "weights": "gguf for a quantized .gguf, else fp32",
     "quant_kernel": "block",
     "quant_block_size": "32",
+    "ort_fusions": f"on unless ${ENVIRONMENT_DEFAULTS['ort_fusions']} is 0",
+    "ort_spinning": f"${ENVIRONMENT_DEFAULTS['ort_spinning']}, else run",
+    "amx": f"on unless ${ENVIRONMENT_DEFAULTS['amx']} is 0",
 }
 METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES"}
 # the values EngineArgs.validate accepts for its plain-str fields (a Literal annotation gives its own)
@@ -67,6 +77,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "weights": ("fp32", "int8", "int4", "gguf"),
     "quant_kernel": QUANT_KERNELS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "ort_spinning": ORT_SPINNING_MODES,
 }
 ALIASES: dict[str, tuple[str, ...]] = {  # earlier spellings, still accepted
     "trace_path": ("--trace",),
@@ -99,6 +110,11 @@ def _parser_for(name: str):  # noqa: ANN202
     return parse
 
 
+def _is_bool(annotation: Any) -> bool:
+    """bool, or bool | None."""
+    return annotation is bool or set(typing.get_args(annotation)) == {bool, type(None)}
+
+
 def _choices(name: str, annotation: Any) -> tuple[Any, ...] | None:
     options = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_args(annotation) \
         else [annotation]
@@ -118,7 +134,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, help_overrides: dict[s
         default = field_defaults[name]
         what = HELP.get(name, f"engine argument {name}").replace("%", "%%")
         text = help_overrides.get(name) or f"{what} (default: {_default_text(name, default)})"
-        if hints[name] is bool:
+        if _is_bool(hints[name]):
             group.add_argument(flag_of(name), *ALIASES.get(name, ()), dest=name, default=default, help=text,
                                action=argparse.BooleanOptionalAction)
             for alias in NEGATIVE_ALIASES.get(name, ()):

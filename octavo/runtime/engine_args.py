@@ -1,6 +1,14 @@
-"""EngineArgs: every knob of the engine in one place (shared by LLM, AsyncEngine, CLI, server, Triton)."""
+"""EngineArgs: every knob of the engine in one place (shared by LLM, AsyncEngine, CLI, server, Triton).
+
+Three knobs of the onnxruntime backend also have a default in the environment (ENVIRONMENT_DEFAULTS): a field
+left None takes it in `with_environment_defaults`, the one place octavo reads those variables; the backend and
+the op library are then told the explicit value.
+"""
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from octavo.errors import InvalidRequestError
@@ -11,6 +19,12 @@ from octavo.runtime.kv_dtype import check_kv_cache_dtype
 from octavo.structured.limits import ConstraintLimits
 
 _LIMITS = ConstraintLimits()
+
+# how ONNX Runtime's intra-op threads wait (octavo/runtime/backends/onnxruntime.py's docstring): spin during a step
+# and stop when it returns, block between parallel sections, or spin always
+ORT_SPINNING_MODES = ("run", "0", "1")
+# field -> the environment variable that gives its default while the field is None (docs/engine.md)
+ENVIRONMENT_DEFAULTS = {"ort_fusions": "OCTAVO_ORT_FUSIONS", "ort_spinning": "OCTAVO_ORT_SPINNING", "amx": "OCTAVO_AMX"}
 
 
 @dataclass(slots=True)
@@ -51,6 +65,15 @@ class EngineArgs:
     # prompt_logprobs / echo + logprobs: scored prompt tokens x (top-k + 1) one request may ask for (a 400 past it)
     max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 
+    # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
+    # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
+    # unless $OCTAVO_ORT_FUSIONS is "0"
+    ort_fusions: bool | None = None
+    ort_spinning: str | None = None  # ORT_SPINNING_MODES; None = $OCTAVO_ORT_SPINNING, else "run"
+    # the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch per
+    # process, set by the last backend made); None = on unless $OCTAVO_AMX is "0"
+    amx: bool | None = None
+
     def constraint_limits(self) -> ConstraintLimits:
         return ConstraintLimits(self.max_constraint_bytes, self.max_constraint_depth, self.max_constraint_rules,
                                 self.max_constraint_alternatives, self.max_constraint_choices,
@@ -81,6 +104,9 @@ class EngineArgs:
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")
             check_quant_options(self.weights, ["quant_kernel"] if self.quant_kernel is not None else [],
                                 self.quant_kernel, subject="these engine arguments", spell=lambda option: option)
+        if self.ort_spinning is not None and self.ort_spinning not in ORT_SPINNING_MODES:
+            raise InvalidRequestError(f"ort_spinning must be one of {', '.join(ORT_SPINNING_MODES)}, got "
+                                      f"{self.ort_spinning!r}")
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):
@@ -89,3 +115,21 @@ class EngineArgs:
         if self.backend == "tensorrt" and self.quant_kernel is not None:
             raise InvalidRequestError(f"quant_kernel={self.quant_kernel!r} chooses the onnxruntime backend's kernel "
                                       "for quantized weights; tensorrt runs float weights only (leave it unset)")
+
+    def with_environment_defaults(self, environ: Mapping[str, str] | None = None) -> EngineArgs:
+        """These arguments with every field of ENVIRONMENT_DEFAULTS that is None set from ENVIRON (default
+        os.environ): the one place octavo reads OCTAVO_ORT_FUSIONS, OCTAVO_ORT_SPINNING and OCTAVO_AMX. Fields
+        already set stay; unset variables give the built-in defaults (fusions on, spinning "run", AMX on)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        if self.ort_fusions is None:
+            values["ort_fusions"] = environ.get(ENVIRONMENT_DEFAULTS["ort_fusions"], "1") != "0"
+        if self.ort_spinning is None:
+            name = ENVIRONMENT_DEFAULTS["ort_spinning"]
+            spinning = environ.get(name, "run")
+            if spinning not in ORT_SPINNING_MODES:
+                raise InvalidRequestError(f"{name} must be one of {ORT_SPINNING_MODES}, got {spinning!r}")
+            values["ort_spinning"] = spinning
+        if self.amx is None:
+            values["amx"] = environ.get(ENVIRONMENT_DEFAULTS["amx"]) != "0"
+        return dataclasses.replace(self, **values) if values else self

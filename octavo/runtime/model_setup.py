@@ -6,7 +6,6 @@ TensorRT rules (fp32 weights only; the pool dtype is fixed at build time).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,13 +36,15 @@ class LoadedModel:
 
 def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     """Resolve args.model to an export, check the engine arguments against it and make the backend
-    (or check the one given: tests and fault injection pass their own)."""
+    (or check the one given: tests and fault injection pass their own). Fields left to the environment
+    (EngineArgs.with_environment_defaults) are read here, once."""
+    args = args.with_environment_defaults()
     weights = args.weights
     if weights is None and args.backend == "tensorrt" and not (Path(args.model) / MANIFEST_NAME).is_file():
         weights = "fp32"  # TensorRT runs float weights only: a quantized GGUF is dequantized for it
     model_dir = resolve_model_dir(args.model, weights, args.quant_block_size, args.quantize_lm_head, args.quant_kernel)
     manifest = Manifest.load(model_dir)
-    warn_without_bf16(manifest)
+    warn_without_bf16(manifest, bool(args.amx))
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
         raise InvalidRequestError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
                                                   methods_of(manifest.quantization)))
@@ -59,10 +60,10 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     return LoadedModel(model_dir, manifest, tokenizer, max_model_len, backend)
 
 
-def warn_without_bf16(manifest: Manifest) -> None:
+def warn_without_bf16(manifest: Manifest, amx: bool = True) -> None:
     """An export whose prompt steps may run in bfloat16 (--quant-kernel block-bf16) on a CPU without AVX512-BF16
-    (AMX tiles where the CPU has AMX-BF16, VDPBF16PS vectors elsewhere): its nodes fall back to float32 (same
-    results as block, none of the speed), which the user should know."""
+    (AMX tiles where the CPU has AMX-BF16 and AMX is on, VDPBF16PS vectors elsewhere): its nodes fall back to
+    float32 (same results as block, none of the speed), which the user should know."""
     if (manifest.quantization or {}).get("prompt_arithmetic") != "bfloat16":
         return
     from octavo.build.op_variants import cpu_flags
@@ -71,8 +72,8 @@ def warn_without_bf16(manifest: Manifest) -> None:
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
         logger.warning("this export asks for bfloat16 prompt steps (quant_kernel 'block-bf16'), but this CPU has "
                        "no AVX512-BF16: they run in float32, as with 'block'")
-    elif os.environ.get("OCTAVO_AMX") == "0" and {"amx_bf16", "amx_tile"} <= flags:
-        logger.info("OCTAVO_AMX=0: this export's bfloat16 prompt steps run on AVX512-BF16 vectors, not AMX tiles")
+    elif not amx and {"amx_bf16", "amx_tile"} <= flags:
+        logger.info("amx off: this export's bfloat16 prompt steps run on AVX512-BF16 vectors, not AMX tiles")
 
 
 def resolve_model_dir(model: str | Path, weights: str | None = None, quant_block_size: int | None = None,
@@ -138,5 +139,8 @@ def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_mode
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, manifest)
+    args = args.with_environment_defaults()  # a no-op from load_model; make_backend is also called alone
     return OnnxRuntimeBackend(model_dir, manifest, default_num_blocks(args, manifest, max_model_len, kv_dtype),
-                              args.block_size, num_threads=args.num_threads, kv_cache_dtype=kv_dtype)
+                              args.block_size, num_threads=args.num_threads, kv_cache_dtype=kv_dtype,
+                              ort_fusions=bool(args.ort_fusions), ort_spinning=str(args.ort_spinning),
+                              amx=bool(args.amx))

@@ -2,9 +2,16 @@
 // AVX512-BF16 (with F, BW, VL), the OS saves their state, and Linux granted this process the tile data state
 // (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). The bfloat16 prompt paths of BlockMatMul and PagedAttention
 // (nodes with prompt_bf16 = 1) run only where this is true; elsewhere those nodes compute in float32. So do
-// BlockMatMul's default AMX paths (block_matmul_kernel.h). OCTAVO_AMX=0 in the environment makes it false for the
-// process: every node then computes as on a CPU without AMX (read once, at the first AMX question).
+// BlockMatMul's default AMX paths (block_matmul_kernel.h). octavo_set_amx(0) makes it false for the process:
+// every node then computes as on a CPU without AMX.
 #pragma once
+
+// The process's AMX switch, exported for the caller to set (octavo's ONNX Runtime backend does, from
+// EngineArgs.amx, before it makes a session): 0 = no AMX path from the next node's step on, nonzero = AMX where the
+// CPU has it (the default). Returns the switch's previous state (1 = on). One switch per process: the library is
+// loaded once however many sessions use it. Only the switch: the decision is the caller's (the library reads no
+// environment variable).
+extern "C" int octavo_set_amx(int enabled);
 
 namespace octavo {
 
@@ -12,7 +19,8 @@ bool amx_bf16_usable();
 
 // Whether this process may run AVX512-BF16 vector code (VDPBF16PS; with AVX-512 F, BW, VL and the OS saving ZMM
 // state) in an AVX-512 build: the bfloat16 prompt paths' kernels where AMX is not usable (a CPU without AMX, such
-// as Zen 4 or Cooper Lake, or OCTAVO_AMX=0). Same bfloat16 operands, float32 sums in another order than the tiles'.
+// as Zen 4 or Cooper Lake, or AMX switched off). Same bfloat16 operands, float32 sums in another order than the
+// tiles'.
 bool bf16_dot_usable();
 
 // The calling thread's tile configuration for the AMX paths (all 8 tiles 16 rows x 64 bytes: float32 16 x 16

@@ -6,9 +6,10 @@
 // tiles run, the step's x is rounded to bfloat16 once (bf16_rows) and each panel's file values are dequantized
 // to float32 (the float32 path's dequantize_panel) and rounded to bfloat16 in the tiles' pair-of-k layout by the
 // tasks that use it (bf16_panel, once per task: 4 panels x a row block). Without AMX (bf16_dot_usable: Zen 4,
-// Cooper Lake, OCTAVO_AMX=0) the same operands run on AVX512-BF16 vectors (run_dot): VDPBF16PS adds a pair of
-// products to each of 16 float32 sums, 6 rows x 4 panels of sums in registers; ~1.7x the float32 FMA tiles per
-// node at 512-2048 rows on a Zen 4 (2 threads, SmolLM2's shapes), whose 512-bit FMAs are two 256-bit halves.
+// Cooper Lake, or AMX switched off by octavo_set_amx, amx.h) the same operands run on AVX512-BF16 vectors
+// (run_dot): VDPBF16PS adds a pair of products to each of 16 float32 sums, 6 rows x 4 panels of sums in registers;
+// ~1.7x the float32 FMA tiles per node at 512-2048 rows on a Zen 4 (2 threads, SmolLM2's shapes), whose 512-bit
+// FMAs are two 256-bit halves.
 //
 // The float32-grade path (the default for a prompt's steps, prompt_amx = 1): x is split into three bfloat16
 // pieces that add up to it exactly and multiplied by the codes themselves (integers < 256, exact in bfloat16), so
@@ -23,7 +24,7 @@
 #include "block_matmul_kernel.h"
 
 #include <algorithm>
-#include <cstdlib>
+#include <atomic>
 #include <cstring>
 
 #include "amx.h"
@@ -41,6 +42,9 @@ namespace {
 constexpr int64_t kTileK = 32;       // k per tile row: 32 bfloat16 = 64 bytes
 constexpr int64_t kTileM = 16;       // rows per tile
 constexpr int64_t kDequantK = 1536;  // k per float32 staging buffer of bf16_panels (96 KiB)
+
+// Whether the AMX paths may run in this process (octavo_set_amx, below): the caller's switch, not the CPU's
+std::atomic<bool> amx_allowed{true};
 
 #if defined(OCTAVO_AMX)
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
@@ -69,11 +73,6 @@ bool detect_amx() {
   if ((lo >> 17 & 3) != 3) return false;  // the OS saves the tile state
   // Linux hands the tile data state (8 KiB per thread) only to a process that asks for it (for every thread)
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtileData) == 0;
-}
-
-bool amx_disabled_by_environment() {
-  const char* value = std::getenv("OCTAVO_AMX");
-  return value != nullptr && std::strcmp(value, "0") == 0;
 }
 
 bool detect_amx_int8() {
@@ -694,8 +693,10 @@ void amx_end_tiles() {
 
 bool amx_bf16_usable() {
 #if defined(OCTAVO_AMX)
-  // OCTAVO_AMX=0: no AMX path in this process (the FMA / VNNI tiles everywhere: the bits of a CPU without AMX)
-  static const bool usable = !amx_disabled_by_environment() && detect_amx();
+  // switched off: no AMX path (the FMA / VNNI tiles everywhere: the bits of a CPU without AMX), and no tile
+  // permission asked of Linux while it stays off
+  if (!amx_allowed.load(std::memory_order_relaxed)) return false;
+  static const bool usable = detect_amx();
   return usable;
 #else
   return false;
@@ -716,7 +717,7 @@ bool begin_bf16(const BlockWeights& w, Activations& a) {
   if (a.rows < 1) return false;
   if (!amx_bf16_usable()) {
     if (!bf16_dot_usable()) return false;
-    a.bf16_dot = true;  // no AMX here (or OCTAVO_AMX=0): the AVX512-BF16 kernel
+    a.bf16_dot = true;  // no AMX here (or switched off): the AVX512-BF16 kernel
   }
   a.k_padded = (w.k + kTileK - 1) / kTileK * kTileK;
   const int64_t rows = amx_rows(a.rows);
@@ -777,8 +778,8 @@ int64_t split_task_rows(const BlockWeights& w, const Activations& a) {
 
 bool begin_amx_int(const BlockWeights& w, Activations& a) {
 #if defined(OCTAVO_AMX)
-  static const bool usable = amx_bf16_usable() && detect_amx_int8();
-  if (!a.integer || a.rows <= kIntRows || w.block_size % kTileK != 0 || !usable) return false;
+  static const bool int8 = detect_amx_int8();
+  if (!a.integer || a.rows <= kIntRows || w.block_size % kTileK != 0 || !int8 || !amx_bf16_usable()) return false;
   const int64_t rows = amx_rows(a.rows);
   a.xlo = byte_buffer(rows * w.k);  // not zeroed: int_rows writes all of it
   a.xhi = byte_buffer(rows * w.k);
@@ -819,3 +820,11 @@ void amx_panels(const BlockWeights& w, const Activations& a, const Outputs& y, i
 }
 
 }  // namespace octavo
+
+extern "C" __attribute__((visibility("default")))
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("arch=x86-64")))  // may run before RegisterCustomOps' CPU check
+#endif
+int octavo_set_amx(int enabled) {
+  return octavo::amx_allowed.exchange(enabled != 0, std::memory_order_relaxed) ? 1 : 0;
+}

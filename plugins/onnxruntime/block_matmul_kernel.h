@@ -109,7 +109,7 @@ struct Activations {
   // the bfloat16 path (block_matmul_amx.cc), a prompt's steps where the node asks for it and AMX runs here
   bool bf16 = false;
   int64_t k_padded = 0;                 // k rounded up to a multiple of 32 (one tile's k), zeros past k
-  bool bf16_dot = false;                // ... on AVX512-BF16 vectors (no AMX here, or OCTAVO_AMX=0)
+  bool bf16_dot = false;                // ... on AVX512-BF16 vectors (no AMX here, or switched off)
   TileBuffer xb;                        // [rows rounded up to 16, k_padded] x in bfloat16, zero rows past rows
   // the float32-grade AMX path (block_matmul_amx.cc): xb holds x's three bfloat16 pieces, piece_stride apart,
   // block_sums [rows rounded up to 16, nb] the float32 block sums of x (each task converts its panels' codes)
@@ -145,7 +145,7 @@ void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outp
 // on a CPU with AMX-BF16 + AVX512-BF16 whose kernel lets this process use the tile registers (Linux asks once).
 // Rows are tiled 32 at a time, 2 panels a tile: each output's sum runs over k in the same order whatever the
 // task ranges, so its bits do not depend on them. Where AMX is not usable but AVX512-BF16 is (Zen 4, Cooper
-// Lake, OCTAVO_AMX=0; bf16_dot_usable in amx.h), the same operands on VDPBF16PS vectors (a.bf16_dot): 6 rows x
+// Lake, AMX switched off; bf16_dot_usable in amx.h), the same operands on VDPBF16PS vectors (a.bf16_dot): 6 rows x
 // 4 panels of float32 sums in registers, a pair of k an instruction, k in order (the same independence of the
 // ranges; other last bits than the tiles').
 // Sizes a's bfloat16 buffers and sets a.bf16; false (a unchanged) where the path is not available.

@@ -9,7 +9,7 @@ ort_kv_pools.expose_pool_outputs for why). They are bound ONCE through IOBinding
 memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
 inputs and the logits output are bound.
 
-ORT's intra-op worker threads, OCTAVO_ORT_SPINNING:
+ORT's intra-op worker threads, ort_spinning (EngineArgs.ort_spinning, default $OCTAVO_ORT_SPINNING or "run"):
 - "run" (the default since 2026-12-01): they spin-wait between the parallel sections of a step and stop
   spinning when Run() returns (session.intra_op.allow_spinning=1 + session.force_spinning_stop=1), so a
   step does not pay a thread wake-up per parallel op, and between steps (the engine's Python work, the
@@ -26,7 +26,6 @@ ORT's intra-op worker threads, OCTAVO_ORT_SPINNING:
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
@@ -48,7 +47,6 @@ log = logging.getLogger(__name__)
 # buffer the backend keeps (64 x the vocabulary: 12 MiB for 49152 tokens), bound once per step as an
 # OrtValue; larger ones (prompt logprobs of a long chunk) let ORT allocate the step's logits.
 _LOGITS_BUFFER_ROWS = 64
-SPINNING_MODES = ("run", "0", "1")  # OCTAVO_ORT_SPINNING (module docstring)
 _NUMPY_DTYPE = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32}
 _ORT_KV_TYPE = {"float32": "tensor(float)", "float16": "tensor(float16)"}
 
@@ -65,9 +63,17 @@ class OnnxRuntimeBackend:
         num_threads: int | None = None,
         profile_prefix: str | None = None,
         kv_cache_dtype: str = "auto",
+        ort_fusions: bool = True,
+        ort_spinning: str = "run",
+        amx: bool = True,
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
-        kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32" or "float16" pools."""
+        kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32" or "float16" pools.
+        ort_fusions, ort_spinning, amx: EngineArgs' fields of those names (the graph rewrites at load, how the
+        threads wait: module docstring, the op library's AMX switch for the process: oplib.set_amx)."""
+        from octavo.runtime.backends.oplib import set_amx
+        from octavo.runtime.engine_args import ORT_SPINNING_MODES
+
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.model_dir = Path(model_dir)
@@ -76,21 +82,22 @@ class OnnxRuntimeBackend:
         self.block_size = block_size
         self.vocab_size = manifest.vocab_size
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, manifest)
+        self.ort_fusions = ort_fusions
         pool_type = pool_dtype(self.kv_cache_dtype)  # fails early for a dtype these pools cannot hold
 
         options = ort.SessionOptions()
         if num_threads is not None:
             options.intra_op_num_threads = num_threads
         options.inter_op_num_threads = 1
-        spinning = os.environ.get("OCTAVO_ORT_SPINNING", "run")
-        if spinning not in SPINNING_MODES:
-            raise InvalidRequestError(f"OCTAVO_ORT_SPINNING must be one of {SPINNING_MODES}, got {spinning!r}")
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0" if spinning == "0" else "1")
-        if spinning == "run":  # spin between a step's parallel sections, stop when it returns
+        if ort_spinning not in ORT_SPINNING_MODES:
+            raise InvalidRequestError(f"ort_spinning must be one of {ORT_SPINNING_MODES}, got {ort_spinning!r}")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0" if ort_spinning == "0" else "1")
+        if ort_spinning == "run":  # spin between a step's parallel sections, stop when it returns
             options.add_session_config_entry("session.force_spinning_stop", "1")
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.register_custom_ops_library(str(library_path()))
+        set_amx(amx)  # after the library's CPU check (registration); before any step
         if profile_prefix is not None:
             options.enable_profiling = True
             options.profile_file_prefix = profile_prefix
@@ -137,7 +144,7 @@ class OnnxRuntimeBackend:
     def _model_source(self, onnx_path: Path, options: ort.SessionOptions) -> bytes:
         """The graph (weights left in their external file) as bytes, rewritten in memory: RoPE fused into
         ONNX Runtime's RotaryEmbedding, then moved into the PagedAttention nodes (ort_fusions;
-        OCTAVO_ORT_FUSIONS=0 turns both off) and, for pools in
+        self.ort_fusions False turns both off) and, for pools in
         another dtype than the export's, the pool declarations switched."""
         import onnx
 
@@ -150,7 +157,7 @@ class OnnxRuntimeBackend:
                 raise ModelFormatError(f"{onnx_path} declares no octavo.PagedAttention pools to switch to "
                                        f"{self.kv_cache_dtype}; re-export the model")
             self._pool_output_aliases = expose_pool_outputs(model)  # keeps ORT from casting the pools away
-        if os.environ.get("OCTAVO_ORT_FUSIONS", "1") != "0":
+        if self.ort_fusions:
             if fuse_rotary(model, self.manifest.max_context):
                 fuse_rotary_into_attention(model)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",

@@ -7,9 +7,13 @@ Two kinds of build sit in octavo/_lib/:
   for AVX2 + FMA + F16C (x86-64-v3) and one for AVX-512 (x86-64-v4); elsewhere one with the compiler's defaults.
   The widest one this CPU runs is chosen at load time from the CPU's feature flags.
 `$OCTAVO_OP_LIBRARY` names a library to use instead of either (benchmarks, a build kept elsewhere).
+
+The library's one process-wide switch, its AMX paths on or off (amx.h's octavo_set_amx), is set through set_amx.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from pathlib import Path
 
@@ -69,3 +73,34 @@ def library_path() -> Path:
         f"the ONNX Runtime custom-op library {native} is not built: run `make op` "
         "(or `python -m octavo.build.op`)"
     )
+
+
+AMX_SWITCH = "octavo_set_amx"  # the library's exported switch (plugins/onnxruntime/amx.h)
+
+
+def set_amx(enabled: bool, path: Path | None = None) -> bool:
+    """Switch the AMX paths of the library at PATH (default: library_path()) on or off for this process; returns
+    the switch's previous state. Off, every node computes what it computes on a CPU without AMX
+    (docs/quantization.md); on, AMX runs where the CPU has it (the library's default). The library is loaded into
+    the process if ONNX Runtime has not loaded it yet: the same copy its sessions run, so the switch holds for
+    every session of the process."""
+    path = path or library_path()
+    switch = _amx_switch(str(path))
+    if switch is None:  # a library from before the switch: AMX on is all it does
+        if not enabled:
+            raise OpLibraryError(f"the custom-op library {path} has no AMX switch ({AMX_SWITCH}): it was built "
+                                 "from older sources. Rebuild it with `make op` (or `python -m octavo.build.op`), or "
+                                 "reinstall octavo")
+        return True
+    return bool(switch(1 if enabled else 0))
+
+
+@functools.cache
+def _amx_switch(path: str) -> ctypes._CFuncPtr | None:
+    try:
+        switch = getattr(ctypes.CDLL(path), AMX_SWITCH)
+    except AttributeError:
+        return None
+    switch.argtypes = [ctypes.c_int]
+    switch.restype = ctypes.c_int
+    return switch
