@@ -19,6 +19,11 @@ outputs are normalized before their residual adds, the MLP input by pre_feedforw
 gelu_pytorch_tanh as plain ONNX ops, the attention scale query_pre_attn_scalar^-0.5, the op's softcap
 (Gemma 2) and a final logit softcap c*tanh(logits/c). Gemma 3's sliding layers rotate with a second
 table, `rope.inv_freq.local` (rope_local_base_freq); its global layers with `rope.inv_freq`.
+
+`build_model` calls one small builder per part: `_embed`, `_rotaries`, `_layer` (`_attention`, `_mlp`) per layer,
+`_head`. The families' differences are data, not branches of one function: ModelSpec's fields (norm_offset,
+embed_scale, qk_norm, hidden_act, final_softcap, ...), the activation tables and a layer's norm placement
+(`_LayerNorms`: Llama's pre-norms or Gemma's sandwich norms).
 The graph contract (names, dtypes, order) is DESIGN.md's "The ONNX contract".
 """
 from __future__ import annotations
@@ -306,135 +311,219 @@ def _head_rms_norm(g: _Graph, x: str, heads: int, weight: str, eps: str) -> str:
     return g.op1("Reshape", [_rms_norm(g, shaped, weight, eps), f"const.flat_shape_{heads}"])
 
 
-def build_model(
-    spec: ModelSpec,
-    checkpoint: Checkpoint,
-    weights: WeightsFile,
-    on_layer: Callable[[int], None] = lambda layer: None,
-    quant: QuantConfig | None = None,
-) -> onnx.ModelProto:
-    """The ONNX model; weights are appended to WEIGHTS as they are visited (one layer at a time).
-    QUANT (int8/int4) stores the linear layers' weights blockwise-quantized (MatMulNBits)."""
-    g = _Graph(weights)
-    w = _Weights(checkpoint)
-    H, D, I, V = spec.hidden_size, spec.head_dim, spec.intermediate_size, spec.vocab_size
-    nq, nkv = spec.num_heads, spec.num_kv_heads
+# the MLP activation of gate, by ModelSpec.hidden_act: its graph, and the scalar constants that graph reads
+_ACTIVATIONS: dict[str, Callable[[_Graph, str], str]] = {
+    "silu": lambda g, gate: g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]),
+    "gelu_pytorch_tanh": _gelu_tanh,
+}
+_ACTIVATION_CONSTANTS: dict[str, dict[str, float]] = {
+    "silu": {},
+    "gelu_pytorch_tanh": {"const.one": 1.0, "const.half": 0.5, "const.gelu_kappa": 0.044715,
+                          "const.gelu_beta": float(np.sqrt(2.0 / np.pi))},
+}
 
+
+@dataclass(frozen=True, slots=True)
+class _LayerNorms:
+    """A layer's RMSNorms by checkpoint name: before the attention and the MLP (every family), and after each,
+    before its residual add (None: no such norm)."""
+
+    attention_in: str
+    attention_out: str | None
+    mlp_in: str
+    mlp_out: str | None
+
+
+_PRE_NORMS = _LayerNorms("input_layernorm", None, "post_attention_layernorm", None)  # Llama, Qwen, Phi-3
+_SANDWICH_NORMS = _LayerNorms("input_layernorm", "post_attention_layernorm",  # Gemma (ModelSpec.sandwich_norms)
+                              "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+@dataclass(frozen=True, slots=True)
+class _Rotary:
+    """A rotary table of this step's positions, (cos, sin), and the attention scale that goes with it."""
+
+    tables: tuple[str, str]
+    scale: float
+
+
+@dataclass(slots=True)
+class _Decoder:
+    """What the builders of one export share: the graph being written, the checkpoint's tensors, the spec (whose
+    fields carry the families' differences) and the weight format."""
+
+    g: _Graph
+    w: _Weights
+    spec: ModelSpec
+    quant: QuantConfig | None
+    eps: str = "const.eps"
+
+    def norm_weight(self, name: str, size: int) -> str:
+        """The RMSNorm weight NAME; Gemma stores w, applied as (spec.norm_offset + w), summed in float32."""
+        array = self.w.get(name, (size,))
+        if self.spec.norm_offset:
+            array = np.float32(self.spec.norm_offset) + array.astype(np.float32)
+        return self.g.weight(name, [array])
+
+    def norm(self, x: str, name: str) -> str:
+        """RMSNorm over hidden_size of X by the checkpoint's weight NAME."""
+        return _rms_norm(self.g, x, self.norm_weight(name, self.spec.hidden_size), self.eps)
+
+
+def _add_constants(d: _Decoder) -> None:
+    """The constants the layers share: the activation's scalars, eps, the head shapes."""
+    g, spec, D = d.g, d.spec, d.spec.head_dim
     g.const("const.two", np.array(2.0, np.float32))
-    if spec.hidden_act == "gelu_pytorch_tanh":
-        g.const("const.one", np.array(1.0, np.float32))
-        g.const("const.half", np.array(0.5, np.float32))
-        g.const("const.gelu_kappa", np.array(0.044715, np.float32))
-        g.const("const.gelu_beta", np.array(np.sqrt(2.0 / np.pi), np.float32))
-    elif spec.hidden_act != "silu":
+    if spec.hidden_act not in _ACTIVATIONS:
         raise ModelFormatError(f"hidden activation {spec.hidden_act!r} has no graph (silu, gelu_pytorch_tanh)")
-
-    def norm_weight(name: str, size: int) -> str:  # Gemma stores RMSNorm weights as w, applied as (1 + w)
-        array = w.get(name, (size,))
-        if spec.norm_offset:
-            array = np.float32(spec.norm_offset) + array.astype(np.float32)
-        return g.weight(name, [array])
-    eps = g.const("const.eps", np.array(spec.rms_norm_eps, np.float32))
+    for name, value in _ACTIVATION_CONSTANTS[spec.hidden_act].items():
+        g.const(name, np.array(value, np.float32))
+    g.const(d.eps, np.array(spec.rms_norm_eps, np.float32))
     g.const("const.half_split", np.array([D // 2, D // 2], np.int64))
-    for heads in sorted({nq, nkv}):
+    for heads in sorted({spec.num_heads, spec.num_kv_heads}):
         g.const(f"const.heads_shape_{heads}", np.array([-1, heads, D], np.int64))
         g.const(f"const.flat_shape_{heads}", np.array([-1, heads * D], np.int64))
 
-    embed_w = w.get("model.embed_tokens.weight", (V, H))
-    embed = g.weight("model.embed_tokens.weight", [embed_w])
+
+def _embed(d: _Decoder) -> tuple[str, str]:
+    """(input_ids' embedding rows, times spec.embed_scale (Gemma), the embedding initializer's name)."""
+    g, spec = d.g, d.spec
+    embed = g.weight("model.embed_tokens.weight",
+                     [d.w.get("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))])
     x = g.op1("Gather", [embed, "input_ids"], axis=0)
     if spec.embed_scale != 1.0:
         x = g.op1("Mul", [x, g.const("const.embed_scale", np.array(spec.embed_scale, np.float32))])
+    return x, embed
 
-    # rotary tables for this step's positions: angle = position * inv_freq (float32, as HF)
-    positions = g.op1("Unsqueeze", [g.op1("Cast", ["position_ids"], to=TensorProto.FLOAT), g.const("const.axis1", np.array([1], np.int64))])
-    global_rope = _rope_tables(g, positions, "rope.inv_freq", spec.rope_theta, D, spec.rope_scaling)
-    global_scale = _attention_scale(spec, spec.rope_scaling)
-    local_rope, local_scale = global_rope, global_scale
-    if spec.local_rope_theta is not None and spec.local_rope_layers:
-        local_rope = _rope_tables(g, positions, "rope.inv_freq.local", spec.local_rope_theta, D, spec.local_rope_scaling)
-        local_scale = _attention_scale(spec, spec.local_rope_scaling)
-    on_layer(-1)
 
-    for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}."
-        a = p + "self_attn."
-        h = _rms_norm(g, x, norm_weight(p + "input_layernorm.weight", H), eps)
+def _rotaries(d: _Decoder) -> tuple[_Rotary, _Rotary]:
+    """(the global rotary, the local one) of this step's positions: Gemma 3's sliding layers rotate with their
+    own table, rope.inv_freq.local (rope_local_base_freq); any other model's local rotary is its global one."""
+    g, spec = d.g, d.spec
+    positions = g.op1("Unsqueeze", [g.op1("Cast", ["position_ids"], to=TensorProto.FLOAT),
+                                    g.const("const.axis1", np.array([1], np.int64))])
+    rotary = _Rotary(_rope_tables(g, positions, "rope.inv_freq", spec.rope_theta, spec.head_dim, spec.rope_scaling),
+                     _attention_scale(spec, spec.rope_scaling))
+    if spec.local_rope_theta is None or not spec.local_rope_layers:
+        return rotary, rotary
+    local = _Rotary(_rope_tables(g, positions, "rope.inv_freq.local", spec.local_rope_theta, spec.head_dim,
+                                 spec.local_rope_scaling),
+                    _attention_scale(spec, spec.local_rope_scaling))
+    return rotary, local
 
-        qkv_w: list[Part] = [(a + "q_proj.weight", (nq * D, H)), (a + "k_proj.weight", (nkv * D, H)),
-                             (a + "v_proj.weight", (nkv * D, H))]
-        biases = [w.bias(a + f"{n}_proj.bias", size) for n, size in (("q", nq * D), ("k", nkv * D), ("v", nkv * D))]
-        qkv_b: Bias | None = None
-        if any(b is not None for b in biases):
-            sizes = (nq * D, nkv * D, nkv * D)
-            qkv_b = (a + "qkv_proj.bias", [b if b is not None else np.zeros(s, np.float32) for b, s in zip(biases, sizes)])
-        q, k, v = _project_parts(g, w, h, a + "qkv_proj.weight", qkv_w, qkv_b, quant,
-                                 ("const.split_qkv", [nq * D, nkv * D, nkv * D]))
-        if spec.qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim of every q and k head, before RoPE
-            q = _head_rms_norm(g, q, nq, norm_weight(a + "q_norm.weight", D), eps)
-            k = _head_rms_norm(g, k, nkv, norm_weight(a + "k_norm.weight", D), eps)
-        is_local = layer in spec.local_rope_layers
-        (cos, sin), scale = (local_rope, local_scale) if is_local else (global_rope, global_scale)
-        q, k = _rope(g, q, nq, D, cos, sin), _rope(g, k, nkv, D, cos, sin)
 
-        attn = g.op(
-            OP_TYPE,
-            [q, k, v, f"key_cache.{layer}", f"value_cache.{layer}",
-             "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping"],
-            num_outputs=3, domain=OP_DOMAIN,
-            num_heads=nq, kv_num_heads=nkv, scale=scale,
-            sliding_window=spec.sliding_windows[layer], softcap=spec.attn_softcap,
-            **({"prompt_bf16": 1} if quant is not None and quant.prompt_bf16 else {}),
-        )[0]
-        o_b = w.bias(a + "o_proj.bias", H)
-        o = _project(g, w, attn, a + "o_proj.weight", [(a + "o_proj.weight", (H, nq * D))],
-                     (a + "o_proj.bias", [o_b]) if o_b is not None else None, quant)
-        if spec.sandwich_norms:  # Gemma: the attention output is normalized before the residual add
-            o = _rms_norm(g, o, norm_weight(p + "post_attention_layernorm.weight", H), eps)
-        x = g.op1("Add", [x, o])
+def _stacked_bias(w: _Weights, name: str, parts: list[tuple[str, int]]) -> Bias | None:
+    """The bias NAME of a projection whose PARTS (checkpoint bias name, size) are stacked along N: None when the
+    checkpoint has none of them, zeros for the parts it lacks."""
+    biases = [w.bias(part, size) for part, size in parts]
+    if all(b is None for b in biases):
+        return None
+    return name, [b if b is not None else np.zeros(size, np.float32) for b, (_, size) in zip(biases, parts)]
 
-        m = p + "mlp."
-        pre_mlp = "pre_feedforward_layernorm.weight" if spec.sandwich_norms else "post_attention_layernorm.weight"
-        h = _rms_norm(g, x, norm_weight(p + pre_mlp, H), eps)
-        gu_w: list[Part] = [(m + "gate_proj.weight", (I, H)), (m + "up_proj.weight", (I, H))]
-        gb, ub = w.bias(m + "gate_proj.bias", I), w.bias(m + "up_proj.bias", I)
-        gu_b: Bias | None = None
-        if gb is not None or ub is not None:
-            gu_b = (m + "gate_up_proj.bias", [b if b is not None else np.zeros(I, np.float32) for b in (gb, ub)])
-        gate, up = _project_parts(g, w, h, m + "gate_up_proj.weight", gu_w, gu_b, quant, ("const.split_mlp", [I, I]))
-        activated = _gelu_tanh(g, gate) if spec.hidden_act == "gelu_pytorch_tanh" else g.op1("Mul", [gate, g.op1("Sigmoid", [gate])])
-        act = g.op1("Mul", [activated, up])
-        d_b = w.bias(m + "down_proj.bias", H)
-        down = _project(g, w, act, m + "down_proj.weight", [(m + "down_proj.weight", (H, I))],
-                        (m + "down_proj.bias", [d_b]) if d_b is not None else None, quant)
-        if spec.sandwich_norms:
-            down = _rms_norm(g, down, norm_weight(p + "post_feedforward_layernorm.weight", H), eps)
-        x = g.op1("Add", [x, down])
-        on_layer(layer)
 
-    rows = g.op1("Gather", [x, "logits_indices"], axis=0)
-    normed = _rms_norm(g, rows, norm_weight("model.norm.weight", H), eps)
-    head_out = "logits.uncapped" if spec.final_softcap else "logits"
-    tied = spec.tie_word_embeddings or "lm_head.weight" not in checkpoint.tensor_names
-    head_part: Part = ("model.embed_tokens.weight" if tied else "lm_head.weight", (V, H))
-    head_blocks = w.blocks([head_part]) if quant is not None and quant.native else None
-    if head_blocks is not None:  # the file's own lm_head blocks (a tied model: its embedding's)
-        _project_blocks(g, normed, "lm_head.weight", head_blocks, None, quant, head_out)
-    elif quant is not None and quant.enabled and not quant.native and quant.lm_head:  # the Gather keeps the float one
-        _project(g, w, normed, "lm_head.weight", [head_part], None, quant, output=head_out)
+def _fused_projection(d: _Decoder, x: str, prefix: str, fused: str, parts: list[tuple[str, int]],
+                      split: str) -> list[str]:
+    """X through the projections PARTS (name under PREFIX, output size) written as one weight PREFIX+FUSED, the
+    result split per part (SPLIT: the name of the shared split sizes constant): q/k/v, gate/up."""
+    hidden = d.spec.hidden_size
+    weights: list[Part] = [(prefix + name + ".weight", (size, hidden)) for name, size in parts]
+    bias = _stacked_bias(d.w, prefix + fused + ".bias", [(prefix + name + ".bias", size) for name, size in parts])
+    return _project_parts(d.g, d.w, x, prefix + fused + ".weight", weights, bias, d.quant,
+                          (split, [size for _, size in parts]))
+
+
+def _linear(d: _Decoder, x: str, name: str, shape: tuple[int, int]) -> str:
+    """X through the checkpoint's projection NAME: NAME.weight [out, in] (SHAPE), NAME.bias where it has one."""
+    bias = _stacked_bias(d.w, name + ".bias", [(name + ".bias", shape[0])])
+    return _project(d.g, d.w, x, name + ".weight", [(name + ".weight", shape)], bias, d.quant)
+
+
+def _paged_attention(d: _Decoder, q: str, k: str, v: str, layer: int, scale: float) -> str:
+    """LAYER's octavo.PagedAttention node (it writes the new K/V into the layer's pool in place); its output."""
+    spec, quant = d.spec, d.quant
+    return d.g.op(
+        OP_TYPE,
+        [q, k, v, f"key_cache.{layer}", f"value_cache.{layer}",
+         "cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping"],
+        num_outputs=3, domain=OP_DOMAIN,
+        num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=scale,
+        sliding_window=spec.sliding_windows[layer], softcap=spec.attn_softcap,
+        **({"prompt_bf16": 1} if quant is not None and quant.prompt_bf16 else {}),
+    )[0]
+
+
+def _attention(d: _Decoder, h: str, layer: int, rotary: _Rotary) -> str:
+    """LAYER's self-attention of the normed H: fused q/k/v, per-head RMSNorm of q and k (spec.qk_norm: Qwen3,
+    Gemma 3), RoPE, PagedAttention, o_proj."""
+    g, spec, a = d.g, d.spec, f"model.layers.{layer}.self_attn."
+    nq, nkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q, k, v = _fused_projection(d, h, a, "qkv_proj", [("q_proj", nq * D), ("k_proj", nkv * D), ("v_proj", nkv * D)],
+                                "const.split_qkv")
+    if spec.qk_norm:  # over head_dim of every q and k head, before RoPE
+        q = _head_rms_norm(g, q, nq, d.norm_weight(a + "q_norm.weight", D), d.eps)
+        k = _head_rms_norm(g, k, nkv, d.norm_weight(a + "k_norm.weight", D), d.eps)
+    cos, sin = rotary.tables
+    q, k = _rope(g, q, nq, D, cos, sin), _rope(g, k, nkv, D, cos, sin)
+    return _linear(d, _paged_attention(d, q, k, v, layer, rotary.scale), a + "o_proj", (spec.hidden_size, nq * D))
+
+
+def _mlp(d: _Decoder, h: str, layer: int) -> str:
+    """LAYER's MLP of the normed H: down_proj(activation(gate) * up), gate/up as one fused projection."""
+    spec, m = d.spec, f"model.layers.{layer}.mlp."
+    I = spec.intermediate_size  # noqa: E741 - HF's name
+    gate, up = _fused_projection(d, h, m, "gate_up_proj", [("gate_proj", I), ("up_proj", I)], "const.split_mlp")
+    act = d.g.op1("Mul", [_ACTIVATIONS[spec.hidden_act](d.g, gate), up])
+    return _linear(d, act, m + "down_proj", (spec.hidden_size, I))
+
+
+def _layer(d: _Decoder, x: str, layer: int, rotary: _Rotary) -> str:
+    """One decoder layer: x + attention(norm(x)), then + mlp(norm(x)); with sandwich norms (Gemma) each block's
+    output is normed too, before its residual add."""
+    p, norms = f"model.layers.{layer}.", _SANDWICH_NORMS if d.spec.sandwich_norms else _PRE_NORMS
+    o = _attention(d, d.norm(x, p + norms.attention_in + ".weight"), layer, rotary)
+    if norms.attention_out is not None:
+        o = d.norm(o, p + norms.attention_out + ".weight")
+    x = d.g.op1("Add", [x, o])
+    down = _mlp(d, d.norm(x, p + norms.mlp_in + ".weight"), layer)
+    if norms.mlp_out is not None:
+        down = d.norm(down, p + norms.mlp_out + ".weight")
+    return d.g.op1("Add", [x, down])
+
+
+def _lm_head(d: _Decoder, normed: str, embed: str, output: str) -> None:
+    """The vocabulary projection of NORMED into OUTPUT: a GGUF's own blocks (a tied model: its embedding's), our
+    quantization when quant.lm_head asks for it (the Gather keeps the float embedding), else a float Gemm over
+    lm_head.weight or, tied, the embedding initializer EMBED itself."""
+    g, w, quant, spec = d.g, d.w, d.quant, d.spec
+    tied = spec.tie_word_embeddings or "lm_head.weight" not in w.checkpoint.tensor_names
+    part: Part = ("model.embed_tokens.weight" if tied else "lm_head.weight", (spec.vocab_size, spec.hidden_size))
+    blocks = w.blocks([part]) if quant is not None and quant.native else None
+    if blocks is not None:
+        _project_blocks(g, normed, "lm_head.weight", blocks, None, quant, output)
+    elif quant is not None and quant.enabled and not quant.native and quant.lm_head:
+        _project(g, w, normed, "lm_head.weight", [part], None, quant, output=output)
     else:
-        head = embed if tied else g.weight("lm_head.weight", [w.get("lm_head.weight", (V, H))])
-        g.nodes.append(helper.make_node("Gemm", [normed, head], [head_out], name="lm_head", transB=1))
-    if spec.final_softcap:  # Gemma 2: logits = c * tanh(logits / c)
-        cap = g.const("const.final_softcap", np.array(spec.final_softcap, np.float32))
-        capped = g.op1("Tanh", [g.op1("Div", [head_out, cap])])
-        g.nodes.append(helper.make_node("Mul", [capped, cap], ["logits"], name="final_softcap"))
-    on_layer(spec.num_layers)
+        head = embed if tied else g.weight("lm_head.weight", [w.get(*part)])
+        g.nodes.append(helper.make_node("Gemm", [normed, head], [output], name="lm_head", transB=1))
 
-    cache_shape: list[str | int] = ["num_blocks", "block_size", nkv, D]
+
+def _head(d: _Decoder, x: str, embed: str) -> None:
+    """The logits of the rows in logits_indices only: final norm, lm_head, and (Gemma 2) c * tanh(logits / c)."""
+    g, cap = d.g, d.spec.final_softcap
+    normed = d.norm(g.op1("Gather", [x, "logits_indices"], axis=0), "model.norm.weight")
+    _lm_head(d, normed, embed, "logits.uncapped" if cap else "logits")
+    if cap:
+        c = g.const("const.final_softcap", np.array(cap, np.float32))
+        capped = g.op1("Tanh", [g.op1("Div", ["logits.uncapped", c])])
+        g.nodes.append(helper.make_node("Mul", [capped, c], ["logits"], name="final_softcap"))
+
+
+def _model_proto(g: _Graph, spec: ModelSpec, quant: QuantConfig | None) -> onnx.ModelProto:
+    """The collected nodes and initializers as a model with the contract's inputs and output."""
+    cache_shape: list[str | int] = ["num_blocks", "block_size", spec.num_kv_heads, spec.head_dim]
     inputs = [helper.make_tensor_value_info(n, t, s) for n, t, s in STEP_INPUTS]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in cache_input_names(spec.num_layers)]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", V])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", spec.vocab_size])]
     graph = helper.make_graph(g.nodes, "octavo_decoder", inputs, outputs, initializer=g.initializers)
     model = helper.make_model(
         graph,
@@ -444,3 +533,26 @@ def build_model(
     )
     model.ir_version = 8
     return model
+
+
+def build_model(
+    spec: ModelSpec,
+    checkpoint: Checkpoint,
+    weights: WeightsFile,
+    on_layer: Callable[[int], None] = lambda layer: None,
+    quant: QuantConfig | None = None,
+) -> onnx.ModelProto:
+    """The ONNX model; weights are appended to WEIGHTS as they are visited (one layer at a time).
+    QUANT (int8/int4/gguf) stores the linear layers' weights quantized (BlockMatMul or MatMulNBits).
+    ON_LAYER is called after the embedding (-1), each layer, and the head (num_layers)."""
+    d = _Decoder(_Graph(weights), _Weights(checkpoint), spec, quant)
+    _add_constants(d)
+    x, embed = _embed(d)
+    global_rotary, local_rotary = _rotaries(d)
+    on_layer(-1)
+    for layer in range(spec.num_layers):
+        x = _layer(d, x, layer, local_rotary if layer in spec.local_rope_layers else global_rotary)
+        on_layer(layer)
+    _head(d, x, embed)
+    on_layer(spec.num_layers)
+    return _model_proto(d.g, spec, quant)
