@@ -54,7 +54,7 @@ def main() -> None:
     a = ap.parse_args()
     model = a.model
     if model is None:
-        from octavo.demo.model import default_model_path
+        from octavo.export.embedded import default_model_path
 
         model = str(default_model_path())
     batches = [int(b) for b in a.batches.split(",")]

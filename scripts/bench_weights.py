@@ -147,7 +147,7 @@ def uptime() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from octavo.demo.model import default_model_path
+    from octavo.export.embedded import default_model_path
     from octavo.export import export_model
 
     model = args.model or str(default_model_path())

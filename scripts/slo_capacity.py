@@ -134,7 +134,7 @@ def _hf_folder(model: str, workdir: Path) -> Path:
     an HF folder (cached; the embedded model's is the folder scripts/compare_peers.py makes). A folder
     given as --model is served as it is."""
     from octavo.bench.peers.real_model import hf_folder_from_gguf, prepare_smollm2
-    from octavo.demo.model import default_model_path
+    from octavo.export.embedded import default_model_path
 
     gguf = Path(model)
     if gguf.is_dir():
@@ -162,7 +162,7 @@ def _naive(model: str, workdir: Path, port: int, threads: int) -> eng.EngineSpec
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    from octavo.demo.model import default_model_path
+    from octavo.export.embedded import default_model_path
 
     model = str(Path(args.model).resolve()) if args.model else str(default_model_path())
     slo = Slo(args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0, args.percentile)

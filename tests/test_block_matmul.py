@@ -52,8 +52,8 @@ def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndar
              decode: bool | np.ndarray | None = None, library: Path | None = None,
              splits: list[int] | None = None, edit: Callable[[onnx.ModelProto], None] | None = None,
              **attrs: int) -> ort.InferenceSession:
-    """One BlockMatMul node, as graph.py `_block_matmul` emits it; x [..., K] is the graph's input, DECODE (if
-    given) the constant decode_step input (graph.py computes it per step; an array: that tensor as it is)."""
+    """One BlockMatMul node, as projection.py `_block_matmul` emits it; x [..., K] is the graph's input, DECODE (if
+    given) the constant decode_step input (projection.py computes it per step; an array: that tensor as it is)."""
     codes = pw.codes if codes is None else codes
     inits = [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(pw.scales, "scales"),
              numpy_helper.from_array(pw.offsets, "offsets")]

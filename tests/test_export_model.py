@@ -111,7 +111,7 @@ def test_resolve_model_exports_once_into_the_cache(hf_model_dir, tmp_path: Path,
 def test_smollm2_gguf_exports_fast_and_answers(tmp_path: Path) -> None:
     """The real pretrained demo model: GGUF -> export (timed) -> greedy answer through the backend."""
     pytest.importorskip("octavo.export.gguf_reader")
-    from octavo.demo.model import default_model_path
+    from octavo.export.embedded import default_model_path
     from octavo.errors import ModelFormatError
 
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octavo.demo.model import default_model_path
+from octavo.export.embedded import default_model_path
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
 from octavo.export.gguf_reader import read_gguf
 from octavo.export.gguf_tensors import permute_qk, unpermute_qk

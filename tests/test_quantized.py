@@ -461,7 +461,7 @@ def test_smollm2_quantized_answers_paris(tmp_path) -> None:
     margin is 0.08 logits and int8 flips it), and per-position top-1 agreement with fp32 over the fp32
     greedy answers (teacher forced) holds: measured int8 0.95, int4 0.79 (2026-11-29)."""
     from octavo import LLM
-    from octavo.demo.model import default_model_path
+    from octavo.export.embedded import default_model_path
     from octavo.export import export_model
 
     params = SamplingParams(temperature=0.0, max_tokens=24)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from toy_backend import ToyBackend, make_toy_model_dir
 
-from octavo.demo.model import default_model_path
+from octavo.export.embedded import default_model_path
 from octavo.export.gguf_reader import read_gguf
 from octavo.export.manifest import Manifest
 from octavo.runtime.async_engine import AsyncEngine

@@ -61,7 +61,7 @@ def test_serve_a_bad_model_folder_exits_1_with_the_reason(tmp_path) -> None:  # 
 def test_serve_with_no_model_serves_the_embedded_model_by_name(tmp_path) -> None:  # noqa: ANN001
     """`octavo serve` alone: the embedded SmolLM2-135M-Instruct, listed and answered as 'smollm2-135m-instruct'
     (exported once into $OCTAVO_CACHE; the cache of a session that ran the demo is reused)."""
-    from octavo.demo.model import EMBEDDED_NAME
+    from octavo.export.embedded import EMBEDDED_NAME
 
     # a first export of the 135M model takes a while on a loaded machine
     with serving(["--port", "0", "--num-threads", "1", "--max-model-len", "512"], ready_s=600) as (_, url):

@@ -59,7 +59,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def server():  # noqa: ANN201
-    from octavo.demo.model import default_model_path
+    from octavo.export.embedded import default_model_path
     from octavo.export.resolve import resolve_model
 
     model = resolve_model(default_model_path())

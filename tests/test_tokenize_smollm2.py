@@ -18,7 +18,7 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
 
 @pytest.fixture(scope="module")
 def gguf():  # noqa: ANN201
-    from octavo.demo.model import default_model_path
+    from octavo.export.embedded import default_model_path
 
     try:
         return default_model_path()

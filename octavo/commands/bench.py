@@ -76,7 +76,7 @@ def _throughput(args: argparse.Namespace) -> int:
     from octavo.bench.throughput import run_throughput
     from octavo.bench.workloads import Vocab
     from octavo.commands.engine_flags import engine_args
-    from octavo.demo.model import model_argument
+    from octavo.export.embedded import model_argument
     from octavo.runtime.llm import LLM
 
     llm = LLM.from_engine_args(engine_args(args, model_argument(args.model)[0]))

@@ -6,7 +6,7 @@ import sys
 
 from octavo.commands.generate import add_sampling_arguments, sampling_params
 from octavo.commands.engine_flags import add_engine_arguments, engine_args
-from octavo.demo.model import EMBEDDED_NAME
+from octavo.export.embedded import EMBEDDED_NAME
 
 HELP = "chat with a model in the terminal (/reset clears the conversation, /exit or Ctrl-D quits)"
 
@@ -31,7 +31,7 @@ def banner(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.demo.model import model_argument
+    from octavo.export.embedded import model_argument
     from octavo.errors import InvalidRequestError
     from octavo.runtime.llm import LLM
 

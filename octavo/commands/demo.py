@@ -13,7 +13,7 @@ DEMO_FIELDS = ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_se
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octavo.commands.engine_flags import add_engine_arguments
-    from octavo.demo.model import EMBEDDED_NAME
+    from octavo.export.embedded import EMBEDDED_NAME
 
     parser.add_argument("--model", help="octavo export folder, HF folder or .gguf (default: the embedded "
                                         f"SmolLM2-135M-Instruct, {EMBEDDED_NAME!r}, exported once into the cache)")
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from octavo.commands.engine_flags import ENGINE_FIELDS, engine_args
-    from octavo.demo.model import model_argument
+    from octavo.export.embedded import model_argument
     from octavo.demo.run import DemoConfig, run_demo
     from octavo.tracing.files import write_outputs
     from octavo.tracing.report import format_terminal

@@ -49,9 +49,9 @@ def _check_quant_flags(args: argparse.Namespace, weights: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.demo.model import model_argument
+    from octavo.export.embedded import model_argument
     from octavo.export.exporter import export_model
-    from octavo.export.resolve import default_weights
+    from octavo.export.source_weights import default_weights
 
     started = time.perf_counter()
     src = model_argument(args.src)[0]

@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from octavo.demo.model import EMBEDDED_NAME
+from octavo.export.embedded import EMBEDDED_NAME
 from octavo.commands.engine_flags import add_engine_arguments, engine_args
 
 HELP = "generate text for one or more prompts (streams a single prompt)"
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from octavo.runtime.llm import LLM
 
-    from octavo.demo.model import model_argument
+    from octavo.export.embedded import model_argument
 
     ea = engine_args(args, model_argument(args.model)[0])
     llm = LLM.from_engine_args(ea)

@@ -8,7 +8,7 @@ import signal
 
 from typing import TYPE_CHECKING
 
-from octavo.demo.model import EMBEDDED_NAME
+from octavo.export.embedded import EMBEDDED_NAME
 from octavo.commands.engine_flags import add_engine_arguments, engine_args
 from octavo.errors import InvalidRequestError
 from octavo.serving.engine_params import parse_bytes
@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from octavo.demo.model import model_argument
+    from octavo.export.embedded import model_argument
     from octavo.runtime.async_engine import AsyncEngine
     from octavo.serving.state import ServerConfig
     from octavo.serving.connections import raise_open_file_limit

@@ -93,7 +93,7 @@ def write_model_repository(out: str | Path, model_path: str | Path, *, parameter
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from octavo.commands.engine_flags import add_engine_arguments
-    from octavo.demo.model import EMBEDDED_NAME
+    from octavo.export.embedded import EMBEDDED_NAME
 
     parser.add_argument("model", nargs="?", default=None, help="octavo export folder, HF checkpoint folder or .gguf "
                         f"file (default: the embedded SmolLM2-135M-Instruct, {EMBEDDED_NAME!r})")
@@ -134,7 +134,7 @@ def _bytes(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from octavo.commands.engine_flags import changed_fields, engine_args
-    from octavo.demo.model import model_argument
+    from octavo.export.embedded import model_argument
     from octavo.runtime.model_setup import resolve_model_dir
     from octavo.serving.engine_params import value_text
     from octavo.serving.triton_launcher import TritonServer, check_ports_free, free_port

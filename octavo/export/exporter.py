@@ -23,6 +23,7 @@ from octavo.export.graph import build_model
 from octavo.export.hf_reader import PICKLE_SUFFIXES, read_hf_folder
 from octavo.export.manifest import MANIFEST_NAME, Manifest
 from octavo.export.quantize import RESIDUAL_ROWS, QuantConfig
+from octavo.export.source_weights import default_weights
 from octavo.export.weights_file import WeightsFile
 
 log = logging.getLogger(__name__)
@@ -160,8 +161,6 @@ def export_model(src: str | Path, out: str | Path, *, progress: bool = True, ove
     int4, a GGUF's blocks) with octavo.BlockMatMul; "matmulnbits" with MatMulNBits at accuracy_level, where for
     "gguf" residual_rows > 0 corrects its int8 rounding of the activations in steps of at most that many rows
     (0 = off). See docs/quantization.md."""
-    from octavo.export.resolve import default_weights
-
     started = time.perf_counter()
     weights = default_weights(Path(src), weights) or "fp32"
     lm_head = True if weights == "gguf" else quantize_lm_head

@@ -6,7 +6,7 @@ with one float scale s, an integer zero point z and (some types) a float min m, 
     w = (c - z) * s + m                                     (m = 0 where the type has none)
 
 MatMulNBits computes `(c - z) * s` for 4- or 8-bit codes with uint8 zero points; the min is the
-separate term `sum_blocks(m * sum_block(x))` (graph.py adds it as a [T, K/bs] x [K/bs, N] matmul of
+separate term `sum_blocks(m * sum_block(x))` (projection.py adds it as a [T, K/bs] x [K/bs, N] matmul of
 the activations' block sums). So the dequantized weight is the GGUF's, value for value: the scales
 are the file's fp16 numbers (times the 6-bit sub-scale for K-quants, a product float32 holds exactly),
 codes are copied bit for bit. Nothing is rounded again.

@@ -23,11 +23,13 @@ import os
 import re
 from pathlib import Path
 
-from octavo.errors import ExportMismatchError, InvalidRequestError, ModelFormatError
+from octavo.errors import ExportMismatchError, ModelFormatError
+from octavo.export.embedded import default_model_path, is_embedded_name
 from octavo.export.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
 from octavo.export.quant_options import (DEFAULT_QUANT_KERNEL, KERNEL_METHODS, check_quant_kernel, check_quant_options,
                                          check_weight_options, methods_of)
 from octavo.export.quantize import GGUF_NATIVE, QuantConfig
+from octavo.export.source_weights import default_weights
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +93,6 @@ def _check_kernel_applies(source: Path, weights: str, quant_kernel: str | None) 
                         subject=str(source), spell=lambda option: option)
 
 
-def default_weights(source: Path, weights: str | None) -> str | None:
-    """What WEIGHTS=None means for SOURCE: a GGUF whose linear layers are quantized runs on its own
-    blocks ("gguf"); anything else keeps float32. An explicit choice is kept, and "gguf" is refused
-    for a source that is not a .gguf file."""
-    is_gguf = source.is_file() and source.suffix.lower() == ".gguf"
-    if weights == GGUF_NATIVE and not is_gguf:
-        raise InvalidRequestError(f"weights='gguf' runs a GGUF file's own quantized blocks; {source} is not a "
-                                  ".gguf file (use 'fp32', 'int8' or 'int4')")
-    if weights is not None or not is_gguf:
-        return weights
-    from octavo.export.gguf_reader import quantized_linear_types
-
-    return GGUF_NATIVE if quantized_linear_types(source) else None
-
-
 def _check_export_matches(source: Path, manifest: Manifest, weights: str | None, quant_block_size: int | None,
                           quantize_lm_head: bool, quant_kernel: str | None) -> None:
     """An export folder's weight format is fixed: what the caller named must be what it holds."""
@@ -141,8 +128,6 @@ def resolve_model(path: str | Path, *, progress: bool = True, weights: str | Non
     quant_block_size (None = 32) and quantize_lm_head only with int8/int4; quant_kernel (None = "block",
     octavo.BlockMatMul; "matmulnbits", ONNX Runtime's MatMulNBits) only with quantized weights. For an export
     folder None accepts any format; whatever is named must match its manifest (ExportMismatchError)."""
-    from octavo.demo.model import default_model_path, is_embedded_name
-
     check_quant_kernel(quant_kernel)
     source = default_model_path() if is_embedded_name(path) else Path(path).expanduser()
     if source.exists():

@@ -85,7 +85,7 @@ def _report(out: Path, tie: float, gguf: Path, seconds: dict[str, float]) -> int
 
 
 def _default_gguf(python: str) -> str:
-    return subprocess.run([python, "-c", "from octavo.demo.model import default_model_path; "
+    return subprocess.run([python, "-c", "from octavo.export.embedded import default_model_path; "
                            "print(default_model_path())"], check=True, capture_output=True, text=True).stdout.strip()
 
 

@@ -76,7 +76,7 @@ def hf_folder_from_gguf(gguf_path: Path, out: Path) -> Path:
 
 def prepare_smollm2(workdir: Path, *, hf: bool = True) -> RealModel:
     """The embedded SmolLM2 GGUF, and (HF=True) its HF folder, made once under WORKDIR."""
-    from octavo.demo.model import EMBEDDED_NAME, default_model_path
+    from octavo.export.embedded import EMBEDDED_NAME, default_model_path
     from octavo.export.gguf_reader import read_gguf
 
     gguf_path = default_model_path()

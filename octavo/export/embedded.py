@@ -3,6 +3,9 @@
 It has a name, `smollm2-135m-instruct`: every model argument accepts it (`octavo serve` with no model serves
 it under that name, `octavo generate smollm2-135m-instruct "..."`, `octavo.LLM("smollm2-135m-instruct")`), so a
 first run needs no path and clients send a stable model id.
+
+It lives in octavo.export because `resolve_model` turns that name into the GGUF's path; the commands and the demo
+(higher layers) import it from here.
 """
 from __future__ import annotations
 
