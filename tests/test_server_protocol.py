@@ -141,7 +141,7 @@ def test_body_check_is_one_scan_beyond_json_decoding(kind: str, monkeypatch: pyt
     the decode itself (it re-serialised the whole body with json.dumps: ~2x the decode on a 1.4 MB token list).
     Checked by what the check does, not by a duration: it never serialises, and a body without a suspect escape
     (escaped emoji pairs included) is scanned once by one regex search. What that costs against json.loads is
-    a benchmark, measured side by side: scripts/bench_body_parse.py (docs/performance.md)."""
+    a benchmark, measured side by side: benchmarks/bench_body_parse.py (docs/performance.md)."""
     import json
 
     from octavo.serving import app
