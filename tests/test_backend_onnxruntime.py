@@ -58,7 +58,7 @@ def test_spinning_modes_agree_and_a_typo_is_refused(llama_export: tuple[Path, Ma
     threads wait, never the numbers; any other value is an error naming the choices, not a silent default."""
     import numpy as np
 
-    from octavo.bench.roofline import _decode_inputs
+    from benchmarks.roofline import _decode_inputs
     from octavo.errors import InvalidRequestError
     from octavo.runtime.engine_args import EngineArgs
 
@@ -84,7 +84,7 @@ def test_logits_rows_from_the_buffer_and_from_ort_agree_and_are_the_callers(
     (the next step does not overwrite it)."""
     import numpy as np
 
-    from octavo.bench.roofline import _decode_inputs
+    from benchmarks.roofline import _decode_inputs
     from octavo.runtime.backends.base import StepInputs
 
     folder, manifest = llama_export

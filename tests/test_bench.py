@@ -162,7 +162,7 @@ def test_roofline_counts_block_matmul_weights(hf_model_dir, tmp_path: Path, qtyp
     import torch
     from models import load_hf
 
-    from octavo.bench.roofline import _profiled_shares, gemm_weights
+    from benchmarks.roofline import _profiled_shares, gemm_weights
     from octavo.export import export_model
     from octavo.export.gguf_writer import write_gguf
     from octavo.export.manifest import Manifest

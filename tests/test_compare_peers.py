@@ -1,4 +1,4 @@
-"""scripts/compare_peers.py in --quick --tiny mode: the JSON it saves is well-formed and consistent.
+"""benchmarks/compare_peers.py in --quick --tiny mode: the JSON it saves is well-formed and consistent.
 
 Not a speed test (speed is only claimed as ratios from a real run, see docs/performance.md). What must
 hold for the comparison to be fair: every peer produced the same number of tokens for a workload,
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def report(tmp_path_factory) -> dict:  # noqa: ANN001
     tmp = tmp_path_factory.mktemp("compare_peers")
     out = tmp / "result.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "compare_peers.py"), "--quick", "--tiny", "--workdir", str(tmp / "work"),
+    cmd = [sys.executable, "-m", "benchmarks.compare_peers", "--quick", "--tiny", "--workdir", str(tmp / "work"),
            "--json", str(out), "--peers", "octavo,hf,genai,llamacpp", "--llama-server", ""]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -99,20 +99,11 @@ def test_roofline_profile_and_online(report: dict) -> None:
     assert online["extra"]["p50_ttft_ms"] > 0
 
 
-def _compare_peers_module():  # noqa: ANN202
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_peers", ROOT / "scripts" / "compare_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_llama_target_uses_the_best_np_row() -> None:
     """Several -np rows: the target ratio is octavo over the fastest of them, and that -np serves online."""
-    from octavo.bench.peers.result import PeerResult, compare
+    from benchmarks import compare_peers as cp
+    from benchmarks.peers.result import PeerResult, compare
 
-    cp = _compare_peers_module()
     rows = [PeerResult("octavo", "random64", 64, 100, output_tokens=1000, elapsed_s=2.0)]
     for np_, secs in ((16, 5.0), (32, 4.0), (64, 8.0)):
         r = PeerResult(f"{cp.LLAMA} -np {np_}", "random64", 64, 100, output_tokens=1000, elapsed_s=secs)
@@ -132,7 +123,7 @@ def test_perf_gguf_is_loadable_by_llama_cpp_tokenizer_rules(tmp_path: Path) -> N
     empty array: the perf tokenizer must carry at least one merge, and the GGUF must hold it."""
     import gguf
 
-    from octavo.bench.peers.model import PerfModelConfig, prepare_models
+    from benchmarks.peers.model import PerfModelConfig, prepare_models
 
     models = prepare_models(tmp_path, PerfModelConfig.tiny(), genai=False, gguf=True)
     assert models.gguf_error is None and models.gguf_path is not None
@@ -163,7 +154,7 @@ def test_peak_rss_is_the_childs_own_not_inherited_from_its_parent() -> None:
     starts the child) starts a child. The child's getrusage ru_maxrss says 300+ MiB, because Linux carries
     the old address space's high-water mark across exec. own_peak_mib (VmHWM) reads the child's own few
     tens of MiB."""
-    child = ("import json, resource\nfrom octavo.bench.peers.memory import own_peak_mib\n"
+    child = ("import json, resource\nfrom benchmarks.peers.memory import own_peak_mib\n"
              "print(json.dumps({'own': own_peak_mib(), 'ru_maxrss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
     parent = (f"import subprocess, sys\nbuf = b'\\x01' * (300 << 20)\ndel buf\n"
               f"sys.stdout.write(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, check=True).stdout)\n")
@@ -179,7 +170,7 @@ def test_tree_peak_sums_a_server_and_its_child() -> None:
     """tree_peak_mib of a process holding N MiB whose own child holds N MiB reads at least 2N (VmHWM
     summed over the tree), and the child alone at least N but less than 2N. Both are read while the
     processes still hold their memory: each one says 'ready' on a pipe first."""
-    from octavo.bench.peers.memory import descendants, tree_peak_mib
+    from benchmarks.peers.memory import descendants, tree_peak_mib
 
     n = 64
     server = (f"import subprocess, sys\nbuf = b'\\x01' * ({n} << 20)\n"
@@ -206,8 +197,8 @@ def test_tree_peak_sums_a_server_and_its_child() -> None:
 def test_server_process_records_the_servers_own_peak() -> None:
     """online.server_process(peak=...) reads the server's VmHWM just before it stops it: a /health server
     that holds N MiB reports at least N, as its extra's peak_rss_mib."""
-    from octavo.bench.peers.memory import ServerPeak
-    from octavo.bench.peers.online import free_port, server_process
+    from benchmarks.peers.memory import ServerPeak
+    from benchmarks.peers.online import free_port, server_process
 
     n = 96
     server = (f"import http.server, sys\nbuf = b'\\x01' * ({n} << 20)\n"

@@ -26,10 +26,10 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_helpers import exported
+from faulty_backend import FaultPlan, FaultyBackend
 
 from octavo.export.manifest import Manifest
 from octavo.runtime.async_engine import AsyncEngine
-from octavo.runtime.backends.faulty import FaultPlan, FaultyBackend
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.engine_args import EngineArgs
 from octavo.serving.state import ServerConfig

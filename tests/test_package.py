@@ -28,6 +28,9 @@ from octavo.build.op_variants import X86_64_V3, X86_64_V4, cpu_flags, packaged_v
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
+# the lab (issue 39): benchmark peers and the SLO search (benchmarks/), test doubles (tests/), experiments (scripts/)
+LAB_NAMES = frozenset({"benchmarks", "peers", "slo", "roofline", "compare_peers", "slo_capacity", "tests", "faulty",
+                       "faulty_backend", "scripts", "triton_cancel_race", "structured_lib_compare"})
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="the op library is built for Linux"),
@@ -163,6 +166,19 @@ def test_wheel_carries_the_op_builds_and_the_data_files(install: Install) -> Non
         assert f"octavo/_data/{data}" in names, data
     assert not [n for n in names if n.endswith((".sha256", ".lock", ".o", ".pyc"))]
     assert "octavo/_lib/liboctavo_ort.so" not in names  # no -march=native build in a portable wheel
+
+
+def test_wheel_holds_the_product_not_the_lab(install: Install) -> None:
+    """`unzip -l` of the wheel: octavo/ and its metadata only; no folder or module of the lab anywhere in it."""
+    names = zipfile.ZipFile(install.wheel).namelist()
+    dist_info = f"octavo-{octavo.__version__}.dist-info/"
+    assert [n for n in names if not n.startswith(("octavo/", dist_info))] == []
+    lab = [n for n in names
+           if any(Path(part).stem in LAB_NAMES or part.startswith("bench_") for part in n.split("/"))]
+    assert lab == []
+    assert "octavo/bench/throughput.py" in names and "octavo/bench/serve_client.py" in names  # `octavo bench` stays
+    with tarfile.open(install.sdist) as sdist:  # MANIFEST.in prunes the lab from the sdist too
+        assert not [n for n in sdist.getnames() if n.split("/")[1:2] in (["benchmarks"], ["scripts"], ["tests"])]
 
 
 def test_wheel_op_builds_are_portable(install: Install, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Reliability under faults and memory pressure, on the real ONNX Runtime backend (tiny random model).
 
-- Fault injection (octavo.runtime.backends.faulty.FaultyBackend wrapping OnnxRuntimeBackend): a failed
+- Fault injection (FaultyBackend, tests/faulty_backend.py, wrapping OnnxRuntimeBackend): a failed
   step ends exactly the requests it held, with finish_reason "error" and a message; every other
   request's output is unchanged; blocks are freed; the engine and the server keep serving. Checked
   through AsyncEngine and through the HTTP server with slow steps and concurrent clients.
@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 import pytest
 from engine_helpers import exported
+from faulty_backend import FaultPlan, FaultyBackend
 
 from octavo.export.manifest import Manifest
 from octavo.runtime.async_engine import AsyncEngine
-from octavo.runtime.backends.faulty import FaultPlan, FaultyBackend
 from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.engine_args import EngineArgs

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from faulty_backend import FaultPlan, FaultyBackend
 from toy_backend import ToyBackend, make_toy_model_dir
 
 from octavo.runtime.async_engine import AsyncEngine
-from octavo.runtime.backends.faulty import FaultPlan, FaultyBackend
 from octavo.runtime.engine_args import EngineArgs
 from octavo.serving.state import ServerConfig
 from octavo.serving.background import ServerThread

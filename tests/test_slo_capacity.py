@@ -1,4 +1,4 @@
-"""The SLO-capacity measurement (scripts/slo_capacity.py, octavo/bench/slo/) on the tiny model.
+"""The SLO-capacity measurement (benchmarks/slo_capacity.py, benchmarks/slo/) on the tiny model.
 
 Not a speed test: what must hold is that the numbers are measured. With a loose SLO the search finds
 a capacity on `octavo serve` and on the HF naive server, every request of every point completed and
@@ -21,16 +21,16 @@ import httpx
 import numpy as np
 import pytest
 
-from octavo.bench.peers.online import free_port, server_process
+from benchmarks.peers.online import free_port, server_process
+from benchmarks.slo import engines
+from benchmarks.slo.fifo_replay import replay
+from benchmarks.slo.point import Server, measure_point
+from benchmarks.slo.run import EngineResult, RunOptions, measure_server
+from benchmarks.slo.search import SearchPlan, search
+from benchmarks.slo.table import format_table
+from benchmarks.slo.target import Slo
+from benchmarks.slo.workload import ChatShape, allowed_ids, point_requests
 from octavo.bench.report import RequestResult
-from octavo.bench.slo import engines
-from octavo.bench.slo.fifo_replay import replay
-from octavo.bench.slo.point import Server, measure_point
-from octavo.bench.slo.run import EngineResult, RunOptions, measure_server
-from octavo.bench.slo.search import SearchPlan, search
-from octavo.bench.slo.table import format_table
-from octavo.bench.slo.target import Slo
-from octavo.bench.slo.workload import ChatShape, allowed_ids, point_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ChatShape(num_requests=6, prompt=(8, 24), output=(4, 12), seed=3)
@@ -60,7 +60,7 @@ def server(request, model: str):  # noqa: ANN001, ANN201
 
 
 def _busy(server: Server) -> float:
-    from octavo.bench.slo.point import busy
+    from benchmarks.slo.point import busy
 
     async def go() -> float:
         import aiohttp
@@ -204,7 +204,7 @@ def _gauges(url: str) -> tuple[float, float]:
 @pytest.mark.slow  # the in-process tests above cover the same path; this is the script's own argv and JSON
 def test_script_runs_end_to_end(model: str, tmp_path: Path) -> None:
     out = tmp_path / "slo.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "slo_capacity.py"), "--model", model,
+    cmd = [sys.executable, "-m", "benchmarks.slo_capacity", "--model", model,
            "--engines", "octavo,hf-naive,vllm",
            "--requests", "4", "--prompt-len", "8,16", "--output-len", "4,8", "--max-points", "2", "--start-rate", "20",
            "--slo-ttft-ms", "120000", "--slo-tpot-ms", "30000", "--vllm-python", str(tmp_path / "no-venv" / "python"),
@@ -219,8 +219,8 @@ def test_script_runs_end_to_end(model: str, tmp_path: Path) -> None:
 
 
 def test_table_ratios_keep_bounds_and_estimates() -> None:
-    from octavo.bench.slo.search import Capacity
-    from octavo.bench.slo.target import PointResult
+    from benchmarks.slo.search import Capacity
+    from benchmarks.slo.target import PointResult
 
     def engine(name: str, rate: float | None, miss: float | None, est: float | None = None) -> EngineResult:
         met = PointResult(rate or 1.0, 8, completed=8, sent=8, meets_slo=rate is not None, e2e_mean=2.0,

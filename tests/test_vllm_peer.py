@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from octavo.bench.peers import real_table
-from octavo.bench.peers.result import PeerResult
-from octavo.bench.peers.streamed import decode_stats
-from octavo.bench.peers.vllm import cpu_list, missing_reason, vllm_server_command
+from benchmarks.peers import real_table
+from benchmarks.peers.result import PeerResult
+from benchmarks.peers.streamed import decode_stats
+from benchmarks.peers.vllm import cpu_list, missing_reason, vllm_server_command
 
 
 def test_server_command_pins_threads_dtype_and_the_server_module(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_real_table_speed_ratios_best_rounds_and_targets() -> None:
 def test_other_vllm_dtypes_get_lines_of_their_own_and_leave_the_targets_on_float32() -> None:
     """compare_peers --vllm-dtype float32,bfloat16: the issue's targets stay against the float32 row (the one it
     measured), even when the bfloat16 server is faster; the bfloat16 row is reported beside, without a target."""
-    from octavo.bench.peers.vllm import row_name
+    from benchmarks.peers.vllm import row_name
 
     bf16 = "octavo --quant-kernel block-bf16"
     assert row_name("float32") == "vLLM CPU" and row_name("bfloat16") == "vLLM CPU bfloat16"
@@ -110,9 +110,9 @@ def test_vllm_serves_the_same_greedy_tokens_as_hf(tmp_path: Path) -> None:
     reason = missing_reason()
     if reason:
         pytest.skip(reason)
-    from octavo.bench.peers import hf, vllm
-    from octavo.bench.peers.model import PerfModelConfig, prepare_models
-    from octavo.bench.peers.requests import random_uniform, single_decode
+    from benchmarks.peers import hf, vllm
+    from benchmarks.peers.model import PerfModelConfig, prepare_models
+    from benchmarks.peers.requests import random_uniform, single_decode
 
     cfg = PerfModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                           intermediate_size=128, max_position_embeddings=512)
@@ -129,7 +129,7 @@ def test_vllm_serves_the_same_greedy_tokens_as_hf(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_compare_peers_real_model_tiny(tmp_path: Path) -> None:
-    """scripts/compare_peers.py --model smollm2 --tiny with octavo and HF (the GGUF -> HF folder conversion
+    """benchmarks/compare_peers.py --model smollm2 --tiny with octavo and HF (the GGUF -> HF folder conversion
     included; minutes): every workload ran with its own metric, the exact number of tokens asked for,
     speed ratios that are the metrics divided, and HF's greedy tokens as the reference."""
     import json
@@ -138,7 +138,7 @@ def test_compare_peers_real_model_tiny(tmp_path: Path) -> None:
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "real.json"
-    cmd = [sys.executable, str(root / "scripts" / "compare_peers.py"), "--model", "smollm2", "--tiny",
+    cmd = [sys.executable, "-m", "benchmarks.compare_peers", "--model", "smollm2", "--tiny",
            "--peers", "octavo,hf,llamacpp", "--llama-server", "", "--workdir", str(tmp_path / "work"), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

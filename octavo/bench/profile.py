@@ -4,7 +4,7 @@ outputs) and the rest — per step, from the StepRecord the step fills (perf_cou
 
 `attach_profiler(engine)` registers a step listener: nothing is wrapped or patched, and an engine without
 a profiler pays only the laps every step takes. Used by `octavo bench throughput --profile` and
-scripts/compare_peers.py.
+benchmarks/compare_peers.py.
 
 Engine overhead = 1 - backend / step: the share of a step in which the model is not running.
 """
