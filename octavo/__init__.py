@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from octavo.version import __version__
 
 _LAZY = {
     "LLM": "octavo.runtime.llm",

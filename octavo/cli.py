@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from octavo import __version__
+from octavo.version import __version__
 from octavo.errors import OctavoError
 from octavo.extras import missing_extra_message
 

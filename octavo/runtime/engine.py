@@ -28,8 +28,8 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler
 from octavo.runtime.stats import EngineStats, engine_stats
 from octavo.runtime.step_record import StepListener, StepRecord, notify
-from octavo.structured.manager import StructuredOutputManager
-from octavo.tracing.jsonl import JsonlTraceWriter
+from octavo.runtime.structured_outputs import StructuredOutputManager
+from octavo.runtime.trace_writer import JsonlTraceWriter
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.request import Request
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.tokenizer import Tokenizer
-from octavo.structured.manager import StructuredOutputManager
+from octavo.runtime.structured_outputs import StructuredOutputManager
 
 Prompt = str | list[int] | dict[str, Any]
 # a request's prompt logprobs live as Python objects until its response is written (~200 bytes an entry, more

@@ -25,7 +25,7 @@ from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.prompt_logprobs import capped_chunk, rows_needed, usable_cached_blocks
 from octavo.runtime.request import Request, RequestStatus
 from octavo.runtime.stop_check import check_stop
-from octavo.structured.manager import commit_token, release_grammar
+from octavo.runtime.structured_outputs import commit_token, release_grammar
 
 
 @dataclass(slots=True)

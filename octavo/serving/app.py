@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-import octavo
+from octavo.version import __version__
 from octavo.serving import responses as R
 from octavo.serving.api_error import ApiError
 from octavo.serving.metrics import CONTENT_TYPE
@@ -107,7 +107,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return web.json_response({"version": octavo.__version__})
+    return web.json_response({"version": __version__})
 
 
 async def metrics(request: web.Request) -> web.Response:

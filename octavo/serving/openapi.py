@@ -367,12 +367,12 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
 
 def server_schema(state: Any) -> dict[str, Any]:
     """The document for a running server (an octavo.serving.state.ServerState): its names and limits."""
-    import octavo
+    from octavo.version import __version__
 
     cfg = state.config
     vocab = state.limits.vocab_size if state.limits is not None else None
     return openapi_schema(cfg.served_model_names, max_tokens_cap=cfg.max_tokens_cap, max_n=cfg.max_n,
-                          vocab_size=vocab, version=octavo.__version__)
+                          vocab_size=vocab, version=__version__)
 
 
 def add_openapi_route(app: web.Application, schema: Any) -> None:

@@ -25,7 +25,7 @@ from octavo.serving.protocol import ChatRequest, CompletionRequest, check_model,
 from octavo.serving.shapes import ChatShape, CompletionShape, Shape
 from octavo.serving.state import CLOSE_AFTER, STATE, ServerState
 from octavo.serving.tools import template_messages
-from octavo.structured.manager import CONSTRAINT_FAILED
+from octavo.structured.params import CONSTRAINT_FAILED
 from octavo.structured.params import StructuredOutputError
 
 log = logging.getLogger(__name__)

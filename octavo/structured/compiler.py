@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,8 +35,14 @@ from octavo.structured.limits import ConstraintLimits
 from octavo.structured.matcher import GrammarMatcher
 from octavo.structured.params import StructuredOutputError, StructuredOutputsParams
 
-if TYPE_CHECKING:
-    from octavo.runtime.tokenizer import Tokenizer
+
+class Tokenizer(Protocol):
+    """What the bridge reads of a tokenizer (octavo.runtime.tokenizer.Tokenizer is one)."""
+
+    vocab_size: int
+    eos_token_ids: Any
+
+    def to_json(self) -> str: ...
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_SIZE = 256

@@ -15,6 +15,9 @@ from typing import Any
 from octavo.errors import InvalidRequestError
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# how the error of a request whose output's constraint failed mid-generation begins (a parser limit met on the
+# way, e.g.): the server answers it with a 400 `constraint_failed` rather than a 500
+CONSTRAINT_FAILED = "the output's constraint failed"
 
 
 class StructuredOutputError(InvalidRequestError):

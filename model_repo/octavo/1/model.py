@@ -29,7 +29,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import ENGINE_METRICS
 from octavo.serving.engine_params import engine_args_from_strings
 from octavo.serving.constraints import from_request_parameters
-from octavo.structured.manager import CONSTRAINT_FAILED
+from octavo.structured.params import CONSTRAINT_FAILED
 from octavo.structured.params import StructuredOutputError
 
 log = logging.getLogger("octavo.triton")

@@ -26,6 +26,7 @@ from octavo.structured.compiler import GrammarCompiler
 from octavo.structured.grammar import error_text
 from octavo.structured.limits import ConstraintLimits
 from octavo.structured.matcher import GrammarMatcher
+from octavo.structured.params import CONSTRAINT_FAILED
 
 if TYPE_CHECKING:
     from octavo.runtime.request import Request
@@ -36,11 +37,6 @@ log = logging.getLogger(__name__)
 # a step's masks are computed on the worker when at least this many rows are constrained: the hand-off
 # (~0.1 ms) is small next to a model step, and even one row's mask can take ~1 ms on a fresh grammar state
 OVERLAP_MIN_ROWS = 1
-
-
-# how the error of a request whose output's constraint failed mid-generation begins (a parser limit met on the
-# way, e.g.): the server answers it with a 400 `constraint_failed` rather than a 500
-CONSTRAINT_FAILED = "the output's constraint failed"
 
 
 @dataclass(slots=True)
