@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from octavo.serving.triton_launcher import TritonServer, free_port
+from octavo.triton_server.launcher import TritonServer, free_port
 
 CONFIG = """name: "trivial"
 backend: "python"
