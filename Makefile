@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 op: $(VENV)/.installed
-	$(PY) -m octavo.build.op
+	$(PY) -m octavo.oplib_build
 
 demo: setup
 	$(VENV)/bin/octavo demo

@@ -1,10 +1,10 @@
 """Build hooks for setuptools (metadata is in pyproject.toml; why setuptools: docs/install.md).
 
-- build_ext compiles the ONNX Runtime custom op (plugins/onnxruntime/*.cc) with octavo.build.op, the same code
+- build_ext compiles the ONNX Runtime custom op (plugins/onnxruntime/*.cc) with octavo.oplib_build, the same code
   `make op` runs: into the wheel, the portable builds chosen at load time (x86-64: AVX2/FMA/F16C and AVX-512);
   for an editable install, the -march=native build in the checkout's octavo/_lib/ (what `make op` builds).
 - build_py copies the data files that live outside the package in a checkout (the Triton model template, the
-  TensorRT plugin module, the op's C++ sources) into octavo/_data/ of the wheel (octavo.resources finds them).
+  op's C++ sources) into octavo/_data/ of the wheel (octavo.resources finds them).
 - The wheel is tagged py3-none-<platform>: it holds a native library but no CPython extension module.
 """
 from __future__ import annotations
@@ -20,15 +20,15 @@ from setuptools.command.build_py import build_py
 from setuptools.dist import Distribution
 
 HERE = Path(__file__).resolve().parent
-DATA_FOLDERS = ("model_repo", "plugins/tensorrt", "plugins/onnxruntime")
+DATA_FOLDERS = ("model_repo", "plugins/onnxruntime")
 
 
 def _op_builder():  # noqa: ANN202 - a module
-    """octavo.build.op from this source tree (stdlib-only imports, so it runs in pip's build environment)."""
+    """octavo.oplib_build from this source tree (stdlib-only imports, so it runs in pip's build environment)."""
     sys.path.insert(0, str(HERE))
-    from octavo.build import op
+    from octavo import oplib_build
 
-    return op
+    return oplib_build
 
 
 class BinaryDistribution(Distribution):

@@ -1,5 +1,5 @@
-"""Files octavo needs besides its Python modules: the Triton model-repository template (model_repo/), the TensorRT
-plugin module (plugins/tensorrt/) and the C++ sources of the ONNX Runtime op (plugins/onnxruntime/).
+"""Files octavo needs besides its Python modules: the Triton Inference Server model-repository template
+(model_repo/) and the C++ sources of the ONNX Runtime op (plugins/onnxruntime/).
 
 They live at the root of a source checkout, outside the package, where the people who edit them expect them. A
 wheel carries copies inside the package, under octavo/_data/ (setup.py's build_py puts them there), so an installed

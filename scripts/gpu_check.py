@@ -169,7 +169,7 @@ def rounded(array: np.ndarray, dtype: str, torch) -> np.ndarray:  # noqa: ANN001
 
 def reference(case: Case, host: dict[str, np.ndarray], torch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
     """numpy reference on the dtype-rounded inputs: (output, key pool, value pool), compact pools."""
-    from octavo.kernels.reference import paged_attention_ref
+    from octavo.reference import paged_attention_ref
 
     r = {k: rounded(host[k], case.dtype, torch) for k in ("query", "key", "value", "key_cache", "value_cache")}
     out = paged_attention_ref(r["query"], r["key"], r["value"], r["key_cache"], r["value_cache"],
@@ -223,7 +223,7 @@ class DeviceCase:
 
 # ---- section 2: the kernel through Triton's JIT --------------------------------------------------
 def kernel_jit_case(case: Case, torch, device: str) -> dict:  # noqa: ANN001
-    from octavo.kernels.triton_paged_attention import paged_attention
+    from octavo.tensorrt.gpu_kernel import paged_attention
 
     host = make_case(case)
     expected = reference(case, host, torch)
@@ -308,7 +308,7 @@ class AotKernel:
 
     @classmethod
     def load(cls, config, arch: int, ptx_version: int | None) -> "AotKernel":  # noqa: ANN001
-        from octavo.kernels.triton_paged_attention import compile_for_aot
+        from octavo.tensorrt.gpu_kernel import compile_for_aot
 
         driver = import_driver()
         compiled = compile_for_aot(config, arch=arch, ptx_version=ptx_version)
@@ -324,7 +324,7 @@ class AotKernel:
     def launch(self, tensors: dict[str, Any], scratch: str = "null") -> None:
         """cuLaunchKernel with TensorRT's AOT argument layout. SCRATCH: how Triton's trailing scratch
         pointers are given: "null", "poison" (non-null garbage), or "absent" (a packed 15-parameter buffer)."""
-        from octavo.kernels.triton_launch import num_tiles
+        from octavo.tensorrt.kernel_launch import num_tiles
 
         driver = import_driver()
         t = tensors
@@ -365,7 +365,7 @@ def pack_parameters(values: list) -> bytearray:
 
 
 def kernel_config(case: Case):  # noqa: ANN201
-    from octavo.kernels.triton_paged_attention import KernelConfig
+    from octavo.tensorrt.gpu_kernel import KernelConfig
 
     return KernelConfig(dtype=case.dtype, num_heads=case.heads, kv_num_heads=case.kv_heads, head_dim=case.head_dim,
                         block_size=case.block, scale=1.0 / math.sqrt(case.head_dim), sliding_window=case.window)
@@ -436,7 +436,7 @@ def peak_bandwidth(torch) -> tuple[float | None, str]:  # noqa: ANN001
 
 
 def bandwidth_case(batch: int, context: int, torch, kernels: dict, arch: int, ptx_version: int | None) -> dict:  # noqa: ANN001
-    from octavo.kernels.triton_paged_attention import paged_attention
+    from octavo.tensorrt.gpu_kernel import paged_attention
 
     heads, kv_heads, head_dim, block = 32, 8, 128, 16
     dtype = torch.float16
@@ -501,10 +501,10 @@ def bandwidth_case(batch: int, context: int, torch, kernels: dict, arch: int, pt
 def tensorrt_case(dtype: str, torch, workdir: Path) -> dict:  # noqa: ANN001
     from models import load_hf, make_random_model
 
-    from octavo.build.tensorrt_builder import TensorRTBuildOptions, build_engine
+    from octavo.tensorrt.builder import TensorRTBuildOptions, build_engine
     from octavo.export.exporter import export_model
     from octavo.runtime.backends.base import StepInputs
-    from octavo.runtime.backends.tensorrt import TensorRTBackend
+    from octavo.tensorrt.backend import TensorRTBackend
 
     hf_dir = workdir / "hf"
     if not hf_dir.exists():
@@ -549,7 +549,7 @@ def versions() -> dict:
 def run_gpu(report: Report, sections: set[str]) -> None:
     import torch
 
-    from octavo.build.cuda_api import ptx_version_cap
+    from octavo.tensorrt.cuda_api import ptx_version_cap
 
     data = report.data
     torch.zeros(1, device="cuda")  # creates the primary context and makes it current (the driver API uses it)
@@ -673,7 +673,7 @@ def run_smoke_cpu(report: Report) -> None:
 
 def aot_compile_only() -> int:
     """Child of --smoke-cpu: compile one variant for sm_90 like the plugin does; describe its PTX."""
-    from octavo.kernels.triton_paged_attention import compile_for_aot
+    from octavo.tensorrt.gpu_kernel import compile_for_aot
 
     config = kernel_config(SMOKE_CASES[0])
     compiled = compile_for_aot(config, arch=90)

@@ -35,8 +35,8 @@ from test_gguf_native import _raw_blocks, _reference
 
 from octavo.export.block_layout import PANEL, PanelWeights, panel_weights
 from octavo.export.gguf_blocks import NATIVE_TYPES, Blocks, parse_blocks, promote
-from octavo.build.op import build_plans, plan_variant
-from octavo.build.op_variants import X86_64_V3, X86_64_V4, cpu_flags
+from octavo.oplib_build import build_plans, plan_variant
+from octavo.runtime.backends.op_variants import X86_64_V3, X86_64_V4, cpu_flags
 from octavo.runtime.backends.oplib import library_path
 
 U = 2.0 ** -24  # float32 unit roundoff

@@ -181,7 +181,7 @@ def test_tensorrt_pool_dtype_comes_from_the_engine(model, tmp_path) -> None:  # 
     """No TensorRT here, so only what runs before the engine loads: the pool is sized at the engine's
     dtype (an fp16 engine gets twice the blocks of the manifest's fp32 for the same memory), and a
     kv_cache_dtype the engine was not built for is refused with what to do."""
-    from octavo.build.tensorrt_builder import BuildInfo
+    from octavo.tensorrt.engine_info import BuildInfo
 
     _, folder = model
     manifest = Manifest.load(folder)

@@ -9,9 +9,9 @@ import pytest
 from onnx import TensorProto, helper
 from op_cases import Step, paged_attention_model, random_case, random_step
 
-from octavo.kernels.reference import paged_attention_ref
-from octavo.build import op as build_op
-from octavo.build.op_variants import cpu_flags
+from octavo.reference import paged_attention_ref
+from octavo import oplib_build as build_op
+from octavo.runtime.backends.op_variants import cpu_flags
 from octavo.runtime.backends import oplib
 from octavo.runtime.backends.ort_kv_pools import set_cache_dtype
 

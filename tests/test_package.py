@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import octavo
-from octavo.build.op_variants import X86_64_V3, X86_64_V4, cpu_flags, packaged_variants
+from octavo.runtime.backends.op_variants import X86_64_V3, X86_64_V4, cpu_flags, packaged_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox"
@@ -86,7 +86,7 @@ def user_env(include_dir: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def install(tmp_path_factory: pytest.TempPathFactory) -> Install:
-    from octavo.build.op import find_include_dir
+    from octavo.oplib_build import find_include_dir
 
     if not (ROOT / ".git").exists():
         pytest.skip("needs a git checkout (the clean copy is what git tracks)")
@@ -160,8 +160,9 @@ def test_wheel_carries_the_op_builds_and_the_data_files(install: Install) -> Non
     names = set(zipfile.ZipFile(install.wheel).namelist())
     for variant in packaged_variants():
         assert f"octavo/_lib/{variant.file_name}" in names
+    assert "octavo/tensorrt/plugin.py" in names  # the TensorRT plugin is a module of the package
     for data in ("model_repo/octavo/config.pbtxt", "model_repo/octavo/1/model.py",
-                 "plugins/tensorrt/paged_attention_plugin.py", "plugins/onnxruntime/paged_attention_kernel.cc",
+                 "plugins/onnxruntime/paged_attention_kernel.cc",
                  "plugins/onnxruntime/block_matmul_kernel.cc", "plugins/onnxruntime/op_glue.h"):
         assert f"octavo/_data/{data}" in names, data
     assert not [n for n in names if n.endswith((".sha256", ".lock", ".o", ".pyc"))]
@@ -234,8 +235,8 @@ def test_installed_cli_generate_export_version(install: Install, hf_model_dir, r
     ids, expected = reference
     assert installed_generate(install, out, ids)["tokens"] == expected  # the export runs, and runs right
 
-    plugin = install.run(install.python, "-c", "from octavo.build.tensorrt_builder import PLUGIN_FILE as p; "
-                                               "print(p, p.is_file())").stdout.split()
+    plugin = install.run(install.python, "-c", "from pathlib import Path; import octavo.tensorrt.plugin as m; "
+                                               "p = Path(m.__file__); print(p, p.is_file())").stdout.split()
     assert plugin[1] == "True" and Path(plugin[0]).is_relative_to(site_packages(install))
 
 
@@ -268,8 +269,8 @@ def test_sdist_is_complete_and_pip_installs(install: Install, hf_model_dir, refe
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
     for needed in ("setup.py", "pyproject.toml", "README.md", "plugins/onnxruntime/paged_attention_op.cc",
                    "plugins/onnxruntime/simd.h", "plugins/onnxruntime/block_matmul_op.cc",
-                   "plugins/onnxruntime/block_matmul_kernel.h", "plugins/tensorrt/paged_attention_plugin.py",
-                   "model_repo/octavo/config.pbtxt", "octavo/build/op.py"):
+                   "plugins/onnxruntime/block_matmul_kernel.h", "octavo/tensorrt/plugin.py",
+                   "model_repo/octavo/config.pbtxt", "octavo/oplib_build.py"):
         assert needed in names, needed
     assert not [n for n in names if n.endswith(".so") or n.startswith(("third_party", "octavo/_lib", "build/"))]
     # into a folder of its own, first on the venv's path: the venv (and the wheel in it) stay as they are

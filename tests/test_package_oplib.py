@@ -33,7 +33,7 @@ def test_widest_build_the_cpu_runs(shipped: Path) -> None:
 
 
 def test_cpu_without_avx2_is_told_how_to_build(shipped: Path) -> None:
-    with pytest.raises(OpLibraryError, match=r"lacks .*avx2.*python -m octavo.build.op"):
+    with pytest.raises(OpLibraryError, match=r"lacks .*avx2.*python -m octavo.oplib_build"):
         select_variant(shipped, frozenset({"sse2", "avx", "fma"}))
 
 

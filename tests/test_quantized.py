@@ -399,8 +399,8 @@ def test_manifest_names_the_layers_the_block_kernel_leaves_to_matmulnbits(tmp_pa
     the logits still equal transformers on the dequantized weights, and the TensorRT refusals name both ops."""
     import torch
 
-    from octavo.build.onnx_for_tensorrt import prepare_onnx_for_tensorrt
-    from octavo.build.tensorrt_builder import check_float_weights
+    from octavo.tensorrt.onnx_rewrite import prepare_onnx_for_tensorrt
+    from octavo.tensorrt.builder import check_float_weights
     from octavo.errors import InvalidRequestError, ModelFormatError
     from octavo.export import export_model
     from octavo.export.manifest import Manifest
@@ -442,11 +442,11 @@ def test_quantized_export_folder_refused_with_tensorrt(exports) -> None:
     from octavo.runtime.engine import LLMEngine
     from octavo.runtime.engine_args import EngineArgs
 
-    before = {m for m in ("tensorrt", "octavo.runtime.backends.tensorrt") if m in sys.modules}
+    before = {m for m in ("tensorrt", "octavo.tensorrt.backend") if m in sys.modules}
     for weights in ("int8", "int4"):
         with pytest.raises(InvalidRequestError, match=f"{weights} weights, which run on ONNX Runtime only .* no TensorRT plugin"):
             LLMEngine(EngineArgs(model=str(exports("llama", weights)), backend="tensorrt"))
-    assert {m for m in ("tensorrt", "octavo.runtime.backends.tensorrt") if m in sys.modules} == before
+    assert {m for m in ("tensorrt", "octavo.tensorrt.backend") if m in sys.modules} == before
 
 
 # ---------------------------------------------------------------- 6. SmolLM2 (slow)

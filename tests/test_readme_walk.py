@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.serving.triton_launcher import pytriton_installed
+from octavo.triton_server.launcher import pytriton_installed
 
 ROOT = Path(__file__).resolve().parent.parent
 WALK = ROOT / "scripts" / "readme_walk.sh"

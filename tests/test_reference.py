@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from op_cases import random_step
 
-from octavo.kernels.reference import paged_attention_ref
+from octavo.reference import paged_attention_ref
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, group: int, scale: float,

@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octavo.serving.triton_launcher import pytriton_installed  # noqa: E402
+from octavo.triton_server.launcher import pytriton_installed  # noqa: E402
 
 if not pytriton_installed():
     pytest.skip("tritonserver is not installed: make setup (or pip install --no-deps nvidia-pytriton==0.7.0)",
                 allow_module_level=True)
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'")
 
-from octavo.commands.triton import write_model_repository  # noqa: E402
-from octavo.serving.triton_launcher import TritonServer, free_port  # noqa: E402
+from octavo.triton_server.model_repository import write_model_repository  # noqa: E402
+from octavo.triton_server.launcher import TritonServer, free_port  # noqa: E402
 
 REQUESTS = 600
 CANCEL_SHARE = 0.7
@@ -222,7 +222,7 @@ def test_a_model_left_loaded_at_exit_is_named_and_cleaned_up(tmp_path: Path, cap
         raise
     pgid, shm = srv.process.pid, srv.shm_prefix
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="octavo.serving.triton_launcher"):
+    with caplog.at_level(logging.WARNING, logger="octavo.triton_server.launcher"):
         code = srv.stop(timeout_s=60)
     took = time.monotonic() - started
     assert code == 1 and srv.models_left_loaded() == 1, srv.log_tail(3000)

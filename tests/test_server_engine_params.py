@@ -49,7 +49,7 @@ def test_bad_parameters_are_refused_by_name(values: dict[str, str], named: str) 
 
 
 def test_triton_generator_knows_every_engine_field() -> None:
-    from octavo.commands.triton import PARAMETER_KEYS, render_config, template_dir
+    from octavo.triton_server.model_repository import PARAMETER_KEYS, render_config, template_dir
 
     assert set(PARAMETER_KEYS) == {"model_path"} | {f.name for f in FIELDS}
     template = (template_dir() / "config.pbtxt").read_text()

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from octavo.build.op import SOURCE_DIR, find_compiler
+from octavo.oplib_build import SOURCE_DIR, find_compiler
 
 PROGRAM = r"""
 #include <cmath>

@@ -11,8 +11,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from octavo.build.onnx_for_tensorrt import ATTRIBUTE_DEFAULTS, prepare_onnx_for_tensorrt
-from octavo.build.tensorrt_builder import TensorRTBuildOptions, load_plugin_module, profile_shapes
+from octavo.tensorrt.onnx_rewrite import ATTRIBUTE_DEFAULTS, prepare_onnx_for_tensorrt
+from octavo.tensorrt import plugin as plugin_module
+from octavo.tensorrt.builder import TensorRTBuildOptions, profile_shapes
 from octavo.errors import BackendUnavailableError, ModelFormatError
 from octavo.export.manifest import Manifest
 
@@ -92,7 +93,7 @@ def test_prepare_onnx_maps_nodes_to_plugin(tmp_path) -> None:  # noqa: ANN001
 
 def test_prepare_onnx_attribute_order_matches_plugin_registration() -> None:
     """tensorrt.plugin passes attributes positionally: the rewrite's order must be the plugin's."""
-    plugin = load_plugin_module()
+    plugin = plugin_module
     assert list(plugin.ATTRIBUTES) == list(ATTRIBUTE_DEFAULTS)
     assert (plugin.PLUGIN_NAMESPACE, plugin.PLUGIN_NAME, plugin.PLUGIN_VERSION) == ("octavo", "PagedAttention", "1")
 
@@ -173,7 +174,7 @@ def test_prepare_onnx_half_graph_is_strongly_typed(tmp_path, hf_model_dir, dtype
 
 
 def test_half_weights_refuse_float16_overflow() -> None:
-    from octavo.build.half_weights import half_bytes
+    from octavo.tensorrt.half_weights import half_bytes
 
     with pytest.raises(ModelFormatError, match=r"float16 cannot hold; build with --dtype bf16"):
         half_bytes(np.array([1.0, 70000.0], np.float32), "float16", "w")
@@ -234,7 +235,7 @@ def test_profile_shapes_are_ordered_and_respect_limits() -> None:
 @pytest.mark.parametrize("seed", range(20))
 def test_launch_grid_covers_every_query_tile(seed: int) -> None:
     """The AOT grid is a function of shapes only; it must never be smaller than the tiles the kernel needs."""
-    plugin = load_plugin_module()
+    plugin = plugin_module
     rng = np.random.default_rng(seed)
     block_m = int(rng.choice([1, 2, 4, 8, 16]))
     lengths = rng.integers(0 if seed % 3 == 0 else 1, 40, size=int(rng.integers(1, 12)))
@@ -251,9 +252,9 @@ def test_cpu_side_imports_neither_triton_nor_tensorrt() -> None:
 
     code = (
         "import sys\n"
-        "import octavo.runtime.backends.tensorrt, octavo.build.tensorrt_builder, octavo.commands.build\n"
-        "from octavo.build.tensorrt_builder import load_plugin_module\n"
-        "load_plugin_module().launch_grid(10, 2, kv_num_heads=2, block_m=4)\n"
+        "import octavo.tensorrt.backend, octavo.tensorrt.builder, octavo.commands.build\n"
+        "from octavo.tensorrt.plugin import launch_grid\n"
+        "launch_grid(10, 2, kv_num_heads=2, block_m=4)\n"
         "print(sorted(m for m in ('triton', 'tensorrt', 'cuda') if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -262,7 +263,7 @@ def test_cpu_side_imports_neither_triton_nor_tensorrt() -> None:
 
 
 def test_pool_blocks_for_memory() -> None:
-    from octavo.runtime.backends.tensorrt import pool_blocks_for_memory
+    from octavo.tensorrt.backend import pool_blocks_for_memory
 
     assert pool_blocks_for_memory(10_000, 0.5, 100, max_blocks=1000) == 50
     assert pool_blocks_for_memory(10_000, 1.0, 100, max_blocks=30) == 30
@@ -273,7 +274,7 @@ def test_pool_blocks_for_memory() -> None:
 # ---- clear errors on a machine without TensorRT ----------------------------------------------------
 @pytest.mark.skipif(HAVE_TENSORRT, reason="TensorRT is installed: the missing-TensorRT error cannot occur")
 def test_backend_module_imports_and_constructing_it_says_why(tmp_path) -> None:  # noqa: ANN001
-    from octavo.runtime.backends.tensorrt import TensorRTBackend
+    from octavo.tensorrt.backend import TensorRTBackend
 
     with pytest.raises(BackendUnavailableError, match=r"TensorRT is not installed \(pip install tensorrt"):
         TensorRTBackend(tmp_path, _manifest())
@@ -316,7 +317,7 @@ def test_build_command_rejects_bad_block_size(tmp_path, capsys) -> None:  # noqa
 def test_plugin_registers_in_tensorrt_registry() -> None:
     import tensorrt as trt
 
-    plugin = load_plugin_module()
+    plugin = plugin_module
     plugin.register(arch=90)
     plugin.register(arch=90)  # idempotent
     assert trt.get_plugin_registry().get_creator("PagedAttention", "1", "octavo") is not None
@@ -333,10 +334,10 @@ def test_tiny_engine_matches_transformers(tmp_path, hf_model_dir) -> None:  # no
     if not torch.cuda.is_available():
         pytest.skip("no NVIDIA GPU visible to torch")
     from models import load_hf
-    from octavo.build.tensorrt_builder import build_engine
+    from octavo.tensorrt.builder import build_engine
     from octavo.export.exporter import export_model
     from octavo.runtime.backends.base import StepInputs
-    from octavo.runtime.backends.tensorrt import TensorRTBackend
+    from octavo.tensorrt.backend import TensorRTBackend
 
     hf_dir = hf_model_dir("llama")
     folder = tmp_path / "m"

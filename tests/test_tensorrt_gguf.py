@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import exported
 from onnx import helper
 
-from octavo.build.onnx_for_tensorrt import prepare_onnx_for_tensorrt
+from octavo.tensorrt.onnx_rewrite import prepare_onnx_for_tensorrt
 from octavo.errors import InvalidRequestError, ModelFormatError
 from octavo.export import export_model
 from octavo.export.gguf_writer import write_gguf
@@ -50,7 +50,7 @@ def test_prepare_onnx_refuses_other_octavo_ops_but_not_paged_attention(hf_model_
 
 
 def test_build_refuses_a_gguf_block_export_before_tensorrt(block_export: Path, capsys) -> None:  # noqa: ANN001
-    from octavo.build.tensorrt_builder import build_engine
+    from octavo.tensorrt.builder import build_engine
     from octavo.cli import main
 
     with pytest.raises(ModelFormatError, match=r"holds gguf weights, which run on ONNX Runtime only \(octavo\.BlockMatMul has no "

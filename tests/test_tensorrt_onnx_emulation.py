@@ -35,7 +35,7 @@ def _plugin_op():  # noqa: ANN202
     import torch
     from onnx.reference.op_run import OpRun
 
-    from octavo.kernels.triton_paged_attention import paged_attention
+    from octavo.tensorrt.gpu_kernel import paged_attention
 
     class PagedAttention(OpRun):
         op_domain = ""
@@ -59,7 +59,7 @@ def emulate(export_dir: str, kv_dtype: str) -> dict:
     import onnx
     from onnx.reference import ReferenceEvaluator
 
-    from octavo.build.onnx_for_tensorrt import prepare_onnx_for_tensorrt
+    from octavo.tensorrt.onnx_rewrite import prepare_onnx_for_tensorrt
     from octavo.export.manifest import Manifest
 
     folder = Path(export_dir)

@@ -137,7 +137,7 @@ print(json.dumps(result))
 def _run(bindings: Path, version: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    plugin = ROOT / "plugins" / "tensorrt" / "paged_attention_plugin.py"
+    plugin = ROOT / "octavo" / "tensorrt" / "plugin.py"
     proc = subprocess.run([sys.executable, "-c", WORKER, str(bindings), version, str(plugin)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,7 +1,7 @@
 """octavo's TensorRT builder, plugin and backend end to end on CPU, against a stand-in for TensorRT and
 cuda-python (tests/tensorrt_standin, README there) that enforces TensorRT 11's / 10's rules.
 
-`octavo.build.tensorrt_builder.build_engine` runs unchanged: the real plugin module registers through
+`octavo.tensorrt.builder.build_engine` runs unchanged: the real plugin module registers through
 the stand-in `tensorrt.plugin` (signatures validated), the parser creates the plugin from the node's
 attributes as onnx-tensorrt does, the builder calls the plugin's `aot_impl` (the Triton kernel is really
 compiled to PTX for sm_90) and checks strong typing, the preview feature and the aliased network
@@ -49,10 +49,10 @@ def _worker(scenario: str, folder: str) -> None:
     """Inside the stand-in subprocess: one scenario, one JSON line."""
     import tensorrt as trt
 
-    from octavo.build import tensorrt_builder as tb
+    from octavo.tensorrt import builder as tb
     from octavo.errors import OctavoError
     from octavo.export.manifest import Manifest
-    from octavo.runtime.backends.tensorrt import TensorRTBackend
+    from octavo.tensorrt.backend import TensorRTBackend
 
     folder_path = Path(folder)
     manifest = Manifest.load(folder_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from octavo.serving.triton_launcher import pytriton_installed  # noqa: E402
+from octavo.triton_server.launcher import pytriton_installed  # noqa: E402
 
 # only its files are used (not importable without its deps); `make setup` puts it in its own --target folder
 if not pytriton_installed():
@@ -23,9 +23,9 @@ if not pytriton_installed():
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[grpc,http]'")
 httpclient = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[grpc,http]'")
 
-from octavo.commands.triton import render_config, write_model_repository  # noqa: E402
+from octavo.triton_server.model_repository import render_config, write_model_repository  # noqa: E402
 from octavo.errors import BackendUnavailableError, InvalidRequestError  # noqa: E402
-from octavo.serving.triton_launcher import TritonServer, free_port  # noqa: E402
+from octavo.triton_server.launcher import TritonServer, free_port  # noqa: E402
 
 MODEL = "octavo"
 PROMPT = "The quick brown fox"

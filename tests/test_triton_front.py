@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from engine_helpers import exported
 
-from octavo.serving.triton_front import MAX_JSON_DEPTH, json_depth
-from octavo.serving.triton_launcher import pytriton_installed
+from octavo.triton_server.front import MAX_JSON_DEPTH, json_depth
+from octavo.triton_server.launcher import pytriton_installed
 
 needs_triton = pytest.mark.skipif(not pytriton_installed(),
                                   reason="tritonserver is not installed: pip install --no-deps nvidia-pytriton==0.7.0")
@@ -182,7 +182,7 @@ def test_a_taken_port_is_named_before_tritonserver_starts(model: Path, tmp_path:
 @needs_triton
 def test_a_failed_start_shows_tritonservers_error_lines(tmp_path: Path) -> None:
     from octavo.errors import BackendUnavailableError
-    from octavo.serving.triton_launcher import TritonServer
+    from octavo.triton_server.launcher import TritonServer
 
     srv = TritonServer(tmp_path / "no-such-repo", tmp_path / "work", http_port=_free_port(), grpc_port=_free_port(),
                        metrics_port=_free_port(), auto_install_numpy=True)

@@ -87,8 +87,8 @@ def run_case(name: str) -> dict:
     """Runs inside the interpreter subprocess: kernel vs reference on one case."""
     import torch
 
-    from octavo.kernels.reference import paged_attention_ref
-    from octavo.kernels.triton_paged_attention import paged_attention
+    from octavo.reference import paged_attention_ref
+    from octavo.tensorrt.gpu_kernel import paged_attention
 
     dtype, heads, kv_heads, head_dim, block_size, seqs, window, softcap, num_blocks = CASES[name]
     arrays = make_case(dtype, heads, kv_heads, head_dim, block_size, seqs, num_blocks)
@@ -157,7 +157,7 @@ def test_kernel_matches_reference_under_interpreter(interpreter_results: dict[st
 
 def test_reference_is_not_trivially_matched() -> None:
     """Sanity: the cases are sensitive — dropping the cached prefix changes the reference output."""
-    from octavo.kernels.reference import paged_attention_ref
+    from octavo.reference import paged_attention_ref
 
     dtype, heads, kv_heads, head_dim, block_size, seqs, window, softcap, num_blocks = CASES["chunked_prefill_fp32"]
     a = make_case(dtype, heads, kv_heads, head_dim, block_size, seqs, num_blocks)
@@ -171,7 +171,7 @@ def test_reference_is_not_trivially_matched() -> None:
 
 AOT_CODE = """
 import json
-from octavo.kernels.triton_paged_attention import KernelConfig, compile_kernel, check_aot_launchable
+from octavo.tensorrt.gpu_kernel import KernelConfig, compile_kernel, check_aot_launchable
 rows = []
 for dtype in ("float16", "bfloat16", "float32"):
     c = compile_kernel(KernelConfig(dtype=dtype, num_heads=8, kv_num_heads=2, head_dim=64, block_size=16,
@@ -186,7 +186,7 @@ for dtype in ("float16", "bfloat16", "float32"):
                  "loads": loads,
                  "param_types": params, "shared": c.metadata.shared, "num_warps": c.metadata.num_warps,
                  "ptx": ptx if dtype == "float16" else ""})
-from octavo.kernels.triton_paged_attention import AOT_SHARED_LIMIT, compile_for_aot
+from octavo.tensorrt.gpu_kernel import AOT_SHARED_LIMIT, compile_for_aot
 fits = []
 for dtype, head_dim in (("float32", 128), ("float16", 256)):
     c = compile_for_aot(KernelConfig(dtype=dtype, num_heads=8, kv_num_heads=1, head_dim=head_dim, block_size=16,

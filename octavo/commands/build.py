@@ -35,7 +35,8 @@ def _resolve(model: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from octavo.build.tensorrt_builder import TensorRTBuildOptions, build_engine, check_float_weights, import_tensorrt
+    from octavo.tensorrt.builder import TensorRTBuildOptions, build_engine, check_float_weights
+    from octavo.tensorrt.trt_import import import_tensorrt
     from octavo.export.manifest import MANIFEST_NAME, Manifest
 
     options = TensorRTBuildOptions(

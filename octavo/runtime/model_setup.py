@@ -66,7 +66,7 @@ def warn_without_bf16(manifest: Manifest, amx: bool = True) -> None:
     float32 (same results as block, none of the speed), which the user should know."""
     if (manifest.quantization or {}).get("prompt_arithmetic") != "bfloat16":
         return
-    from octavo.build.op_variants import cpu_flags
+    from octavo.runtime.backends.op_variants import cpu_flags
 
     flags = cpu_flags() or frozenset()
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
@@ -122,8 +122,8 @@ def _available_memory() -> int:
 
 def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_model_len: int) -> Backend:
     if args.backend == "tensorrt":  # sizes its pool from free GPU memory unless told
-        from octavo.build.tensorrt_builder import BUILD_INFO_NAME, BuildInfo
-        from octavo.runtime.backends.tensorrt import TensorRTBackend
+        from octavo.tensorrt.backend import TensorRTBackend
+        from octavo.tensorrt.engine_info import BUILD_INFO_NAME, BuildInfo
 
         # The pool dtype is the engine's, fixed at build time. Without an engine the backend itself says
         # what is missing (TensorRT, or the engine), so sizing falls back to the manifest's dtype.

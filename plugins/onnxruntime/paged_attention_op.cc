@@ -490,7 +490,7 @@ OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtA
     std::snprintf(message, sizeof message,
                   "%sthis build of the library needs the CPU feature %s, which this CPU lacks: let octavo pick its "
                   "packaged build for this CPU (unset OCTAVO_OP_LIBRARY) or build one here with "
-                  "`python -m octavo.build.op`",
+                  "`python -m octavo.oplib_build`",
                   kPrefix, feature);
     return api->CreateStatus(ORT_FAIL, message);
   }

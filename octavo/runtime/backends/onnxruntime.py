@@ -114,7 +114,7 @@ class OnnxRuntimeBackend:
                 raise OpLibraryError(
                     f"{onnx_path} uses the op octavo.{missing.group(1)}, which the custom-op library "
                     f"{library_path()} does not have: it was built from older sources. Rebuild it with "
-                    "`make op` (or `python -m octavo.build.op`), or reinstall octavo") from exc
+                    "`make op` (or `python -m octavo.oplib_build`), or reinstall octavo") from exc
             raise ModelFormatError(f"ONNX Runtime cannot load {onnx_path}: {exc}") from exc
         self._input_dtypes = self._validate()
 

@@ -1,9 +1,9 @@
 """Where the ONNX Runtime custom-op library (octavo.PagedAttention) lives once built, and which build this CPU runs.
 
 Two kinds of build sit in octavo/_lib/:
-- `liboctavo_ort.so`: built on this machine for this CPU (`make op`, `python -m octavo.build.op`, an editable
+- `liboctavo_ort.so`: built on this machine for this CPU (`make op`, `python -m octavo.oplib_build`, an editable
   install). When present it is used.
-- `liboctavo_ort.<variant>.so`: the portable builds a wheel ships (octavo.build.op.build_packaged): on x86-64 one
+- `liboctavo_ort.<variant>.so`: the portable builds a wheel ships (octavo.oplib_build.build_packaged): on x86-64 one
   for AVX2 + FMA + F16C (x86-64-v3) and one for AVX-512 (x86-64-v4); elsewhere one with the compiler's defaults.
   The widest one this CPU runs is chosen at load time from the CPU's feature flags.
 `$OCTAVO_OP_LIBRARY` names a library to use instead of either (benchmarks, a build kept elsewhere).
@@ -17,7 +17,8 @@ import functools
 import os
 from pathlib import Path
 
-from octavo.build.op_variants import (  # noqa: F401 - re-exported: this module is where callers look
+from octavo.errors import OpLibraryError
+from octavo.runtime.backends.op_variants import (  # noqa: F401 - re-exported: this module is where callers look
     GENERIC,
     LIBRARY_NAME,
     X86_64_V3,
@@ -27,7 +28,6 @@ from octavo.build.op_variants import (  # noqa: F401 - re-exported: this module 
     library_dir,
     packaged_variants,
 )
-from octavo.errors import OpLibraryError
 
 LIBRARY_ENV = "OCTAVO_OP_LIBRARY"
 
@@ -49,7 +49,7 @@ def select_variant(folder: Path, flags: frozenset[str] | None) -> Path | None:
     raise OpLibraryError(
         f"this CPU lacks {', '.join(narrowest.missing(flags))}, which the packaged custom-op builds need "
         f"(the narrowest, {narrowest.name}, needs AVX2/FMA/F16C): build one for this CPU with "
-        "`python -m octavo.build.op` (needs g++ and ONNX Runtime's headers, docs/install.md)"
+        "`python -m octavo.oplib_build` (needs g++ and ONNX Runtime's headers, docs/install.md)"
     )
 
 
@@ -71,7 +71,7 @@ def library_path() -> Path:
         return packaged
     raise OpLibraryError(
         f"the ONNX Runtime custom-op library {native} is not built: run `make op` "
-        "(or `python -m octavo.build.op`)"
+        "(or `python -m octavo.oplib_build`)"
     )
 
 
@@ -89,7 +89,7 @@ def set_amx(enabled: bool, path: Path | None = None) -> bool:
     if switch is None:  # a library from before the switch: AMX on is all it does
         if not enabled:
             raise OpLibraryError(f"the custom-op library {path} has no AMX switch ({AMX_SWITCH}): it was built "
-                                 "from older sources. Rebuild it with `make op` (or `python -m octavo.build.op`), or "
+                                 "from older sources. Rebuild it with `make op` (or `python -m octavo.oplib_build`), or "
                                  "reinstall octavo")
         return True
     return bool(switch(1 if enabled else 0))

@@ -479,7 +479,7 @@ def evaluate_expr(expr: Any, shapes: list[tuple[int, ...]]) -> int:  # noqa: ANN
 def _reference_plugin_op():  # noqa: ANN202
     from onnx.reference.op_run import OpRun
 
-    from octavo.kernels.reference import paged_attention_ref
+    from octavo.reference import paged_attention_ref
 
     class PagedAttention(OpRun):
         op_domain = ""

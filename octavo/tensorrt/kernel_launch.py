@@ -1,5 +1,5 @@
-"""Launch geometry of the paged-attention kernel, in plain Python (no triton import), shared by the
-torch launcher, the TensorRT plugin's symbolic launch parameters and the tests."""
+"""Launch geometry of the OpenAI-Triton paged-attention kernel (octavo.tensorrt.gpu_kernel), in plain Python (no
+`triton` import), shared by the torch launcher, the TensorRT plugin's symbolic launch parameters and the tests."""
 from __future__ import annotations
 
 

@@ -1,6 +1,6 @@
 """`octavo.PagedAttention` as ONE OpenAI-Triton kernel (the GPU path; TensorRT plugin + torch launcher).
 
-Semantics are those of `octavo.kernels.reference.paged_attention_ref`: the new tokens' K/V are written
+Semantics are those of `octavo.reference.paged_attention_ref`: the new tokens' K/V are written
 into the paged pools ([num_blocks, block_size, kv_heads, head_dim]) at `slot_mapping`, and every new
 query token attends causally over its sequence's cached positions plus the new tokens up to itself
 (ragged prefill, chunked prefill and decode are the same code path).
@@ -36,7 +36,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from octavo.kernels.triton_launch import block_h, block_m, num_tiles
+from octavo.tensorrt.kernel_launch import block_h, block_m, num_tiles
 
 # Names of the kernel's runtime parameters, in order: 9 inputs, 3 int32 extras, 3 outputs.
 INPUT_NAMES = (

@@ -1,4 +1,4 @@
-"""Build the ONNX Runtime custom-op library (`make op` / `python -m octavo.build.op`).
+"""Build the ONNX Runtime custom-op library (`make op` / `python -m octavo.oplib_build`).
 
 Compiles plugins/onnxruntime/*.cc with g++ into octavo/_lib/: `liboctavo_ort.so` for this machine
 (-march=native, what `make op` and an editable install build), or with `--packaged` the portable builds a wheel
@@ -14,8 +14,11 @@ third_party/ is the checkout's (git-ignored); an installed octavo uses ~/.cache/
 The library links nothing from ONNX Runtime: it uses the C API handed to RegisterCustomOps.
 Rebuilds only when the sources, flags, headers or compiler change (a hash kept beside the library).
 
-This module imports nothing outside the standard library and octavo.errors / resources / build.op_variants:
-setup.py runs it inside pip's isolated build environment.
+Build-time tooling: setup.py's build_ext runs it at pip install, `make op` from a checkout, and a user on a CPU
+no packaged build fits. Nothing at run time imports it; the variant table it compiles
+(octavo.runtime.backends.op_variants) belongs to the loader. This module imports nothing outside the standard
+library and octavo.errors / resources / runtime.backends.op_variants: setup.py runs it inside pip's isolated build
+environment.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from pathlib import Path
 
 from octavo.errors import OpLibraryError
 from octavo.resources import checkout_root, data_path, in_checkout
-from octavo.build.op_variants import LIBRARY_NAME, Variant, library_dir, packaged_variants
+from octavo.runtime.backends.op_variants import LIBRARY_NAME, Variant, library_dir, packaged_variants
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +324,7 @@ def _link(plan: BuildPlan, objects: list[Path]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m octavo.build.op") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m octavo.oplib_build") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     parser.add_argument("--portable", action="store_true", help="build liboctavo_ort.so without -march=native")

@@ -1,4 +1,5 @@
-"""Numpy oracle for `octavo.PagedAttention`: slow, simple, float64 inside.
+"""Numpy oracle for `octavo.PagedAttention`: slow, simple, float64 inside. It is the op's spec: the ONNX Runtime
+C++ op (plugins/onnxruntime) and the OpenAI-Triton GPU kernel (octavo.tensorrt.gpu_kernel) are tested against it.
 
 It writes the new tokens' K/V into the paged pools (in place, at `slot_mapping`), then, for every
 sequence b, gathers positions 0..past+new-1 back out of the pool through `block_table[b]` and runs

@@ -16,26 +16,23 @@ rules (tests/tensorrt_standin); not yet run with real TensorRT (docs/tensorrt.md
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import numpy
 
-from octavo.build.onnx_for_tensorrt import pool_output_name, prepare_onnx_for_tensorrt
 from octavo.errors import BackendUnavailableError, ModelFormatError, OctavoError
 from octavo.export.manifest import Manifest
-from octavo.resources import data_path
+from octavo.tensorrt.engine_info import BuildInfo, pool_output_name
+from octavo.tensorrt.onnx_rewrite import prepare_onnx_for_tensorrt
+from octavo.tensorrt.trt_import import import_tensorrt
 
 log = logging.getLogger(__name__)
 
-BUILD_INFO_NAME = "tensorrt.json"
-PLUGIN_FILE = data_path("plugins/tensorrt/paged_attention_plugin.py")  # the package's copy or the checkout's
 DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -62,39 +59,6 @@ class TensorRTBuildOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-
-
-@dataclass(slots=True)
-class BuildInfo:
-    """tensorrt.json: what was built and the limits the runtime must respect."""
-
-    engine_file: str
-    dtype: str
-    block_size: int
-    max_num_tokens: int
-    max_num_seqs: int
-    max_blocks_per_seq: int
-    max_num_logits: int
-    max_num_blocks: int
-    compute_capability: int
-    tensorrt_version: str
-    build_seconds: float
-
-    def save(self, folder: Path) -> Path:
-        path = folder / BUILD_INFO_NAME
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        return path
-
-    @classmethod
-    def load(cls, folder: str | Path) -> "BuildInfo":
-        path = Path(folder) / BUILD_INFO_NAME
-        if not path.is_file():
-            raise ModelFormatError(f"{folder} has no TensorRT engine ({BUILD_INFO_NAME} missing); "
-                                   f"build one with `octavo build {folder} --target tensorrt`")
-        try:
-            return cls(**json.loads(path.read_text()))
-        except (ValueError, TypeError) as exc:
-            raise ModelFormatError(f"{path} is not a valid build description: {exc}") from exc
 
 
 # tensorrt.plugin before 11.3 converts a plugin attribute with `int(np.array([v]))` (create_plugin in
@@ -139,44 +103,6 @@ def configure_builder(trt: ModuleType, config, workspace_bytes: int) -> None:  #
         raise BackendUnavailableError(f"TensorRT {trt.__version__} lacks PreviewFeature.ALIASED_PLUGIN_IO_10_03 "
                                       "(in-place plugin outputs); octavo needs TensorRT >= 10.9")
     config.set_preview_feature(feature, True)
-
-
-def import_tensorrt() -> ModuleType:
-    """`tensorrt`, or BackendUnavailableError with what to do (never a bare ImportError traceback)."""
-    try:
-        import tensorrt
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "TensorRT is not installed (pip install tensorrt on a machine with an NVIDIA GPU); "
-            f"`--target tensorrt` and the tensorrt backend need it. Import error: {exc}"
-        ) from exc
-    except OSError as exc:  # the wheel is there but its CUDA libraries are not loadable
-        raise BackendUnavailableError(f"TensorRT is installed but cannot load its libraries: {exc}") from exc
-    try:
-        import tensorrt.plugin as trtp
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"TensorRT {tensorrt.__version__} has no tensorrt.plugin (octavo's plugin needs TensorRT >= 10.9, "
-            f"which added ahead-of-time Python plugins): {exc}"
-        ) from exc
-    if not hasattr(trtp, "aot_impl"):
-        raise BackendUnavailableError(
-            f"TensorRT {tensorrt.__version__} lacks tensorrt.plugin.aot_impl; octavo's plugin needs TensorRT >= 10.9 "
-            "(pip install -U tensorrt)"
-        )
-    return tensorrt
-
-
-def load_plugin_module() -> ModuleType:
-    """plugins/tensorrt/paged_attention_plugin.py (beside the C++ ORT op in a checkout; octavo/_data/ in a wheel)."""
-    if not PLUGIN_FILE.is_file():
-        raise BackendUnavailableError(f"the TensorRT plugin source {PLUGIN_FILE} is missing (an incomplete "
-                                      "install?); reinstall octavo or run it from its source checkout")
-    spec = importlib.util.spec_from_file_location("octavo_tensorrt_paged_attention_plugin", PLUGIN_FILE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def profile_shapes(manifest: Manifest, options: TensorRTBuildOptions, max_blocks_per_seq: int,
@@ -232,12 +158,13 @@ def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = N
     check_float_weights(model_dir, manifest)
     trt = import_tensorrt()
     check_tensorrt_numpy(trt.__version__, numpy.__version__)  # building creates plugins from attributes
-    from octavo.build.cuda_api import compute_capability, driver_cuda_version, import_cudart, ptx_version_cap
+    from octavo.tensorrt import plugin
+    from octavo.tensorrt.cuda_api import compute_capability, driver_cuda_version, import_cudart, ptx_version_cap
 
     cudart = import_cudart()
     arch = compute_capability(cudart)
     ptx_cap = ptx_version_cap(driver_cuda_version(cudart))
-    load_plugin_module().register(arch=arch, ptx_version=ptx_cap)
+    plugin.register(arch=arch, ptx_version=ptx_cap)
 
     max_blocks_per_seq = options.max_blocks_per_seq or math.ceil(manifest.max_context / options.block_size)
     max_num_logits = options.max_num_logits or options.max_num_seqs

@@ -1,5 +1,5 @@
 """Rewrite an exported model.onnx so TensorRT's ONNX parser maps every octavo.PagedAttention node to the
-`octavo::PagedAttention` plugin (plugins/tensorrt/paged_attention_plugin.py). Pure `onnx`; no TensorRT.
+`octavo::PagedAttention` plugin (octavo/tensorrt/plugin.py). Pure `onnx`; no TensorRT.
 
 What the parser needs (TensorRT's quickly-deployable-plugin sample and onnx-tensorrt's fallback plugin
 importer; see docs/tensorrt.md):
@@ -21,7 +21,7 @@ importer; see docs/tensorrt.md):
 Precision is part of the graph (TensorRT 11 networks are always strongly typed). `kv_dtype`
 float16/bfloat16: pool inputs/outputs get that type, Casts go around each attention node (q/k/v in,
 output back to float32), and the projection and embedding weights are converted to that type with
-Casts around their Gemm/Gather (`octavo.build.half_weights`); norms, residuals and logits stay float32.
+Casts around their Gemm/Gather (`octavo.tensorrt.half_weights`); norms, residuals and logits stay float32.
 """
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from octavo.build.half_weights import convert_weights_to_half
 from octavo.errors import ModelFormatError
 from octavo.export.quant_options import TENSORRT_FP32_HOWTO, not_on_tensorrt
+from octavo.tensorrt.engine_info import pool_output_name
+from octavo.tensorrt.half_weights import convert_weights_to_half
 
 PLUGIN_NAMESPACE = "octavo"
 PLUGIN_VERSION = "1"
@@ -44,18 +45,12 @@ ATTRIBUTE_DEFAULTS: dict[str, int | float | None] = {
 }
 KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 POOL_PREFIXES = ("key_cache.", "value_cache.")
-POOL_OUTPUT_SUFFIX = ".out"  # graph output aliased to pool input NAME is NAME + ".out"
 # ONNX Runtime's contrib ops (MatMulNBits of --weights int8|int4 and --quant-kernel matmulnbits): no TensorRT importer
 UNSUPPORTED_DOMAINS = {"com.microsoft": not_on_tensorrt("quantized exports (--weights int8|int4, --quant-kernel "
                                                         "matmulnbits)", ["MatMulNBits"])}
 EXPORT_DOMAIN = "octavo"  # the exporter's custom-op domain: PagedAttention has a plugin, its other ops do not
 UNSUPPORTED_OPS = {"BlockMatMul": not_on_tensorrt("quantized weights (a GGUF's own blocks, the default for a quantized "
                                                   ".gguf, or --weights int8|int4)", ["BlockMatMul"])}
-
-
-def pool_output_name(pool_input: str) -> str:
-    """The graph output TensorRT aliases to the pool input POOL_INPUT (bind both to one address)."""
-    return pool_input + POOL_OUTPUT_SUFFIX
 
 
 def _attribute_value(node: onnx.NodeProto, name: str) -> int | float | None:

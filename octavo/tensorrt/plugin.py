@@ -9,7 +9,7 @@ what has and has not been run):
   PreviewFeature.ALIASED_PLUGIN_IO_10_03 (the builder sets it), the outputs being network outputs
   (the ONNX rewrite adds them) and the runtime binding each output to its input's address (the backend).
 * `@trtp.aot_impl`: the ahead-of-time implementation. It compiles the OpenAI-Triton kernel of
-  `octavo.kernels.triton_paged_attention` for the build GPU's architecture and returns
+  `octavo.tensorrt.gpu_kernel` for the build GPU's architecture and returns
   (kernel name, PTX, KernelLaunchParams, SymIntExprs). TensorRT embeds the PTX in the engine and launches
   it itself, so a serialized engine runs without Python, triton or this module.
   TensorRT's AOT launch ABI: kernel parameters are (input pointers..., int32 extras..., output
@@ -20,7 +20,7 @@ what has and has not been run):
 
 The ONNX parser finds this plugin when the node's op_type is "PagedAttention" and it carries the string
 attribute plugin_namespace="octavo" (plugin_version defaults to "1"), and requests the AOT
-implementation for `aot=1`: see `octavo.build.onnx_for_tensorrt.prepare_onnx_for_tensorrt`. The parser
+implementation for `aot=1`: see `octavo.tensorrt.onnx_rewrite.prepare_onnx_for_tensorrt`. The parser
 supplies the plugin fields in the creator's field order (= ATTRIBUTES, the describe function's
 attribute order) and tensorrt.plugin hands them to the AOT function positionally in that order
 (tensorrt/plugin/_plugin_class.py, get_launch_params).
@@ -38,7 +38,7 @@ ATTRIBUTES = {"num_heads": int, "kv_num_heads": int, "scale": float, "sliding_wi
 
 def launch_grid(num_tokens: int, num_seqs: int, kv_num_heads: int, block_m: int) -> Tuple[int, int]:
     """The (grid_x, grid_y) the AOT implementation asks TensorRT for, evaluated for concrete sizes."""
-    from octavo.kernels.triton_launch import num_tiles
+    from octavo.tensorrt.kernel_launch import num_tiles
 
     return num_tiles(num_tokens, num_seqs, block_m), kv_num_heads
 
@@ -71,7 +71,7 @@ def register(arch: int, ptx_version: int | None = None) -> None:
     if trt.get_plugin_registry().get_creator(PLUGIN_NAME, PLUGIN_VERSION, PLUGIN_NAMESPACE) is not None:
         return  # already registered in this process (TensorRT's registry is per process)
 
-    from octavo.kernels.triton_paged_attention import KernelConfig, compile_for_aot
+    from octavo.tensorrt.gpu_kernel import KernelConfig, compile_for_aot
 
     compiled_variants: dict[KernelConfig, object] = {}  # TensorRT asks once per format/tactic; compile once
 

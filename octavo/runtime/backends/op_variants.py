@@ -1,6 +1,9 @@
 """The builds of the ONNX Runtime custom op: the portable variants a wheel ships (and the compiler flags each is
-built with), and where built libraries go. Standard library only: setup.py imports it (via octavo.build.op) in
-pip's isolated build environment, and octavo.runtime.backends.oplib chooses among the variants at load time.
+built with), this CPU's feature flags, and where built libraries go.
+
+Run-time side: octavo.runtime.backends.oplib chooses among the variants at load time; the op's build tool
+(octavo.oplib_build) reads the same table to compile them. Standard library only (and `octavo` for its folder):
+setup.py imports it, through octavo.oplib_build, in pip's isolated build environment, where numpy is absent.
 """
 from __future__ import annotations
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from octavo.build.cuda_api import check, import_cudart
-from octavo.build.onnx_for_tensorrt import pool_output_name
-from octavo.build.tensorrt_builder import BuildInfo, import_tensorrt
 from octavo.errors import BackendUnavailableError, InvalidRequestError, ModelFormatError, StepFailedError
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
+from octavo.tensorrt.cuda_api import check, import_cudart
+from octavo.tensorrt.engine_info import BuildInfo, pool_output_name
+from octavo.tensorrt.trt_import import import_tensorrt
 
 log = logging.getLogger(__name__)
 
