@@ -11,7 +11,6 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-import octavo
 
 LIBRARY_NAME = "liboctavo_ort.so"
 
@@ -64,4 +63,4 @@ def cpu_flags() -> frozenset[str] | None:
 
 
 def library_dir() -> Path:
-    return Path(octavo.__file__).resolve().parent / "_lib"
+    return Path(__file__).resolve().parents[2] / "_lib"  # octavo/_lib
