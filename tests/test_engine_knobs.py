@@ -174,7 +174,7 @@ def test_flags_and_triton_parameters_carry_the_fields(llama_export: tuple[Path, 
     """`octavo triton --no-ort-fusions --ort-spinning 0 --no-amx` writes the three as config.pbtxt parameters,
     which read back (as model_repo/octavo/1/model.py reads them) into the same fields."""
     from octavo.cli import main
-    from octavo.commands.triton import _PARAM_RE, MODEL_NAME
+    from octavo.triton_server.model_repository import _PARAM_RE, MODEL_NAME
     from octavo.serving.engine_params import engine_args_from_strings
 
     folder, _ = llama_export
