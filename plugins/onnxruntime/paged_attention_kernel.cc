@@ -12,6 +12,8 @@
 // rows, fetched from L3 once, are reused from L2 by the next pass (long contexts ~1.2x faster than
 // one pass per item). Every tile shape sums in the same order (over d, then over keys), so the
 // results do not depend on the tiling.
+// run_work_item hands an item to run_prefill_item or run_decode_item (or, for a bfloat16 prompt where AMX
+// runs, to run_amx_item); both walk the key chunks with the same helpers (step_slots, widen_chunk, head_rows).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
