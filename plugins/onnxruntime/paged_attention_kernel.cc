@@ -12,6 +12,8 @@
 // rows, fetched from L3 once, are reused from L2 by the next pass (long contexts ~1.2x faster than
 // one pass per item). Every tile shape sums in the same order (over d, then over keys), so the
 // results do not depend on the tiling.
+// run_work_item hands an item to run_prefill_item or run_decode_item (or, for a bfloat16 prompt where AMX
+// runs, to run_amx_item); both walk the key chunks with the same helpers (step_slots, widen_chunk, head_rows).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -446,6 +448,361 @@ void rescale(float* out, const float* alpha, int64_t rows, int64_t dim_p) {
   }
 }
 
+// ---- One work item on the float32 path: prefill (>= kGemmRows rows, the GEMM) or decode (fewer rows). ----
+
+// What both paths derive from an item once.
+struct ItemShape {
+  int64_t D;               // head_dim
+  int64_t dim_p;           // head_dim rounded up to kWidth
+  int64_t group;           // query heads per kv head
+  int64_t rows;            // row m = token (m / group), query head (m % group) of the kv head
+  int64_t rows_p;          // rows rounded up to kWidth
+  int64_t heads;           // the item's kv heads
+  int64_t kv_row;          // elements of one pool slot (all kv heads)
+  int64_t q_stride;        // floats of one token's query (and output) row (all query heads)
+  int64_t itemsize;        // bytes of one pool element
+  int64_t pos_first;       // absolute position of the item's first query token
+  int64_t key_lo, key_hi;  // the keys any of its tokens sees (item_keys)
+  const int32_t* table;    // its sequence's block table row
+  bool f16;                // float16 pools
+  bool direct_v;           // value rows are read straight from the pool (head_dim a multiple of kWidth)
+};
+
+ItemShape item_shape(const StepTensors& t, const AttentionParams& p, const WorkItem& item) {
+  ItemShape g;
+  g.D = t.head_dim;
+  g.dim_p = round_up(g.D, kWidth);
+  g.group = p.num_heads / p.kv_num_heads;
+  g.rows = (item.token_end - item.token_begin) * g.group;
+  g.rows_p = round_up(g.rows, kWidth);
+  g.heads = item.kv_head_end - item.kv_head_begin;
+  g.kv_row = p.kv_num_heads * g.D;
+  g.q_stride = p.num_heads * g.D;
+  g.itemsize = kv_itemsize(t.kv_type);
+  const int64_t past = t.past_seqlens[item.seq], seq_begin = t.cumulative_sequence_length[item.seq];
+  g.pos_first = past + (item.token_begin - seq_begin);
+  const auto [key_lo, key_hi] = item_keys(t, p, item);
+  g.key_lo = key_lo;
+  g.key_hi = key_hi;
+  g.table = t.block_table + item.seq * t.max_blocks;
+  g.f16 = t.kv_type == KvType::kFloat16;
+  g.direct_v = g.D % kWidth == 0;
+  return g;
+}
+
+// The thread's scratch sized for an item of shape G whose queries take Q_SIZE floats a head, its running outputs,
+// maxima and sums reset. F16_DIRECT (decode, float16 pools, head_dim a multiple of the vector width): the pool rows
+// are read in registers; other float16 items widen them into k_conv / v_conv first.
+Scratch& item_scratch(const ItemShape& g, int64_t q_size, bool f16_direct) {
+  Scratch& s = thread_scratch();
+  s.q.assign(g.heads * q_size, 0.0f);
+  s.out.assign(g.heads * g.rows * g.dim_p, 0.0f);
+  s.row_max.assign(g.heads * g.rows_p, kNegInf);
+  s.row_sum.assign(g.heads * g.rows_p, 0.0f);
+  s.alpha.resize(g.rows_p);
+  s.scores.resize(kKeyChunk * std::min(g.rows_p, kRowsPerPass));  // also holds [rows][kKeyChunk] (decode)
+  s.slots.resize(kKeyChunk);
+  s.next_slots.resize(kKeyChunk);
+  s.k_rows.resize(kKeyChunk);
+  s.v_rows.resize(kKeyChunk);
+  s.zeros.assign(g.D, 0.0f);
+  if (f16_direct) {
+    s.k_rows16.resize(kKeyChunk);
+    s.v_rows16.resize(kKeyChunk);
+    s.zeros16.assign(g.D, 0);
+  }
+  if (!g.direct_v && !g.f16) s.v_pad.assign(kKeyChunk * g.dim_p, 0.0f);
+  if (g.f16 && !f16_direct) {
+    s.k_conv.resize(kKeyChunk * g.dim_p * g.heads);
+    s.v_conv.resize(kKeyChunk * g.dim_p * g.heads);
+    if (!g.direct_v) std::fill(s.v_conv.begin(), s.v_conv.end(), 0.0f);
+  }
+  return s;
+}
+
+// The item's queries times the scale, kv head h's at q + h * q_size: [rows][D] for decode, or TRANSPOSED for the
+// GEMM path, [D][rows_p] (the columns past rows stay as item_scratch left them: zero).
+template <bool Transposed>
+void scale_queries(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const ItemShape& g,
+                   int64_t q_size, float* q) {
+  const int64_t D = g.D;
+  for (int64_t h = 0; h < g.heads; ++h) {
+    float* dst = q + h * q_size;
+    for (int64_t m = 0; m < g.rows; ++m) {
+      const float* src = t.query + (item.token_begin + m / g.group) * g.q_stride +
+                         ((item.kv_head_begin + h) * g.group + m % g.group) * D;
+      if constexpr (Transposed) {
+        for (int64_t d = 0; d < D; ++d) dst[d * g.rows_p + m] = src[d] * p.scale;
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[m * D + d] = src[d] * p.scale;
+      }
+    }
+  }
+}
+
+// The pool slots of the chunk at C0 (KEYS keys) in s.slots, and of the next chunk in s.next_slots; returns the next
+// chunk's keys (<= 0: this is the last). The pool rows (all heads of the item) of the first chunk are asked for
+// here, and those of the next one while this chunk is computed: the GEMM path a key tile at a time (gemm_scores),
+// decode a few lines per key of P . V (decode_lines). A burst of hundreds of prefetches stalls on the few outstanding
+// misses the core tracks (decode batches asking for the whole next chunk at its start ran at ~1/3 of the DRAM
+// bandwidth).
+int64_t step_slots(const StepTensors& t, const WorkItem& item, const ItemShape& g, int64_t c0, int64_t keys,
+                   Scratch& s) {
+  if (c0 != g.key_lo) {
+    std::swap(s.slots, s.next_slots);  // found by the previous chunk
+  } else {
+    chunk_slots(t, g.table, c0, keys, s.slots.data());
+    prefetch_rows(t, g.kv_row * g.itemsize, s.slots.data(), keys, item.kv_head_begin * g.D * g.itemsize,
+                  g.heads * g.D * g.itemsize);
+  }
+  const int64_t next_keys = std::min(g.key_hi - (c0 + kKeyChunk), kKeyChunk);
+  if (next_keys > 0) chunk_slots(t, g.table, c0 + kKeyChunk, next_keys, s.next_slots.data());
+  return next_keys;
+}
+
+// float16 pools: the chunk's key and value rows of all the item's heads widened into k_conv / v_conv
+// ([key][head][dim_p]), walking each slot row in pool order (one contiguous run per slot, consecutive slots of a
+// block adjacent), which the hardware prefetchers follow far better than a head-by-head stride (~12% faster decode
+// from DRAM than widening per head, scripts/bench_op.py --large).
+void widen_chunk(const StepTensors& t, const WorkItem& item, const ItemShape& g, int64_t keys, Scratch& s) {
+  const uint16_t* const key_f16 = static_cast<const uint16_t*>(t.key_cache);
+  const uint16_t* const value_f16 = static_cast<const uint16_t*>(t.value_cache);
+  const int64_t D = g.D, dim_p = g.dim_p, heads = g.heads, kv_row = g.kv_row;
+  const int64_t first = item.kv_head_begin * D;
+  for (int64_t j = 0; j < keys; ++j) {
+    float* kd = s.k_conv.data() + j * heads * dim_p;
+    float* vd = s.v_conv.data() + j * heads * dim_p;
+    if (dim_p == D) {
+      half::to_floats(key_f16 + s.slots[j] * kv_row + first, kd, heads * D);
+      half::to_floats(value_f16 + s.slots[j] * kv_row + first, vd, heads * D);
+    } else {
+      for (int64_t h = 0; h < heads; ++h) {
+        half::to_floats(key_f16 + s.slots[j] * kv_row + first + h * D, kd + h * dim_p, D);
+        half::to_floats(value_f16 + s.slots[j] * kv_row + first + h * D, vd + h * dim_p, D);
+      }
+    }
+  }
+}
+
+// The item's head H's rows of the chunk's KEYS keys: float16 pool rows in s.k_rows16 / s.v_rows16 (F16_DIRECT),
+// else float rows in s.k_rows / s.v_rows: the widened ones (float16 pools) or a float32 pool's own, value rows
+// copied into v_pad when head_dim is not a multiple of kWidth (widened rows are already padded to dim_p).
+void head_rows(const StepTensors& t, const WorkItem& item, const ItemShape& g, int64_t h, int64_t keys,
+               bool f16_direct, Scratch& s) {
+  const int64_t head_offset = (item.kv_head_begin + h) * g.D;
+  if (f16_direct) {
+    const uint16_t* const key_f16 = static_cast<const uint16_t*>(t.key_cache);
+    const uint16_t* const value_f16 = static_cast<const uint16_t*>(t.value_cache);
+    for (int64_t j = 0; j < keys; ++j) {
+      s.k_rows16[j] = key_f16 + s.slots[j] * g.kv_row + head_offset;
+      s.v_rows16[j] = value_f16 + s.slots[j] * g.kv_row + head_offset;
+    }
+  } else if (g.f16) {  // widened by widen_chunk, [key][head][dim_p]
+    for (int64_t j = 0; j < keys; ++j) {
+      s.k_rows[j] = s.k_conv.data() + (j * g.heads + h) * g.dim_p;
+      s.v_rows[j] = s.v_conv.data() + (j * g.heads + h) * g.dim_p;
+    }
+  } else {
+    const float* const key_f32 = static_cast<const float*>(t.key_cache);
+    const float* const value_f32 = static_cast<const float*>(t.value_cache);
+    for (int64_t j = 0; j < keys; ++j) {
+      s.k_rows[j] = key_f32 + s.slots[j] * g.kv_row + head_offset;
+      s.v_rows[j] = value_f32 + s.slots[j] * g.kv_row + head_offset;
+    }
+    if (!g.direct_v) {
+      for (int64_t j = 0; j < keys; ++j) {
+        std::memcpy(s.v_pad.data() + j * g.dim_p, s.v_rows[j], sizeof(float) * g.D);
+        s.v_rows[j] = s.v_pad.data() + j * g.dim_p;
+      }
+    }
+  }
+}
+
+// scores = softcap * tanh(scores / softcap) for COUNT scores (a multiple of kWidth).
+inline void apply_softcap(float* scores, int64_t count, const AttentionParams& p) {
+  for (int64_t i = 0; i < count; i += kWidth) simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
+}
+
+// The item's result: one part of a split key range leaves its unnormalised rows, their maxima and sums in its
+// partial slot (for combine_split); a whole item writes its output rows, normalised.
+void write_item(const StepTensors& t, const WorkItem& item, const ItemShape& g, const PartialResults& partials,
+                const Scratch& s) {
+  const int64_t D = g.D, rows = g.rows, rows_p = g.rows_p, dim_p = g.dim_p, group = g.group;
+  if (item.partial >= 0) {
+    for (int64_t h = 0; h < g.heads; ++h) {
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t r = h * rows + m;
+        partials.max[item.partial * partials.row_stride + r] = s.row_max[h * rows_p + m];
+        partials.sum[item.partial * partials.row_stride + r] = s.row_sum[h * rows_p + m];
+        std::memcpy(partials.out + item.partial * partials.out_stride + r * D, s.out.data() + r * dim_p,
+                    sizeof(float) * D);
+      }
+    }
+    return;
+  }
+  for (int64_t h = 0; h < g.heads; ++h) {
+    for (int64_t m = 0; m < rows; ++m) {
+      float* dst = t.output + (item.token_begin + m / group) * g.q_stride + ((item.kv_head_begin + h) * group + m % group) * D;
+      const float inv = 1.0f / s.row_sum[h * rows_p + m];
+      const float* acc = s.out.data() + (h * rows + m) * dim_p;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * inv;
+    }
+  }
+}
+
+// Prefill, step 1 of a pass: the raw scores^T [pass_keys][width] of the pass's WIDTH columns QP of Q^T (rows_p
+// apart), a tile of kKeysPerTile keys at a time. ASK (the last pass of the head): asks for the next chunk's rows of
+// this head (at HEAD_OFFSET in a slot) on the way, a key tile at a time.
+void gemm_scores(const StepTensors& t, const ItemShape& g, Scratch& s, const float* qp, int64_t width,
+                 int64_t pass_keys, int64_t head_offset, bool ask) {
+  const int64_t* const next = s.next_slots.data();
+  const int64_t slot_bytes = g.kv_row * g.itemsize, head_bytes = head_offset * g.itemsize, row_bytes = g.D * g.itemsize;
+  float* const scores = s.scores.data();
+  int64_t j = 0;
+  for (; j + kKeysPerTile <= pass_keys; j += kKeysPerTile) {
+    if (ask) prefetch_rows(t, slot_bytes, next + j, kKeysPerTile, head_bytes, row_bytes);
+    qk_gemm_keys<kKeysPerTile>(s.k_rows.data() + j, qp, g.rows_p, width, g.D, scores + j * width);
+  }
+  if (ask) prefetch_rows(t, slot_bytes, next + j, kKeyChunk - j, head_bytes, row_bytes);
+  const float* const* const k = s.k_rows.data() + j;
+  float* const sc = scores + j * width;
+  static_assert(kKeysPerTile == 6, "the tail below covers 1..5 keys");
+  switch (pass_keys - j) {  // one tile of the rest
+    case 0: break;
+    case 1: qk_gemm_keys<1>(k, qp, g.rows_p, width, g.D, sc); break;
+    case 2: qk_gemm_keys<2>(k, qp, g.rows_p, width, g.D, sc); break;
+    case 3: qk_gemm_keys<3>(k, qp, g.rows_p, width, g.D, sc); break;
+    case 4: qk_gemm_keys<4>(k, qp, g.rows_p, width, g.D, sc); break;
+    default: qk_gemm_keys<5>(k, qp, g.rows_p, width, g.D, sc); break;
+  }
+}
+
+// Prefill: the item's head H over the chunk at C0 (KEYS keys, its rows in s.k_rows / s.v_rows), the rows in passes
+// of kRowsPerPass: each pass scores, normalises and accumulates its rows on its own, while the chunk's K/V rows
+// stay in cache for the next pass.
+void prefill_head_chunk(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const ItemShape& g,
+                        Scratch& s, int64_t h, int64_t c0, int64_t keys) {
+  const int64_t rows = g.rows, rows_p = g.rows_p, dim_p = g.dim_p, group = g.group, pos_first = g.pos_first;
+  const int64_t window = p.sliding_window;
+  float* const scores = s.scores.data();
+  float* const out = s.out.data() + h * rows * dim_p;
+  const float* const q = s.q.data() + h * g.D * rows_p;
+  float* const row_max = s.row_max.data() + h * rows_p;
+  float* const row_sum = s.row_sum.data() + h * rows_p;
+  for (int64_t r0 = 0; r0 < rows_p; r0 += kRowsPerPass) {
+    const int64_t width = std::min(rows_p - r0, kRowsPerPass);
+    const int64_t pass_rows = std::min(rows, r0 + width) - r0;
+    const int64_t first = pos_first + r0 / group, last = pos_first + (r0 + pass_rows - 1) / group;
+    if (c0 > last || (window > 0 && c0 + keys - 1 <= first - window)) continue;  // sees none of it
+    const int64_t pass_keys = std::min(keys, last + 1 - c0);  // keys after the pass's last token: unseen
+    // 1. Raw scores (the last pass asks for the next chunk's rows).
+    gemm_scores(t, g, s, q + r0, width, pass_keys, (item.kv_head_begin + h) * g.D, r0 + width == rows_p);
+    // 2. Softcap, mask and online softmax (scores become probabilities).
+    if (p.softcap > 0.0f) apply_softcap(scores, pass_keys * width, p);
+    // Whether some row of the pass cannot see some key of this chunk.
+    if (c0 + pass_keys - 1 > first || (window > 0 && c0 <= last - window))
+      mask_chunk(scores, width, pass_keys, c0, pos_first, r0, group, window);
+    softmax_chunk(scores, width, pass_keys, row_max + r0, row_sum + r0, s.alpha.data());
+    rescale(out + r0 * dim_p, s.alpha.data(), pass_rows, dim_p);
+    // 3. out += probabilities x values.
+    pv_chunk(scores, ProbLayout{width, 1}, s.v_rows.data(), pass_rows, pass_keys, out + r0 * dim_p, dim_p);
+  }
+}
+
+// A prefill item (>= kGemmRows rows): per key chunk, the rows' scores as a GEMM against the transposed queries.
+void run_prefill_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item,
+                      const PartialResults& partials, const ItemShape& g) {
+  const int64_t q_size = g.D * g.rows_p;
+  Scratch& s = item_scratch(g, q_size, false);
+  scale_queries<true>(t, p, item, g, q_size, s.q.data());
+  for (int64_t c0 = g.key_lo; c0 < g.key_hi; c0 += kKeyChunk) {
+    const int64_t keys = std::min(g.key_hi - c0, kKeyChunk);
+    const int64_t next_keys = step_slots(t, item, g, c0, keys, s);
+    std::fill(s.next_slots.begin() + std::max<int64_t>(next_keys, 0), s.next_slots.end(), -1);  // none to ask for
+    if (g.f16) widen_chunk(t, item, g, keys, s);
+    for (int64_t h = 0; h < g.heads; ++h) {
+      head_rows(t, item, g, h, keys, false, s);
+      prefill_head_chunk(t, p, item, g, s, h, c0, keys);
+    }
+  }
+  write_item(t, item, g, partials, s);
+}
+
+// Decode: the byte offsets of the lines of the next chunk in s.pf_lines (at the last chunk: of the first chunk of
+// NEXT, the item this thread likely takes next, when that is a decode item too), asked for a few per key during
+// this chunk's P . V, head by head.
+void decode_lines(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const WorkItem* next,
+                  const ItemShape& g, int64_t next_keys, Scratch& s) {
+  const int64_t slot_bytes = g.kv_row * g.itemsize, head_bytes = g.D * g.itemsize;
+  s.pf_lines.clear();
+  if (next_keys > 0) {
+    slot_lines(s.next_slots.data(), next_keys, slot_bytes, item.kv_head_begin * head_bytes, g.heads * head_bytes,
+               s.pf_lines);
+  } else if (next != nullptr && !gemm_rows((next->token_end - next->token_begin) * g.group)) {
+    const auto [next_lo, next_hi] = item_keys(t, p, *next);
+    const int64_t first_keys = std::min(next_hi - next_lo, kKeyChunk);
+    if (first_keys > 0) {  // the item's loop ends here: next_slots is free
+      chunk_slots(t, t.block_table + next->seq * t.max_blocks, next_lo, first_keys, s.next_slots.data());
+      slot_lines(s.next_slots.data(), first_keys, slot_bytes, next->kv_head_begin * head_bytes,
+                 (next->kv_head_end - next->kv_head_begin) * head_bytes, s.pf_lines);
+    }
+  }
+}
+
+// Decode: the item's head H over the chunk at C0 (KEYS keys; float16 pool rows in s.k_rows16 / s.v_rows16 when
+// F16_DIRECT, else float rows in s.k_rows / s.v_rows): 1. raw scores, 2. softcap, mask and online softmax,
+// 3. out += probabilities x values, asking on the way for the head's share of s.pf_lines.
+void decode_head_chunk(const StepTensors& t, const AttentionParams& p, const ItemShape& g, Scratch& s, int64_t h,
+                       int64_t c0, int64_t keys, bool f16_direct) {
+  const int64_t rows = g.rows, dim_p = g.dim_p, heads = g.heads;
+  float* const scores = s.scores.data();
+  float* const out = s.out.data() + h * rows * dim_p;
+  const float* const q = s.q.data() + h * rows * g.D;
+  float* const row_max = s.row_max.data() + h * g.rows_p;
+  float* const row_sum = s.row_sum.data() + h * g.rows_p;
+  if (f16_direct) {
+    qk_dot(s.k_rows16.data(), s.zeros16.data(), q, rows, g.D, keys, scores);
+  } else {
+    qk_dot(s.k_rows.data(), s.zeros.data(), q, rows, g.D, keys, scores);
+  }
+  if (p.softcap > 0.0f) apply_softcap(scores, rows * kKeyChunk, p);
+  softmax_rows(scores, rows, keys, c0, g.pos_first, g.group, p.sliding_window, row_max, row_sum, s.alpha.data());
+  rescale(out, s.alpha.data(), rows, dim_p);
+  const ProbLayout layout{1, kKeyChunk};
+  const int64_t lines = static_cast<int64_t>(s.pf_lines.size());
+  const int64_t share = (lines + heads - 1) / heads, l0 = std::min(lines, h * share);
+  const Prefetches pf{static_cast<const char*>(t.key_cache), static_cast<const char*>(t.value_cache),
+                      s.pf_lines.data() + l0, std::min(lines - l0, share), (share + keys - 1) / keys};
+  if (f16_direct) {
+    pv_chunk<uint16_t, true>(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p, pf);
+  } else {
+    pv_chunk<float, true>(scores, layout, s.v_rows.data(), rows, keys, out, dim_p, pf);
+  }
+}
+
+// A decode item (< kGemmRows rows: a token's GQA group, a few tokens): per key chunk, kWidth-wide dot products.
+void run_decode_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item,
+                     const PartialResults& partials, const WorkItem* next, const ItemShape& g) {
+  // float16 pools are read in registers; when head_dim is not a multiple of the vector width they are widened
+  // into k_conv / v_conv first, as the GEMM path does.
+  const bool f16_direct = g.f16 && g.direct_v;
+  const int64_t q_size = g.rows * g.D;
+  Scratch& s = item_scratch(g, q_size, f16_direct);
+  scale_queries<false>(t, p, item, g, q_size, s.q.data());
+  for (int64_t c0 = g.key_lo; c0 < g.key_hi; c0 += kKeyChunk) {
+    const int64_t keys = std::min(g.key_hi - c0, kKeyChunk);
+    const int64_t next_keys = step_slots(t, item, g, c0, keys, s);
+    decode_lines(t, p, item, next, g, next_keys, s);
+    if (g.f16 && !f16_direct) widen_chunk(t, item, g, keys, s);
+    for (int64_t h = 0; h < g.heads; ++h) {
+      head_rows(t, item, g, h, keys, f16_direct, s);
+      decode_head_chunk(t, p, g, s, h, c0, keys, f16_direct);
+    }
+  }
+  write_item(t, item, g, partials, s);
+}
+
 #if defined(OCTAVO_AMX)
 // The bfloat16 path of a prompt's item (AttentionParams::prompt_bf16; amx.h), head by head, key chunk by key
 // chunk, in passes of 16 rows, all in the transposed layout of the float32 GEMM path (scores^T [key][row]):
@@ -870,266 +1227,22 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
 
 void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials,
                    const WorkItem* next) {
-  const int64_t D = t.head_dim;
-  const int64_t dim_p = round_up(D, kWidth);
-  const int64_t group = p.num_heads / p.kv_num_heads;
-  const int64_t num_q = item.token_end - item.token_begin;
-  const int64_t rows = num_q * group;  // row m = token (m / group), query head (m % group) of the kv head
-  const int64_t rows_p = round_up(rows, kWidth);
-  const int64_t heads = item.kv_head_end - item.kv_head_begin;
-  const bool gemm = gemm_rows(rows);
-  const bool direct_v = D % kWidth == 0;  // value rows are read straight from the pool
-  const bool f16 = t.kv_type == KvType::kFloat16;
-  // float16 decode reads the pool rows in registers; prefill (GEMM) and head_dim not a multiple of
-  // the vector width widen them into k_conv / v_conv first.
-  const bool f16_direct = f16 && !gemm && direct_v;
-  const int64_t seq_begin = t.cumulative_sequence_length[item.seq];
-  const int64_t past = t.past_seqlens[item.seq];
-  const int64_t window = p.sliding_window;
-  const int32_t* table = t.block_table + item.seq * t.max_blocks;
-  const int64_t kv_row = p.kv_num_heads * D;
-  const int64_t q_stride = p.num_heads * D;
-  const int64_t q_size = gemm ? D * rows_p : rows * D;
+  const ItemShape g = item_shape(t, p, item);
+  const bool gemm = gemm_rows(g.rows);
 #if defined(OCTAVO_AMX)
-  if (p.prompt_bf16 && gemm && D % 32 == 0) {
+  if (p.prompt_bf16 && gemm && g.D % 32 == 0) {
     if (amx_bf16_usable()) {
-      if (f16) return run_amx_item<uint16_t, true>(t, p, item, partials);
+      if (g.f16) return run_amx_item<uint16_t, true>(t, p, item, partials);
       return run_amx_item<float, true>(t, p, item, partials);
     }
     if (bf16_dot_usable()) {
-      if (f16) return run_amx_item<uint16_t, false>(t, p, item, partials);
+      if (g.f16) return run_amx_item<uint16_t, false>(t, p, item, partials);
       return run_amx_item<float, false>(t, p, item, partials);
     }
   }
 #endif
-
-  Scratch& s = thread_scratch();
-  s.q.assign(heads * q_size, 0.0f);
-  s.out.assign(heads * rows * dim_p, 0.0f);
-  s.row_max.assign(heads * rows_p, kNegInf);
-  s.row_sum.assign(heads * rows_p, 0.0f);
-  s.alpha.resize(rows_p);
-  s.scores.resize(kKeyChunk * std::min(rows_p, kRowsPerPass));  // also holds [rows][kKeyChunk] (decode)
-  s.slots.resize(kKeyChunk);
-  s.next_slots.resize(kKeyChunk);
-  s.k_rows.resize(kKeyChunk);
-  s.v_rows.resize(kKeyChunk);
-  s.zeros.assign(D, 0.0f);
-  if (f16_direct) {
-    s.k_rows16.resize(kKeyChunk);
-    s.v_rows16.resize(kKeyChunk);
-    s.zeros16.assign(D, 0);
-  }
-  if (!direct_v && !f16) s.v_pad.assign(kKeyChunk * dim_p, 0.0f);
-  if (f16 && !f16_direct) {
-    s.k_conv.resize(kKeyChunk * dim_p * heads);
-    s.v_conv.resize(kKeyChunk * dim_p * heads);
-    if (!direct_v) std::fill(s.v_conv.begin(), s.v_conv.end(), 0.0f);
-  }
-  const float* const key_f32 = static_cast<const float*>(t.key_cache);
-  const float* const value_f32 = static_cast<const float*>(t.value_cache);
-  const uint16_t* const key_f16 = static_cast<const uint16_t*>(t.key_cache);
-  const uint16_t* const value_f16 = static_cast<const uint16_t*>(t.value_cache);
-  const int64_t itemsize = kv_itemsize(t.kv_type);
-
-  // Scaled queries, transposed for the GEMM path.
-  for (int64_t h = 0; h < heads; ++h) {
-    float* dst = s.q.data() + h * q_size;
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* src = t.query + (item.token_begin + m / group) * q_stride +
-                         ((item.kv_head_begin + h) * group + m % group) * D;
-      if (gemm) {
-        for (int64_t d = 0; d < D; ++d) dst[d * rows_p + m] = src[d] * p.scale;
-      } else {
-        for (int64_t d = 0; d < D; ++d) dst[m * D + d] = src[d] * p.scale;
-      }
-    }
-  }
-
-  // Absolute position of the item's first query token, and the keys any of its tokens sees.
-  const int64_t pos_first = past + (item.token_begin - seq_begin);
-  const auto [key_lo, key_hi] = item_keys(t, p, item);
-
-  for (int64_t c0 = key_lo; c0 < key_hi; c0 += kKeyChunk) {
-    const int64_t keys = std::min(key_hi - c0, kKeyChunk);
-    if (c0 != key_lo) {
-      std::swap(s.slots, s.next_slots);  // found by the previous chunk
-    } else {
-      chunk_slots(t, table, c0, keys, s.slots.data());
-    }
-    // Ask for the pool rows (all heads of the item) of this chunk when it is the first, and of the next
-    // one while this chunk is computed: the GEMM path a key tile at a time (below), decode a few lines per
-    // key of P . V. A burst of hundreds of prefetches stalls on the few outstanding misses the core tracks
-    // (decode batches asking for the whole next chunk at its start ran at ~1/3 of the DRAM bandwidth).
-    const int64_t span = heads * D * itemsize;  // bytes of one slot row the item reads
-    if (c0 == key_lo) prefetch_rows(t, kv_row * itemsize, s.slots.data(), keys, item.kv_head_begin * D * itemsize, span);
-    const int64_t next_keys = std::min(key_hi - (c0 + kKeyChunk), kKeyChunk);
-    if (next_keys > 0) chunk_slots(t, table, c0 + kKeyChunk, next_keys, s.next_slots.data());
-    if (gemm) {
-      std::fill(s.next_slots.begin() + std::max<int64_t>(next_keys, 0), s.next_slots.end(), -1);
-    } else {
-      // Decode: the lines of the next chunk (at the last chunk: the first chunk of the next item, which this
-      // thread likely takes next), asked for a few per key during this chunk's P . V, head by head.
-      s.pf_lines.clear();
-      if (next_keys > 0) {
-        slot_lines(s.next_slots.data(), next_keys, kv_row * itemsize, item.kv_head_begin * D * itemsize, span, s.pf_lines);
-      } else if (next != nullptr && !gemm_rows((next->token_end - next->token_begin) * group)) {
-        const auto [next_lo, next_hi] = item_keys(t, p, *next);
-        const int64_t first_keys = std::min(next_hi - next_lo, kKeyChunk);
-        if (first_keys > 0) {  // the loop ends here: next_slots is free
-          chunk_slots(t, t.block_table + next->seq * t.max_blocks, next_lo, first_keys, s.next_slots.data());
-          slot_lines(s.next_slots.data(), first_keys, kv_row * itemsize, next->kv_head_begin * D * itemsize,
-                     (next->kv_head_end - next->kv_head_begin) * D * itemsize, s.pf_lines);
-        }
-      }
-    }
-    // float16 pools: widen the chunk's rows for all the item's heads at once, walking each slot row
-    // in pool order (one contiguous run per slot, consecutive slots of a block adjacent), which the
-    // hardware prefetchers follow far better than a head-by-head stride (~12% faster decode from
-    // DRAM than widening per head, scripts/bench_op.py --large).
-    if (f16 && !f16_direct) {
-      const int64_t first = item.kv_head_begin * D;
-      for (int64_t j = 0; j < keys; ++j) {
-        float* kd = s.k_conv.data() + j * heads * dim_p;
-        float* vd = s.v_conv.data() + j * heads * dim_p;
-        if (dim_p == D) {
-          half::to_floats(key_f16 + s.slots[j] * kv_row + first, kd, heads * D);
-          half::to_floats(value_f16 + s.slots[j] * kv_row + first, vd, heads * D);
-        } else {
-          for (int64_t h = 0; h < heads; ++h) {
-            half::to_floats(key_f16 + s.slots[j] * kv_row + first + h * D, kd + h * dim_p, D);
-            half::to_floats(value_f16 + s.slots[j] * kv_row + first + h * D, vd + h * dim_p, D);
-          }
-        }
-      }
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t head_offset = (item.kv_head_begin + h) * D;
-      if (f16_direct) {
-        for (int64_t j = 0; j < keys; ++j) {
-          s.k_rows16[j] = key_f16 + s.slots[j] * kv_row + head_offset;
-          s.v_rows16[j] = value_f16 + s.slots[j] * kv_row + head_offset;
-        }
-      } else if (f16) {  // rows widened above, [key][head][dim_p]
-        for (int64_t j = 0; j < keys; ++j) {
-          s.k_rows[j] = s.k_conv.data() + (j * heads + h) * dim_p;
-          s.v_rows[j] = s.v_conv.data() + (j * heads + h) * dim_p;
-        }
-      } else {
-        for (int64_t j = 0; j < keys; ++j) {
-          s.k_rows[j] = key_f32 + s.slots[j] * kv_row + head_offset;
-          s.v_rows[j] = value_f32 + s.slots[j] * kv_row + head_offset;
-        }
-      }
-      float* const scores = s.scores.data();
-      float* const out = s.out.data() + h * rows * dim_p;
-      const float* const q = s.q.data() + h * q_size;
-
-      float* const row_max = s.row_max.data() + h * rows_p;
-      float* const row_sum = s.row_sum.data() + h * rows_p;
-      if (!direct_v && !f16) {  // value rows padded to dim_p (widened fp16 rows already are)
-        for (int64_t j = 0; j < keys; ++j) {
-          std::memcpy(s.v_pad.data() + j * dim_p, s.v_rows[j], sizeof(float) * D);
-          s.v_rows[j] = s.v_pad.data() + j * dim_p;
-        }
-      }
-
-      if (gemm) {
-        // The rows in passes of kRowsPerPass: each pass scores, normalises and accumulates its
-        // rows on its own, while the chunk's K/V rows stay in cache for the next pass.
-        for (int64_t r0 = 0; r0 < rows_p; r0 += kRowsPerPass) {
-          const int64_t width = std::min(rows_p - r0, kRowsPerPass);
-          const int64_t pass_rows = std::min(rows, r0 + width) - r0;
-          const int64_t first = pos_first + r0 / group, last = pos_first + (r0 + pass_rows - 1) / group;
-          if (c0 > last || (window > 0 && c0 + keys - 1 <= first - window)) continue;  // sees none of it
-          const int64_t pass_keys = std::min(keys, last + 1 - c0);  // keys after the pass's last token: unseen
-          // 1. Raw scores. The last pass asks for the next chunk's rows of this head, a key tile
-          // at a time.
-          const bool ask = r0 + width == rows_p;
-          const int64_t* const next = s.next_slots.data();
-          const int64_t head_bytes = head_offset * itemsize, row_bytes = D * itemsize;
-          const float* const qp = q + r0;
-          int64_t j = 0;
-          for (; j + kKeysPerTile <= pass_keys; j += kKeysPerTile) {
-            if (ask) prefetch_rows(t, kv_row * itemsize, next + j, kKeysPerTile, head_bytes, row_bytes);
-            qk_gemm_keys<kKeysPerTile>(s.k_rows.data() + j, qp, rows_p, width, D, scores + j * width);
-          }
-          if (ask) prefetch_rows(t, kv_row * itemsize, next + j, kKeyChunk - j, head_bytes, row_bytes);
-          const float* const* const k = s.k_rows.data() + j;
-          float* const sc = scores + j * width;
-          static_assert(kKeysPerTile == 6, "the tail below covers 1..5 keys");
-          switch (pass_keys - j) {  // one tile of the rest
-            case 0: break;
-            case 1: qk_gemm_keys<1>(k, qp, rows_p, width, D, sc); break;
-            case 2: qk_gemm_keys<2>(k, qp, rows_p, width, D, sc); break;
-            case 3: qk_gemm_keys<3>(k, qp, rows_p, width, D, sc); break;
-            case 4: qk_gemm_keys<4>(k, qp, rows_p, width, D, sc); break;
-            default: qk_gemm_keys<5>(k, qp, rows_p, width, D, sc); break;
-          }
-          // 2. Softcap, mask and online softmax (scores become probabilities).
-          if (p.softcap > 0.0f) {
-            for (int64_t i = 0; i < pass_keys * width; i += kWidth)
-              simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
-          }
-          // Whether some row of the pass cannot see some key of this chunk.
-          if (c0 + pass_keys - 1 > first || (window > 0 && c0 <= last - window))
-            mask_chunk(scores, width, pass_keys, c0, pos_first, r0, group, window);
-          softmax_chunk(scores, width, pass_keys, row_max + r0, row_sum + r0, s.alpha.data());
-          rescale(out + r0 * dim_p, s.alpha.data(), pass_rows, dim_p);
-          // 3. out += probabilities x values.
-          pv_chunk(scores, ProbLayout{width, 1}, s.v_rows.data(), pass_rows, pass_keys, out + r0 * dim_p, dim_p);
-        }
-        continue;
-      }
-
-      // Decode: 1. raw scores, 2. softcap, mask and online softmax, 3. out += probabilities x values.
-      if (f16_direct) {
-        qk_dot(s.k_rows16.data(), s.zeros16.data(), q, rows, D, keys, scores);
-      } else {
-        qk_dot(s.k_rows.data(), s.zeros.data(), q, rows, D, keys, scores);
-      }
-      if (p.softcap > 0.0f) {
-        for (int64_t i = 0; i < rows * kKeyChunk; i += kWidth)
-          simd::store(scores + i, simd::softcap(simd::load(scores + i), p.softcap));
-      }
-      softmax_rows(scores, rows, keys, c0, pos_first, group, window, row_max, row_sum, s.alpha.data());
-      rescale(out, s.alpha.data(), rows, dim_p);
-      const ProbLayout layout{1, kKeyChunk};
-      const int64_t lines = static_cast<int64_t>(s.pf_lines.size());
-      const int64_t share = (lines + heads - 1) / heads, l0 = std::min(lines, h * share);
-      const Prefetches pf{static_cast<const char*>(t.key_cache), static_cast<const char*>(t.value_cache),
-                          s.pf_lines.data() + l0, std::min(lines - l0, share), (share + keys - 1) / keys};
-      if (f16_direct) {
-        pv_chunk<uint16_t, true>(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p, pf);
-      } else {
-        pv_chunk<float, true>(scores, layout, s.v_rows.data(), rows, keys, out, dim_p, pf);
-      }
-    }
-  }
-
-  if (item.partial >= 0) {  // one part of a split key range: leave the raw result for combine_split
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t m = 0; m < rows; ++m) {
-        const int64_t r = h * rows + m;
-        partials.max[item.partial * partials.row_stride + r] = s.row_max[h * rows_p + m];
-        partials.sum[item.partial * partials.row_stride + r] = s.row_sum[h * rows_p + m];
-        std::memcpy(partials.out + item.partial * partials.out_stride + r * D, s.out.data() + r * dim_p,
-                    sizeof(float) * D);
-      }
-    }
-    return;
-  }
-
-  // Normalise and write this item's output rows.
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t m = 0; m < rows; ++m) {
-      float* dst = t.output + (item.token_begin + m / group) * q_stride + ((item.kv_head_begin + h) * group + m % group) * D;
-      const float inv = 1.0f / s.row_sum[h * rows_p + m];
-      const float* acc = s.out.data() + (h * rows + m) * dim_p;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] * inv;
-    }
-  }
+  if (gemm) return run_prefill_item(t, p, item, partials, g);
+  run_decode_item(t, p, item, partials, next, g);
 }
 
 }  // namespace octavo

@@ -160,14 +160,46 @@ struct PagedAttentionKernel {
   octavo::KvType kv_type;
 
   void compute(OrtKernelContext* context) const {
+    const OrtValue* inputs[kNumAllInputs] = {};
+    TensorInfo infos[kNumAllInputs];
+    const size_t input_count = read_inputs(context, inputs, infos);
+    octavo::StepTensors t = step_tensors(inputs, infos);
+    std::vector<float> rotated;  // the rotary inputs' query and key, rotated: [T, num_heads * D] then [T, kv * D]
+    if (input_count == kNumAllInputs) rotate_inputs(context, inputs, infos, t, rotated);
+
+    // Outputs. The pool outputs are declared aliases of the pool inputs, so ORT hands back the
+    // input buffers; should it ever hand out fresh buffers, they receive a copy after the write.
+    const int64_t out_dims[2] = {t.num_tokens, params.num_heads * t.head_dim};
+    OrtValue* out = nullptr;
+    check(api, api->KernelContext_GetOutput(context, kOutput, out_dims, 2, &out));
+    OrtValue* key_out = nullptr;
+    OrtValue* value_out = nullptr;
+    const std::vector<int64_t>& pool_dims = infos[kKeyCache].dims;
+    check(api, api->KernelContext_GetOutput(context, kKeyCacheOut, pool_dims.data(), pool_dims.size(), &key_out));
+    check(api, api->KernelContext_GetOutput(context, kValueCacheOut, pool_dims.data(), pool_dims.size(), &value_out));
+    t.output = data_of<float>(api, out);
+
+    octavo::write_new_kv(t, params);
+    if (t.num_tokens > 0) attend(context, t);
+
+    const size_t pool_bytes = static_cast<size_t>(octavo::kv_itemsize(kv_type) * t.num_blocks * t.block_size *
+                                                  params.kv_num_heads * t.head_dim);
+    void* key_out_data = data_of<void>(api, key_out);
+    void* value_out_data = data_of<void>(api, value_out);
+    if (key_out_data != t.key_cache && pool_bytes) std::memcpy(key_out_data, t.key_cache, pool_bytes);
+    if (value_out_data != t.value_cache && pool_bytes) std::memcpy(value_out_data, t.value_cache, pool_bytes);
+  }
+
+  // The inputs (kNumInputs, or kNumAllInputs with the rotary ones) and their element types, checked; returns how
+  // many there are.
+  size_t read_inputs(OrtKernelContext* context, const OrtValue* (&inputs)[kNumAllInputs],
+                     TensorInfo (&infos)[kNumAllInputs]) const {
     size_t input_count = 0;
     check(api, api->KernelContext_GetInputCount(context, &input_count));
     if (input_count != kNumInputs && input_count != kNumAllInputs) {
       fail("expects " + std::to_string(kNumInputs) + " inputs (or " + std::to_string(kNumAllInputs) +
            " with position_ids, cos_cache and sin_cache), got " + std::to_string(input_count));
     }
-    const OrtValue* inputs[kNumAllInputs] = {};
-    TensorInfo infos[kNumAllInputs];
     for (size_t i = 0; i < input_count; ++i) {
       check(api, api->KernelContext_GetInput(context, i, &inputs[i]));
       if (inputs[i] == nullptr) fail(std::string("input ") + kInputNames[i] + " is missing");
@@ -177,8 +209,12 @@ struct PagedAttentionKernel {
              std::to_string(input_type(i, kv_type)) + " (1=float32, 10=float16, 6=int32, 7=int64)");
       }
     }
+    return input_count;
+  }
 
-    // Shapes: pools fix head_dim and kv heads; everything else must agree with them.
+  // The step's tensors (all but the output) from the required inputs, their shapes and indices checked.
+  // Shapes: pools fix head_dim and kv heads; everything else must agree with them.
+  octavo::StepTensors step_tensors(const OrtValue* const* inputs, const TensorInfo* infos) const {
     expect_rank(infos[kKeyCache], kKeyCache, 4);
     const int64_t num_blocks = infos[kKeyCache].dims[0];
     const int64_t block_size = infos[kKeyCache].dims[1];
@@ -227,74 +263,60 @@ struct PagedAttentionKernel {
 
     const std::string problem = octavo::validate_indices(t);
     if (!problem.empty()) fail(problem);
+    return t;
+  }
 
-    std::vector<float> rotated;  // the rotary inputs' query and key, rotated: [T, num_heads * D] then [T, kv * D]
-    if (input_count == kNumAllInputs) {
-      expect_rank(infos[kPositionIds], kPositionIds, 1);
-      expect_dim(infos[kPositionIds], kPositionIds, 0, num_tokens, "tokens, as in query");
-      if (head_dim % 2 != 0) fail("the rotary inputs need an even head_dim, got " + std::to_string(head_dim));
-      expect_rank(infos[kCosCache], kCosCache, 2);
-      expect_dim(infos[kCosCache], kCosCache, 1, head_dim / 2, "head_dim / 2");
-      if (infos[kSinCache].dims != infos[kCosCache].dims) {
-        fail("sin_cache shape " + shape_string(infos[kSinCache].dims) + " differs from cos_cache shape " +
-             shape_string(infos[kCosCache].dims));
-      }
-      const int64_t table_rows = infos[kCosCache].dims[0];
-      const int64_t* positions = data_of<const int64_t>(api, inputs[kPositionIds]);
-      for (int64_t i = 0; i < num_tokens; ++i) {
-        if (positions[i] < 0 || positions[i] >= table_rows) {
-          fail("position_ids[" + std::to_string(i) + "] = " + std::to_string(positions[i]) +
-               " is outside the rotary tables' " + std::to_string(table_rows) + " positions");
-        }
-      }
-      const int64_t q_size = num_tokens * params.num_heads * head_dim;
-      rotated.resize(static_cast<size_t>(q_size + num_tokens * params.kv_num_heads * head_dim));
-      const float* cos = data_of<const float>(api, inputs[kCosCache]);
-      const float* sin = data_of<const float>(api, inputs[kSinCache]);
-      RotateJob job{t.query, t.key, num_tokens, params.num_heads, params.kv_num_heads, head_dim, positions,
-                    cos, sin, rotated.data(), rotated.data() + q_size};
-      parallel_for(api, context, rotate_range, static_cast<size_t>((num_tokens + kRotateTokens - 1) / kRotateTokens),
-                   &job);
-      t.query = rotated.data();
-      t.key = rotated.data() + q_size;
+  // The rotary inputs (position_ids, cos_cache, sin_cache) checked, and T's query and key rotated into ROTATED on
+  // the thread pool; T then reads them there.
+  void rotate_inputs(OrtKernelContext* context, const OrtValue* const* inputs, const TensorInfo* infos,
+                     octavo::StepTensors& t, std::vector<float>& rotated) const {
+    const int64_t num_tokens = t.num_tokens, head_dim = t.head_dim;
+    expect_rank(infos[kPositionIds], kPositionIds, 1);
+    expect_dim(infos[kPositionIds], kPositionIds, 0, num_tokens, "tokens, as in query");
+    if (head_dim % 2 != 0) fail("the rotary inputs need an even head_dim, got " + std::to_string(head_dim));
+    expect_rank(infos[kCosCache], kCosCache, 2);
+    expect_dim(infos[kCosCache], kCosCache, 1, head_dim / 2, "head_dim / 2");
+    if (infos[kSinCache].dims != infos[kCosCache].dims) {
+      fail("sin_cache shape " + shape_string(infos[kSinCache].dims) + " differs from cos_cache shape " +
+           shape_string(infos[kCosCache].dims));
     }
-
-    // Outputs. The pool outputs are declared aliases of the pool inputs, so ORT hands back the
-    // input buffers; should it ever hand out fresh buffers, they receive a copy after the write.
-    const int64_t out_dims[2] = {num_tokens, params.num_heads * head_dim};
-    OrtValue* out = nullptr;
-    check(api, api->KernelContext_GetOutput(context, kOutput, out_dims, 2, &out));
-    OrtValue* key_out = nullptr;
-    OrtValue* value_out = nullptr;
-    const std::vector<int64_t>& pool_dims = infos[kKeyCache].dims;
-    check(api, api->KernelContext_GetOutput(context, kKeyCacheOut, pool_dims.data(), pool_dims.size(), &key_out));
-    check(api, api->KernelContext_GetOutput(context, kValueCacheOut, pool_dims.data(), pool_dims.size(), &value_out));
-    t.output = data_of<float>(api, out);
-
-    octavo::write_new_kv(t, params);
-    if (num_tokens > 0) {
-      const octavo::WorkPlan plan = octavo::plan_work(t, params);
-      octavo::PartialResults partials;
-      std::vector<float> partial_memory;
-      if (plan.num_partials > 0) {
-        partials.row_stride = plan.partial_rows;
-        partials.out_stride = plan.partial_rows * head_dim;
-        partial_memory.resize(static_cast<size_t>(plan.num_partials * (partials.out_stride + 2 * partials.row_stride)));
-        partials.out = partial_memory.data();
-        partials.max = partials.out + plan.num_partials * partials.out_stride;
-        partials.sum = partials.max + plan.num_partials * partials.row_stride;
+    const int64_t table_rows = infos[kCosCache].dims[0];
+    const int64_t* positions = data_of<const int64_t>(api, inputs[kPositionIds]);
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      if (positions[i] < 0 || positions[i] >= table_rows) {
+        fail("position_ids[" + std::to_string(i) + "] = " + std::to_string(positions[i]) +
+             " is outside the rotary tables' " + std::to_string(table_rows) + " positions");
       }
-      ParallelJob job{&t, &params, &plan, &partials};
-      parallel_for(api, context, run_item, plan.items.size(), &job);
-      parallel_for(api, context, run_combine, plan.splits.size(), &job);
     }
+    const int64_t q_size = num_tokens * params.num_heads * head_dim;
+    rotated.resize(static_cast<size_t>(q_size + num_tokens * params.kv_num_heads * head_dim));
+    const float* cos = data_of<const float>(api, inputs[kCosCache]);
+    const float* sin = data_of<const float>(api, inputs[kSinCache]);
+    RotateJob job{t.query, t.key, num_tokens, params.num_heads, params.kv_num_heads, head_dim, positions,
+                  cos, sin, rotated.data(), rotated.data() + q_size};
+    parallel_for(api, context, rotate_range, static_cast<size_t>((num_tokens + kRotateTokens - 1) / kRotateTokens),
+                 &job);
+    t.query = rotated.data();
+    t.key = rotated.data() + q_size;
+  }
 
-    const size_t pool_bytes = static_cast<size_t>(octavo::kv_itemsize(kv_type) * num_blocks * block_size *
-                                                  params.kv_num_heads * head_dim);
-    void* key_out_data = data_of<void>(api, key_out);
-    void* value_out_data = data_of<void>(api, value_out);
-    if (key_out_data != t.key_cache && pool_bytes) std::memcpy(key_out_data, t.key_cache, pool_bytes);
-    if (value_out_data != t.value_cache && pool_bytes) std::memcpy(value_out_data, t.value_cache, pool_bytes);
+  // Attention for T's tokens (their K/V already in the pools): the work plan's items on the thread pool, then the
+  // combination of the parts of split key ranges.
+  void attend(OrtKernelContext* context, const octavo::StepTensors& t) const {
+    const octavo::WorkPlan plan = octavo::plan_work(t, params);
+    octavo::PartialResults partials;
+    std::vector<float> partial_memory;
+    if (plan.num_partials > 0) {
+      partials.row_stride = plan.partial_rows;
+      partials.out_stride = plan.partial_rows * t.head_dim;
+      partial_memory.resize(static_cast<size_t>(plan.num_partials * (partials.out_stride + 2 * partials.row_stride)));
+      partials.out = partial_memory.data();
+      partials.max = partials.out + plan.num_partials * partials.out_stride;
+      partials.sum = partials.max + plan.num_partials * partials.row_stride;
+    }
+    ParallelJob job{&t, &params, &plan, &partials};
+    parallel_for(api, context, run_item, plan.items.size(), &job);
+    parallel_for(api, context, run_combine, plan.splits.size(), &job);
   }
 };
 
