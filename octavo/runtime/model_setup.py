@@ -123,12 +123,15 @@ def _available_memory() -> int:
 def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_model_len: int) -> Backend:
     if args.backend == "tensorrt":  # sizes its pool from free GPU memory unless told
         from octavo.tensorrt.backend import TensorRTBackend
-        from octavo.tensorrt.engine_info import BUILD_INFO_NAME, BuildInfo
+        from octavo.tensorrt.engine_info import BUILD_INFO_NAME, BuildInfo, check_serving_limits
 
         # The pool dtype is the engine's, fixed at build time. Without an engine the backend itself says
         # what is missing (TensorRT, or the engine), so sizing falls back to the manifest's dtype.
         built = (model_dir / BUILD_INFO_NAME).is_file()
         pool_dtype = BuildInfo.load(model_dir).dtype if built else manifest.dtype
+        if built:  # options the engine's profile cannot run fail here, not at the first step past them
+            check_serving_limits(BuildInfo.load(model_dir), model_dir, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len)
         if built and args.kv_cache_dtype not in ("auto", pool_dtype):
             raise InvalidRequestError(
                 f"this TensorRT engine keeps its KV pool in {pool_dtype} (set by `octavo build --dtype`); "
