@@ -115,13 +115,16 @@ def _worker(scenario: str, folder: str) -> None:
         elif scenario == "no_preview_feature":
             # mutation: the builder forgets the preview feature -> the engine does not alias the pools,
             # and the backend refuses it instead of decoding from a stale cache
-            tb.configure_builder = lambda trt, config, workspace: None
+            tb.configure_builder = lambda trt, config, workspace, dtype="float16": None
             tb.build_engine(folder_path, options)
             TensorRTBackend(folder_path, manifest, num_blocks=16)
         elif scenario == "flags":
             network = trt.Builder(trt.Logger()).create_network(tb.network_flags(trt))
             config = trt.Builder(trt.Logger()).create_builder_config()
             tb.configure_builder(trt, config, 1 << 20)
+            fp32 = trt.Builder(trt.Logger()).create_builder_config()
+            tb.configure_builder(trt, fp32, 1 << 20, "float32")
+            result["tf32"] = {"float16": trt.BuilderFlag.TF32 in config.flags, "float32": trt.BuilderFlag.TF32 in fp32.flags}
             result["network_flags"] = network.flags
             result["strongly_typed_bit"] = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
             result["preview"] = sorted(f.name for f in config.preview)
@@ -233,6 +236,7 @@ def test_builder_flags_strongly_typed_and_aliasing_preview(exported, version: st
     expected = result["strongly_typed_bit"] if version.startswith("10.") else 0
     assert result["network_flags"] == expected
     assert result["preview"] == ["ALIASED_PLUGIN_IO_10_03"]
+    assert result["tf32"] == {"float16": True, "float32": False}  # fp32 engines compute in IEEE fp32
 
 
 def test_standin_drops_aliasing_without_preview_feature_and_backend_refuses(exported) -> None:  # noqa: ANN001

@@ -105,9 +105,13 @@ def network_flags(trt: ModuleType) -> int:
     return 1 << int(typed)
 
 
-def configure_builder(trt: ModuleType, config, workspace_bytes: int) -> None:  # noqa: ANN001
-    """Workspace limit and the preview feature that makes the plugin's aliased pool outputs in-place."""
+def configure_builder(trt: ModuleType, config, workspace_bytes: int, dtype: str = "float16") -> None:  # noqa: ANN001
+    """Workspace limit, the preview feature that makes the plugin's aliased pool outputs in-place, and for a
+    float32 engine no TF32 (TensorRT enables BuilderFlag.TF32 by default: fp32 GEMMs would round to 10 bits)."""
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    tf32 = getattr(trt.BuilderFlag, "TF32", None)
+    if dtype == "float32" and tf32 is not None:
+        config.clear_flag(tf32)
     feature = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
     if feature is None:
         raise BackendUnavailableError(f"TensorRT {trt.__version__} lacks PreviewFeature.ALIASED_PLUGIN_IO_10_03 "
@@ -240,7 +244,7 @@ def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = N
                                "the pools in place only through network outputs")
 
     config = builder.create_builder_config()
-    configure_builder(trt, config, options.workspace_bytes)  # no precision flag: the types are in the ONNX
+    configure_builder(trt, config, options.workspace_bytes, options.dtype)  # no precision flag: types are in the ONNX
     profile = builder.create_optimization_profile()
     shapes = profile_shapes(manifest, options, max_blocks_per_seq, max_num_logits)
     for i in range(network.num_inputs):

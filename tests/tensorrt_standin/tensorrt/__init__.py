@@ -236,13 +236,18 @@ class IOptimizationProfile:
 
 class IBuilderConfig:
     def __init__(self) -> None:
-        self.flags: set = set()
+        self.flags: set = {BuilderFlag.TF32}  # on by default, as in TensorRT
+        self.cleared: set = set()
         self.preview: set = set()
         self.profiles: list[IOptimizationProfile] = []
         self.pool_limits: dict = {}
 
     def set_flag(self, flag: Any) -> None:  # noqa: ANN401
         self.flags.add(flag)
+
+    def clear_flag(self, flag: Any) -> None:  # noqa: ANN401
+        self.flags.discard(flag)
+        self.cleared.add(flag)
 
     def set_preview_feature(self, feature: Any, enable: bool) -> None:  # noqa: ANN401
         (self.preview.add if enable else self.preview.discard)(feature)
