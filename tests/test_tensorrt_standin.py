@@ -185,7 +185,7 @@ def reference(hf_model_dir):  # noqa: ANN001, ANN201
     ("float32", 1e-3, {}),  # TensorRT aliases the pools but does not report it
     ("float16", 1.5e-1, {"OCTAVO_TRT_STANDIN_ALIAS_REPORT": "exact"}),  # fp16: weights and GEMMs in fp16
     ("float32", 1e-3, {"OCTAVO_TRT_STANDIN_ALIAS_COPIES": "1"}),  # copies around the plugin, output bound = input
-    ("bfloat16", 3e-1, {}),  # bf16 weights, GEMMs and pools (the stand-in computes the plugin on float32 copies)
+    ("bfloat16", 6e-1, {}),  # bf16 (8-bit mantissa): ~8x fp16's error; the plugin computed on float32 copies
 ])
 def test_build_and_run_through_tensorrt_standin_matches_transformers(exported, reference, dtype: str,  # noqa: ANN001
                                                                      atol: float, standin: dict) -> None:
