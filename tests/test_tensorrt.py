@@ -416,7 +416,9 @@ def test_default_pool_rows_follow_the_gpu_memory_and_options_validate() -> None:
 
     manifest = _manifest(layers=2)  # one block: 2 layers x K+V x 16 x 2 x 16 x 2 bytes = 4096 bytes in fp16
     options = TensorRTBuildOptions(dtype="float16", gpu_memory_utilization=0.5)
-    assert default_pool_blocks(80 << 30, manifest, options) == (40 << 30) // 4096
+    assert default_pool_blocks(8 << 30, manifest, options) == (4 << 30) // 4096
+    # 80 GB would give 10.5 M blocks; each pool stays under 2^31 elements (16 x 2 x 16 = 512 per block)
+    assert default_pool_blocks(80 << 30, manifest, options) == ((1 << 31) - 1) // 512
     with pytest.raises(EngineBuildError, match="no KV block"):
         default_pool_blocks(1000, manifest, options)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

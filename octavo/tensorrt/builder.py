@@ -166,12 +166,17 @@ def check_float_weights(model_dir: Path, manifest: Manifest) -> None:
 
 
 MAX_POOL_BLOCKS = 1 << 24  # a bound on the default sizing only (16.7 M blocks of 16 tokens)
+# The default also keeps every pool under 2^31 elements: the kernel indexes with int64, but whether TensorRT takes
+# plugin I/O tensors that large has not been run (an explicit --max-num-blocks may exceed it).
+MAX_POOL_ELEMENTS = (1 << 31) - 1
 
 
 def default_pool_blocks(free_bytes: int, manifest: Manifest, options: TensorRTBuildOptions) -> int:
     """The profile's pool rows when not given: the pool the runtime allocates on this GPU (same rule)."""
     per_block = manifest.kv_bytes_per_block(options.block_size, options.dtype)
-    blocks = pool_blocks_for_memory(free_bytes, options.gpu_memory_utilization, per_block, MAX_POOL_BLOCKS)
+    elements = options.block_size * manifest.num_kv_heads * manifest.head_dim  # of one block in one pool
+    cap = min(MAX_POOL_BLOCKS, MAX_POOL_ELEMENTS // elements)
+    blocks = pool_blocks_for_memory(free_bytes, options.gpu_memory_utilization, per_block, cap)
     if blocks < 1:
         raise EngineBuildError(f"no KV block ({per_block} bytes) fits in {options.gpu_memory_utilization} of the "
                                f"GPU's {free_bytes} free bytes; free memory or pass --max-num-blocks")
