@@ -1,31 +1,32 @@
 #!/usr/bin/env python3
-"""ONE prepared check of octavo's GPU path (about 4-6 min on an H200; hard budget --budget-s, 400 s).
+"""ONE prepared check of octavo's GPU path (one command, about 5-7 min on an H100; --budget-s 330 by default).
 
-Sections, each case isolated (an exception is recorded, the rest runs); the JSON report is rewritten
-after every case, so a timeout still leaves everything measured so far:
+Sections, each in its own process and each case isolated (an exception is recorded, the rest runs); the JSON
+report is rewritten after every case, so a timeout still leaves everything measured so far:
 
 1. env: device, driver, torch / triton / numpy / cuda-python / tensorrt versions.
 2. kernel_jit: the Triton paged-attention kernel through its torch launcher (Triton's JIT) vs the numpy
    reference: prefill, chunked prefill, decode, GQA, MHA, sliding window, block 64; fp32 / fp16 / bf16;
    and a pool of more than 131,072 blocks whose sequences use the TOP block ids (element offsets past 2^31).
-3. aot_launch: the PTX that TensorRT would embed (`compile_for_aot`, divisibility hints, the build GPU's
-   arch) loaded with cuda.bindings' driver API (cuModuleLoadData) and launched with cuLaunchKernel exactly
-   as TensorRT's AOT plugin launch would: the plugin's grid (cdiv(T, BLOCK_M) + B, kv_heads), block
-   (num_warps * 32), dynamic shared memory, the 9 input pointers, 3 int32 extras, 3 output pointers, the
-   input pool pointer == the output pool pointer; then Triton's 2 hidden scratch pointers three ways:
-   absent (a 15-parameter packed buffer), null, and poison (non-null garbage, proving they are never read).
-   Same references and cases as 2, including the big pool.
-4. bandwidth: decode (1 new token per sequence) over batch {1,16,64,256} x context {512, 4k, 32k}: GB/s of
+3. aot_launch: the PTX the TensorRT plugin hands TensorRT (`compile_for_aot` + `ptx_abi.plugin_ptx`: exactly
+   15 parameters) loaded with the driver API (cuModuleLoadData) and launched with cuLaunchKernel as TensorRT's
+   AOT launch does: the plugin's grid (cdiv(T, BLOCK_M) + B, kv_heads), block (num_warps * 32), dynamic shared
+   memory, a 15-entry argument array (9 input pointers, 3 int32 extras, 3 output pointers), the input pool
+   pointer == the output pool pointer. Same references and cases as 2, including the big pool.
+4. tensorrt: only if TensorRT imports ("TensorRT: not available on this machine" otherwise, and PASS then
+   covers only what ran): fp32 + fp16 engines of the carried tiny llama export, TensorRTBackend's aliasing
+   report / probe step / device memory, step logits vs carried transformers logits, and a fresh-process
+   `octavo generate --backend tensorrt` vs the carried CPU greedy completions (scripts/gpu_check_tensorrt.py).
+5. bandwidth: decode (1 new token per sequence) over batch {1,16,64,256} x context {512, 4k, 32k}: GB/s of
    K/V read by the JIT kernel, by the AOT PTX, and by a device-to-device copy moving the same bytes, vs the
-   card's datasheet peak (4.8 TB/s for an H200).
-5. tensorrt: only if TensorRT and cuda-python import: build a tiny engine (fp32, fp16) from a random llama
-   export, prefill + decode, logits vs transformers (decode needs the pools written in place).
+   card's datasheet peak.
 
 Usage:
-  python scripts/gpu_check.py [--out OUT.json] [--budget-s 400] [--sections env,kernel_jit,...]
+  python scripts/gpu_check.py --prepare out/gpu_check_inputs     # CPU machine: what section 4 carries in
+  python scripts/gpu_check.py [--out OUT.json] [--budget-s 330] [--inputs out/gpu_check_inputs] [--sections ...]
   python scripts/gpu_check.py --smoke-cpu [--out OUT.json]   # sections 2 and 3's compile on CPU
 Default OUT: $OUT/gpu_check.json, else ./gpu_check.json. Exit code 0 only if every check that ran passed.
-Tolerates Triton 3.6/3.7, numpy 2.x, no TensorRT (section 5 is then "skipped").
+Tolerates Triton 3.6/3.7, numpy 2.x, no cuda-python (ctypes on libcuda), no TensorRT.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
 
@@ -57,7 +59,8 @@ PEAK_GBPS = [
     ("A10", 600.0), ("T4", 320.0), ("V100", 900.0), ("RTX 4090", 1008.0), ("RTX 3090", 936.0),
 ]
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
-SECTIONS = ("env", "kernel_jit", "aot_launch", "bandwidth", "aot_absent", "tensorrt")
+SECTIONS = ("env", "kernel_jit", "aot_launch", "tensorrt", "bandwidth")
+DEFAULT_INPUTS = ROOT / "out" / "gpu_check_inputs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,12 +298,13 @@ def _ok(result, what: str):  # noqa: ANN001, ANN202
 
 @dataclass(slots=True)
 class AotKernel:
-    """One compiled variant loaded through the driver API, as TensorRT loads the PTX it embedded."""
+    """One compiled variant loaded through the driver API, as TensorRT loads the PTX the plugin gives it."""
 
     config: Any
     name: str
     ptx: str
     num_params: int
+    raw_params: int  # what Triton's compile declared before plugin_ptx (17 with Triton >= 3.3)
     num_warps: int
     shared: int
     function: Any
@@ -309,21 +313,20 @@ class AotKernel:
     @classmethod
     def load(cls, config, arch: int, ptx_version: int | None) -> "AotKernel":  # noqa: ANN001
         from octavo.tensorrt.gpu_kernel import compile_for_aot
+        from octavo.tensorrt.ptx_abi import entry_parameters, plugin_ptx
 
         driver = import_driver()
         compiled = compile_for_aot(config, arch=arch, ptx_version=ptx_version)
-        ptx = compiled.asm["ptx"]
+        name = compiled.metadata.name
+        ptx = plugin_ptx(compiled.asm["ptx"], name)  # exactly what the plugin's aot_impl returns
         image = np.frombuffer(ptx.encode() + b"\0", np.uint8)
         module = _ok(driver.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
-        function = _ok(driver.cuModuleGetFunction(module, compiled.metadata.name.encode()), "cuModuleGetFunction")
-        entry = ptx[ptx.index(".entry"):]
-        num_params = entry[:entry.index(")")].count(".param")
-        return cls(config, compiled.metadata.name, ptx, num_params, compiled.metadata.num_warps,
-                   compiled.metadata.shared, function, module)
+        function = _ok(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        return cls(config, name, ptx, len(entry_parameters(ptx, name)), len(entry_parameters(compiled.asm["ptx"], name)),
+                   compiled.metadata.num_warps, compiled.metadata.shared, function, module)
 
-    def launch(self, tensors: dict[str, Any], scratch: str = "null") -> None:
-        """cuLaunchKernel with TensorRT's AOT argument layout. SCRATCH: how Triton's trailing scratch
-        pointers are given: "null", "poison" (non-null garbage), or "absent" (a packed 15-parameter buffer)."""
+    def launch(self, tensors: dict[str, Any]) -> None:
+        """cuLaunchKernel with TensorRT's AOT argument layout: one kernelParams entry per input, extra, output."""
         from octavo.tensorrt.kernel_launch import num_tiles
 
         driver = import_driver()
@@ -339,29 +342,11 @@ class AotKernel:
         values: list[ctypes._SimpleCData] = [ctypes.c_uint64(p) for p in pointers]
         values += [ctypes.c_int32(x) for x in extras]
         values += [ctypes.c_uint64(p) for p in outputs]
-        hidden = self.num_params - len(values)
-        if scratch == "absent":
-            buffer = pack_parameters(values)
-            packed = (ctypes.c_char * len(buffer)).from_buffer(buffer)
-            size = ctypes.c_size_t(len(buffer))
-            extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(packed), 2, ctypes.addressof(size), 0)
-            _ok(driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, self.num_warps * 32, 1, 1, self.shared,
-                                      driver.CUstream(0), 0, ctypes.addressof(extra)), "cuLaunchKernel(packed 15 params)")
-            return
-        fill = 0 if scratch == "null" else 0xDEAD0000
-        values += [ctypes.c_uint64(fill) for _ in range(hidden)]
+        if len(values) != self.num_params:
+            raise RuntimeError(f"{self.name} declares {self.num_params} parameters, the launch passes {len(values)}")
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         _ok(driver.cuLaunchKernel(self.function, grid_x, grid_y, 1, self.num_warps * 32, 1, 1, self.shared,
-                                  driver.CUstream(0), ctypes.addressof(params), 0), f"cuLaunchKernel({scratch})")
-
-
-def pack_parameters(values: list) -> bytearray:
-    """Kernel parameters as one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), each at its natural alignment."""
-    buffer = bytearray()
-    for value in values:
-        size = ctypes.sizeof(value)
-        buffer += b"\0" * (-len(buffer) % size) + bytes(value)
-    return buffer
+                                  driver.CUstream(0), ctypes.addressof(params), 0), "cuLaunchKernel")
 
 
 def kernel_config(case: Case):  # noqa: ANN201
@@ -371,35 +356,20 @@ def kernel_config(case: Case):  # noqa: ANN201
                         block_size=case.block, scale=1.0 / math.sqrt(case.head_dim), sliding_window=case.window)
 
 
-def aot_launch_case(case: Case, torch, kernels: dict, arch: int, ptx_version: int | None,  # noqa: ANN001
-                    variants: tuple[str, ...] = ("null", "poison")) -> dict:
+def aot_launch_case(case: Case, torch, kernels: dict, arch: int, ptx_version: int | None) -> dict:  # noqa: ANN001
     config = kernel_config(case)
     if config not in kernels:
         kernels[config] = AotKernel.load(config, arch, ptx_version)
     kernel = kernels[config]
     host = make_case(case)
     expected = reference(case, host, torch)
-    row: dict = {"kernel": kernel.name, "ptx_params": kernel.num_params, "shared": kernel.shared,
-                 "block_x": kernel.num_warps * 32}
-    statuses = []
-    for scratch in variants:
-        try:
-            dev = DeviceCase.upload(case, host, torch, "cuda")
-            dev.tensors["output"] = torch.full_like(dev.tensors["query"], float("nan"))
-            kernel.launch(dev.tensors, scratch)
-            torch.cuda.synchronize()
-            row[scratch] = dev.compare(case, dev.tensors["output"], expected)
-            del dev
-        except Exception as exc:  # noqa: BLE001
-            row[scratch] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-            torch.cuda.synchronize()
-        statuses.append(row[scratch]["status"])
-    if variants == ("absent",):
-        # the driver may refuse a parameter buffer shorter than the kernel's 17 parameters: information
-        # about the launch ABI, not a kernel failure ("refused"); wrong numbers would be a real risk
-        row["status"] = {"error": "refused"}.get(statuses[0], statuses[0])
-    else:
-        row["status"] = "ok" if all(s == "ok" for s in statuses) else "failed"
+    dev = DeviceCase.upload(case, host, torch, "cuda")
+    dev.tensors["output"] = torch.full_like(dev.tensors["query"], float("nan"))
+    kernel.launch(dev.tensors)
+    torch.cuda.synchronize()
+    row = dev.compare(case, dev.tensors["output"], expected)
+    row.update(kernel=kernel.name, ptx_params=kernel.num_params, triton_ptx_params=kernel.raw_params,
+               shared=kernel.shared, block_x=kernel.num_warps * 32)
     return row
 
 
@@ -473,7 +443,7 @@ def bandwidth_case(batch: int, context: int, torch, kernels: dict, arch: int, pt
     aot_kernel = kernels[config]
 
     def aot() -> None:
-        aot_kernel.launch(t, "null")
+        aot_kernel.launch(t)
 
     # the copy moves the same DRAM traffic as the kernel reads: K pool -> a scratch of its size (read N/2 +
     # write N/2 = N bytes)
@@ -497,43 +467,6 @@ def bandwidth_case(batch: int, context: int, torch, kernels: dict, arch: int, pt
     return row
 
 
-# ---- section 5: TensorRT -------------------------------------------------------------------------
-def tensorrt_case(dtype: str, torch, workdir: Path) -> dict:  # noqa: ANN001
-    from models import load_hf, make_random_model
-
-    from octavo.tensorrt.builder import TensorRTBuildOptions, build_engine
-    from octavo.export.exporter import export_model
-    from octavo.runtime.backends.base import StepInputs
-    from octavo.tensorrt.backend import TensorRTBackend
-
-    hf_dir = workdir / "hf"
-    if not hf_dir.exists():
-        make_random_model(hf_dir, "llama")
-    folder = workdir / f"export_{dtype}"
-    manifest = export_model(hf_dir, folder, progress=False)
-    build_engine(folder, TensorRTBuildOptions(dtype=dtype, max_num_tokens=64, max_num_seqs=4, max_num_blocks=64))
-    backend = TensorRTBackend(folder, manifest, num_blocks=16)
-    model, _ = load_hf(hf_dir)
-    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64, 8, 1, 30, 77, 120, 9, 14, 200, 6]
-    table = np.array([[3, 9]], np.int32)
-    slots = lambda ps: np.array([table[0, p // 16] * 16 + p % 16 for p in ps], np.int64)  # noqa: E731
-    n = len(prompt)
-    got1 = backend.run(StepInputs(np.array(prompt, np.int64), np.arange(n, dtype=np.int64), np.array([0, n], np.int32),
-                                  np.array([0], np.int32), table, slots(range(n)), np.array([n - 1], np.int64)))
-    nxt = int(got1[0].argmax())
-    got2 = backend.run(StepInputs(np.array([nxt], np.int64), np.array([n], np.int64), np.array([0, 1], np.int32),
-                                  np.array([n], np.int32), table, slots([n]), np.array([0], np.int64)))
-    backend.close()
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + [nxt]])).logits[0].numpy()
-    tol = {"float32": 2e-3, "float16": 1.5e-1}[dtype]
-    e1, e2 = float(np.abs(got1[0] - ref[n - 1]).max()), float(np.abs(got2[0] - ref[n]).max())
-    same = bool(got1[0].argmax() == ref[n - 1].argmax() and got2[0].argmax() == ref[n].argmax())
-    ok = same and max(e1, e2) <= tol
-    return {"status": "ok" if ok else "failed", "prefill_max_abs_err": e1, "decode_max_abs_err": e2,
-            "atol": tol, "argmax_equal": same}
-
-
 # ---- driver --------------------------------------------------------------------------------------
 def versions() -> dict:
     found: dict = {"python": platform.python_version(), "numpy": np.__version__}
@@ -546,7 +479,15 @@ def versions() -> dict:
     return found
 
 
-def run_gpu(report: Report, sections: set[str]) -> None:
+def run_gpu(report: Report, sections: set[str], inputs: Path = DEFAULT_INPUTS) -> None:
+    if sections == {"tensorrt"}:  # no torch: TensorRT, cuda-python and the carried inputs only
+        import tempfile
+
+        from gpu_check_tensorrt import run_section
+
+        with tempfile.TemporaryDirectory() as tmp:
+            run_section(report, inputs, Path(tmp))
+        return
     import torch
 
     from octavo.tensorrt.cuda_api import ptx_version_cap
@@ -576,27 +517,11 @@ def run_gpu(report: Report, sections: set[str]) -> None:
         for case in KERNEL_CASES:
             report.case("aot_launch", case.name, lambda c=case: aot_launch_case(c, torch, kernels, arch, ptx_cap),
                         min_left=20)
-    if "aot_absent" in sections:  # last of the launches: the one most likely to upset the driver
-        for case in KERNEL_CASES[:3]:
-            report.case("aot_absent", case.name,
-                        lambda c=case: aot_launch_case(c, torch, kernels, arch, ptx_cap, ("absent",)), min_left=20)
     if "bandwidth" in sections:
         for batch in BANDWIDTH_BATCHES:
             for context in BANDWIDTH_CONTEXTS:
                 report.case("bandwidth", f"b{batch}_ctx{context}",
                             lambda b=batch, c=context: bandwidth_case(b, c, torch, kernels, arch, ptx_cap), min_left=15)
-    if "tensorrt" in sections:
-        try:
-            import tensorrt  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            data["tensorrt"] = {"status": "skipped", "reason": f"TensorRT not importable ({type(exc).__name__}: {exc})"}
-            report.save()
-        else:
-            import tempfile
-
-            with tempfile.TemporaryDirectory() as tmp:
-                for dtype in ("float32", "float16"):
-                    report.case("tensorrt", dtype, lambda d=dtype: tensorrt_case(d, torch, Path(tmp)), min_left=60)
 
 
 def interpreter_index_compat() -> str:
@@ -620,7 +545,7 @@ def interpreter_index_compat() -> str:
     return "patched Triton's interpreter __index__ (int of a 1-element array, numpy >= 2.4)"
 
 
-def run_sections_isolated(report: Report, sections: list[str]) -> None:
+def run_sections_isolated(report: Report, sections: list[str], inputs: Path = DEFAULT_INPUTS) -> None:
     """Each section in its own process, one after the other: a sticky CUDA error (an illegal address
     poisons the whole context) or a crash ends only that section. The child adds its rows to the same
     report file after every case; the parent reloads it after each child."""
@@ -632,7 +557,7 @@ def run_sections_isolated(report: Report, sections: list[str]) -> None:
             report.save()
             continue
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--sections", section,
-               "--out", str(report.path), "--budget-s", str(left)]
+               "--out", str(report.path), "--budget-s", str(left), "--inputs", str(inputs)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 60)
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
@@ -669,60 +594,109 @@ def run_smoke_cpu(report: Report) -> None:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     report.case("aot_launch", "compile_only_sm90", compile_only, min_left=30)
+    from gpu_check_tensorrt import tensorrt_unavailable
+
+    reason = tensorrt_unavailable()
+    report.data["tensorrt"] = ({"status": "unavailable", "reason": reason} if reason else
+                               {"status": "skipped", "reason": "--smoke-cpu does not build engines"})
+    report.save()
+
+
+def ptx_params_ok(ptx: str, compiled) -> bool:  # noqa: ANN001
+    from octavo.tensorrt.ptx_abi import PLUGIN_PARAM_TYPES, entry_parameters
+
+    return tuple(p.type for p in entry_parameters(ptx, compiled.metadata.name)) == PLUGIN_PARAM_TYPES
 
 
 def aot_compile_only() -> int:
     """Child of --smoke-cpu: compile one variant for sm_90 like the plugin does; describe its PTX."""
     from octavo.tensorrt.gpu_kernel import compile_for_aot
 
+    from octavo.tensorrt.ptx_abi import entry_parameters, plugin_ptx
+
     config = kernel_config(SMOKE_CASES[0])
     compiled = compile_for_aot(config, arch=90)
-    ptx = compiled.asm["ptx"]
-    entry = ptx[ptx.index(".entry"):]
+    ptx = plugin_ptx(compiled.asm["ptx"], compiled.metadata.name)  # what the plugin hands TensorRT
     loads = [line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("ld.global", "cp.async.c"))]
     wide = [op for op in loads if ".v4." in op or ".v2." in op or op.startswith("cp.async")]
-    row = {"kernel": compiled.metadata.name, "ptx_params": entry[:entry.index(")")].count(".param"),
+    row = {"kernel": compiled.metadata.name, "ptx_params": len(entry_parameters(ptx, compiled.metadata.name)),
+           "triton_ptx_params": len(entry_parameters(compiled.asm["ptx"], compiled.metadata.name)),
            "shared": compiled.metadata.shared, "wide_loads": len(wide), "loads": len(loads),
-           "status": "ok" if wide and compiled.metadata.shared <= 48 * 1024 else "failed"}
+           "status": "ok" if wide and compiled.metadata.shared <= 48 * 1024 and ptx_params_ok(ptx, compiled) else "failed"}
     print(json.dumps(row))
     return 0
 
 
 def summarize(data: dict) -> tuple[bool, list[str]]:
-    lines, ok = [], True
+    """(every check that RAN passed and something ran, report lines). The last line says what PASS covers and,
+    when TensorRT was not there, that its build and engine were not checked."""
+    lines, ok, ran = [], True, []
     env = data.get("env", {})
     lines.append(f"device: {env.get('device')} sm_{env.get('capability', '?')}, torch {env.get('torch')}, "
-                 f"triton {env.get('triton')}, numpy {env.get('numpy')}")
+                 f"triton {env.get('triton')}, numpy {env.get('numpy')}, tensorrt {env.get('tensorrt')}")
+    tensorrt_note = ""
     for section in SECTIONS[1:]:
         rows = data.get(section)
         if not isinstance(rows, dict):
             continue
         if "status" in rows and not isinstance(rows["status"], dict):  # a whole-section verdict
+            if rows["status"] == "unavailable":
+                tensorrt_note = rows["reason"]
+                lines.append(f"  {section}: {rows['reason']}")
+                continue
             lines.append(f"  {section}: {rows['status']} {rows.get('reason', rows.get('error', ''))}")
             ok &= rows["status"] in ("ok", "skipped")
             continue
+        passed = total = 0
         for name, row in rows.items():
             status = row.get("status", "?")
-            ok &= status in ("ok", "skipped", "refused")
-            detail = ""
-            if section == "bandwidth" and status == "ok":
-                detail = (f"jit {row['jit_gbps']:.0f} GB/s, aot {row['aot_gbps']:.0f} GB/s, copy {row['copy_gbps']:.0f} GB/s"
-                          f" of {row['peak_gbps']} peak")
-            elif "max_abs_err" in row:
-                detail = f"err {row['max_abs_err']:.2e} (tol {row['tolerance']:.0e}), cache err {row['cache_max_abs_err']}"
-            elif section.startswith("aot_") and any(k in row for k in ("null", "poison", "absent")):
-                detail = ", ".join(f"{k}: {row[k].get('status')} {row[k].get('max_abs_err', row[k].get('error', ''))}"
-                                   for k in ("null", "poison", "absent") if k in row)
-            elif "error" in row or "reason" in row:
-                detail = (row.get("error") or row.get("reason", ""))[:200]
-            lines.append(f"  {section:<11} {name:<26} {status:<8} {detail}")
+            ok &= status in ("ok", "skipped")
+            total += status != "skipped"
+            passed += status == "ok"
+            lines.append(f"  {section:<11} {name:<26} {status:<8} {_detail(section, row)}")
+        if total:
+            ran.append(f"{section} {passed}/{total}")
+    ok &= bool(ran)
+    verdict = f"{'PASS' if ok else 'FAIL'}: {', '.join(ran) or 'nothing ran'}"
+    if tensorrt_note:
+        verdict += f". {UNAVAILABLE_NOTE} — the engine build, plugin and TensorRT backend were NOT checked"
+    lines.append(verdict)
     return ok, lines
+
+
+UNAVAILABLE_NOTE = "TensorRT: not available on this machine"
+
+
+def _detail(section: str, row: dict) -> str:
+    status = row.get("status")
+    if section == "bandwidth" and status == "ok":
+        return (f"jit {row['jit_gbps']:.0f} GB/s, aot {row['aot_gbps']:.0f} GB/s, copy {row['copy_gbps']:.0f} GB/s"
+                f" of {row['peak_gbps']} peak")
+    if section == "tensorrt" and "aliasing_reported_count" in row:
+        return (f"TensorRT reports {row['aliasing_reported_count']} pools aliased, in-place probe "
+                f"{'ok' if row['in_place_verified'] else 'FAILED'}, engine memory {row['device_memory_bytes']} B, "
+                f"{row['num_blocks']} blocks, err {row['prefill_max_abs_err']:.1e}/{row['decode_max_abs_err']:.1e}")
+    if section == "tensorrt" and "build_seconds" in row:
+        return (f"TensorRT {row['tensorrt_version']}: {row['build_seconds']} s, engine memory "
+                f"{row['device_memory_bytes']} B vs {row['kv_pool_bytes_per_layer']} B pools/layer at "
+                f"{row['max_num_blocks']} blocks (copies suspected: {row['copies_suspected']})")
+    if section == "tensorrt" and "matched" in row:
+        return f"octavo generate --backend tensorrt: {row['matched']} completions equal the CPU's"
+    if "max_abs_err" in row:
+        extra = f", ptx params {row['ptx_params']}" if "ptx_params" in row else ""
+        return f"err {row['max_abs_err']:.2e} (tol {row['tolerance']:.0e}), cache err {row['cache_max_abs_err']}{extra}"
+    if "ptx_params" in row:
+        return f"ptx params {row['ptx_params']} (Triton's {row.get('triton_ptx_params')}), shared {row.get('shared')} B"
+    return (row.get("error") or row.get("reason", ""))[:200]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="stop starting new cases after this")
+    parser.add_argument("--inputs", type=Path, default=DEFAULT_INPUTS, help="what --prepare wrote (tensorrt section)")
+    parser.add_argument("--prepare", type=Path, default=None, metavar="DIR",
+                        help="CPU machine: write the tensorrt section's carried inputs to DIR and exit")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--smoke-cpu", action="store_true")
     parser.add_argument("--aot-compile-only", action="store_true", help=argparse.SUPPRESS)
@@ -731,11 +705,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.aot_compile_only:
         return aot_compile_only()
+    if args.prepare is not None:
+        from gpu_check_tensorrt import prepare
+
+        expected = prepare(args.prepare)
+        print(f"prepared {args.prepare}: export/ and expected.json ({len(expected['cpu_texts'])} CPU completions)")
+        return 0
     out = args.out or args.legacy_out or Path(os.environ.get("OUT", ".")) / "gpu_check.json"
     report = Report(out, time.monotonic() + args.budget_s)
     if args.child:  # one section, adding its rows to the report the parent started
         report.data = json.loads(out.read_text())
-        run_gpu(report, set(args.sections.split(",")))
+        run_gpu(report, set(args.sections.split(",")), args.inputs)
         return 0
     report.data.update({"started_unix": time.time(), "argv": sys.argv[1:]})
     if args.smoke_cpu:
@@ -749,13 +729,13 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("gpu_check: no CUDA device visible to torch")
             return 2
-        run_sections_isolated(report, [s for s in SECTIONS[1:] if s in args.sections.split(",")])
+        run_sections_isolated(report, [s for s in SECTIONS[1:] if s in args.sections.split(",")], args.inputs)
     report.data["finished_unix"] = time.time()
     ok, lines = summarize(report.data)
     report.data["pass"] = ok
     report.save()
     print("\n".join(lines))
-    print(f"{'PASS' if ok else 'FAIL'}; details in {out}")
+    print(f"details in {out}")
     return 0 if ok else 1
 
 

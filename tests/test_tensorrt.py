@@ -213,7 +213,7 @@ def test_prepare_onnx_on_real_export_keeps_weights_reachable(tmp_path, hf_model_
     weights = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
     assert weights["model.embed_tokens.weight"].shape == (manifest.vocab_size, manifest.hidden_size)
     names = {i.name for i in model.graph.input}
-    shapes = profile_shapes(manifest, TensorRTBuildOptions(), max_blocks_per_seq=64, max_num_logits=64)
+    shapes = profile_shapes(manifest, TensorRTBuildOptions(max_num_blocks=1000), max_blocks_per_seq=64, max_num_logits=64)
     assert names == set(shapes), "every graph input needs an optimization-profile range"
 
 
@@ -361,3 +361,67 @@ def test_tiny_engine_matches_transformers(tmp_path, hf_model_dir) -> None:  # no
     np.testing.assert_allclose(got1[0], ref[n - 1], atol=2e-3, rtol=1e-3)
     np.testing.assert_allclose(got2[0], ref[n], atol=2e-3, rtol=1e-3)
     backend.close()
+
+
+# ---- sizing and limits checked without TensorRT (issue 46) ----------------------------------------
+def _build_info(**overrides):  # noqa: ANN202
+    from octavo.tensorrt.engine_info import BuildInfo
+
+    fields = dict(engine_file="model.float16.engine", dtype="float16", block_size=16, max_num_tokens=512,
+                  max_num_seqs=8, max_blocks_per_seq=64, max_num_logits=8, max_num_blocks=1000,
+                  compute_capability=90, tensorrt_version="11.4.0.106", build_seconds=1.0)
+    return BuildInfo(**{**fields, **overrides})
+
+
+def test_serving_limits_beyond_the_engine_are_refused_at_start_up(tmp_path) -> None:  # noqa: ANN001
+    from octavo.errors import InvalidRequestError
+    from octavo.tensorrt.engine_info import check_serving_limits
+
+    info = _build_info()
+    check_serving_limits(info, tmp_path, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024)  # fits
+    with pytest.raises(InvalidRequestError) as caught:
+        check_serving_limits(info, tmp_path, max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048)
+    message = str(caught.value)
+    assert "--max-num-seqs 16 > the engine's 8 (rebuild with --max-num-seqs 16)" in message
+    assert "--max-num-batched-tokens 2048 > the engine's 512 (rebuild with --max-num-tokens 2048)" in message
+    assert "--max-model-len 2048 > the engine's 1024 tokens (64 blocks of 16; rebuild with --max-blocks-per-seq 128)" in message
+
+
+def test_engine_args_are_compared_with_tensorrt_json_before_tensorrt_loads(tmp_path) -> None:  # noqa: ANN001
+    """Through the engine's own backend factory: an engine folder whose tensorrt.json is smaller than the
+    options is refused at start-up (before TensorRT or cuda-python is needed)."""
+    from octavo.errors import InvalidRequestError
+    from octavo.runtime.engine_args import EngineArgs
+    from octavo.runtime.model_setup import make_backend
+
+    manifest = _manifest()
+    manifest.save(tmp_path)
+    _build_info().save(tmp_path)
+    args = EngineArgs(model=str(tmp_path), backend="tensorrt", max_num_seqs=64)
+    with pytest.raises(InvalidRequestError, match="--max-num-seqs 64 > the engine's 8"):
+        make_backend(args, tmp_path, manifest, max_model_len=1024)
+
+
+def test_copy_check_needs_a_pool_big_enough_to_tell() -> None:
+    from octavo.tensorrt.engine_info import COPY_CHECK_MIN_BYTES, kv_copy_suspected
+
+    big = 4 * COPY_CHECK_MIN_BYTES
+    assert kv_copy_suspected(300 << 20, big) is False  # activations well below a real pool
+    assert kv_copy_suspected(big + (1 << 20), big) is True  # a pool's worth of engine memory: copies
+    assert kv_copy_suspected(10 << 30, 1 << 20) is None  # tiny pools: activations can exceed them
+
+
+def test_default_pool_rows_follow_the_gpu_memory_and_options_validate() -> None:
+    from octavo.tensorrt.builder import EngineBuildError, default_pool_blocks
+
+    manifest = _manifest(layers=2)  # one block: 2 layers x K+V x 16 x 2 x 16 x 2 bytes = 4096 bytes in fp16
+    options = TensorRTBuildOptions(dtype="float16", gpu_memory_utilization=0.5)
+    assert default_pool_blocks(8 << 30, manifest, options) == (4 << 30) // 4096
+    # 80 GB would give 10.5 M blocks; each pool stays under 2^31 elements (16 x 2 x 16 = 512 per block)
+    assert default_pool_blocks(80 << 30, manifest, options) == ((1 << 31) - 1) // 512
+    with pytest.raises(EngineBuildError, match="no KV block"):
+        default_pool_blocks(1000, manifest, options)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        TensorRTBuildOptions(gpu_memory_utilization=1.5).validate()
+    with pytest.raises(ValueError, match="max_num_blocks must be resolved"):
+        profile_shapes(manifest, TensorRTBuildOptions(), max_blocks_per_seq=8, max_num_logits=8)

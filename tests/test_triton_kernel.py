@@ -172,6 +172,7 @@ def test_reference_is_not_trivially_matched() -> None:
 AOT_CODE = """
 import json
 from octavo.tensorrt.gpu_kernel import KernelConfig, compile_kernel, check_aot_launchable
+from octavo.tensorrt.ptx_abi import entry_parameters, plugin_ptx
 rows = []
 for dtype in ("float16", "bfloat16", "float32"):
     c = compile_kernel(KernelConfig(dtype=dtype, num_heads=8, kv_num_heads=2, head_dim=64, block_size=16,
@@ -180,12 +181,15 @@ for dtype in ("float16", "bfloat16", "float32"):
     ptx = c.asm["ptx"]
     entry = ptx[ptx.index(".entry"):ptx.index(")", ptx.index(".entry"))]
     params = [line.split()[1].lstrip(".") for line in entry.splitlines() if line.strip().startswith(".param")]
+    for_tensorrt = plugin_ptx(ptx, c.metadata.name)
     loads = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith(("ld.global", "cp.async.cg", "cp.async.ca"))]
     rows.append({"dtype": dtype, "name": c.metadata.name, "ptx_target": [l for l in ptx.splitlines()
                  if l.startswith(".target")][0], "ptx_len": len(ptx), "cubin_len": len(c.asm["cubin"]),
                  "loads": loads,
                  "param_types": params, "shared": c.metadata.shared, "num_warps": c.metadata.num_warps,
-                 "ptx": ptx if dtype == "float16" else ""})
+                 "plugin_param_types": [p.type for p in entry_parameters(for_tensorrt, c.metadata.name)],
+                 "plugin_ptx_differs_only_in_entry": for_tensorrt[for_tensorrt.index("{"):] == ptx[ptx.index("{"):],
+                 "ptx": for_tensorrt if dtype == "float16" else ""})
 from octavo.tensorrt.gpu_kernel import AOT_SHARED_LIMIT, compile_for_aot
 fits = []
 for dtype, head_dim in (("float32", 128), ("float16", 256)):
@@ -205,11 +209,13 @@ def test_kernel_compiles_ahead_of_time_for_sm90_without_gpu(tmp_path: Path) -> N
     for row in rows:
         assert row["ptx_target"].startswith(".target sm_90"), row["ptx_target"]
         assert row["ptx_len"] > 1000 and row["cubin_len"] > 1000
-        # TensorRT's AOT launch ABI: 9 input pointers, 3 int32 extras, 3 output pointers; then Triton's hidden
-        # scratch pointers, which TensorRT leaves null (fine: check_aot_launchable asserted zero scratch)
+        # TensorRT's AOT launch ABI: 9 input pointers, 3 int32 extras, 3 output pointers; Triton's compile adds
+        # its hidden scratch pointers after them, the PTX handed to TensorRT (plugin_ptx) declares exactly 15
         types = row["param_types"]
         assert types[:15] == ["u64"] * 9 + ["u32"] * 3 + ["u64"] * 3, types
         assert all(t == "u64" for t in types[15:]), types
+        assert row["plugin_param_types"] == ["u64"] * 9 + ["u32"] * 3 + ["u64"] * 3, row["plugin_param_types"]
+        assert row["plugin_ptx_differs_only_in_entry"]
         # the 16-byte divisibility hints on the pointers (aot_attrs) make K/V/Q loads 128-bit: vector loads or
         # cp.async copies, and no 2-/4-byte scalar element loads of the half/float tensors
         loads = row["loads"]
@@ -223,7 +229,7 @@ def test_kernel_compiles_ahead_of_time_for_sm90_without_gpu(tmp_path: Path) -> N
     for fit in rows[0]["fits"]:
         assert 0 < fit["shared"] <= fit["limit"], fit
     ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
-    if Path(ptxas).is_file():  # a second, independent assembler (the CUDA toolkit's) accepts the same PTX
+    if Path(ptxas).is_file():  # a second, independent assembler (the CUDA toolkit's) accepts the plugin's PTX
         ptx_file = tmp_path / "paged_attention.ptx"
         ptx_file.write_text(rows[0]["ptx"])
         done = subprocess.run([ptxas, "-arch=sm_90a", str(ptx_file), "-o", str(tmp_path / "k.cubin")],

@@ -18,7 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step (default 64)")
     parser.add_argument("--max-blocks-per-seq", type=int, default=None,
                         help="block-table width (default: the model's context / block size)")
-    parser.add_argument("--max-num-blocks", type=int, default=1 << 18, help="largest KV pool the engine accepts, in blocks")
+    parser.add_argument("--max-num-blocks", type=int, default=None,
+                        help="largest KV pool the engine accepts, in blocks (default: what fits in "
+                             "--gpu-memory-utilization of this GPU's free memory, the pool `serve` allocates)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                        help="share of the free GPU memory the default --max-num-blocks is sized for (default 0.85)")
 
 
 def _resolve(model: str) -> Path:
@@ -43,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         dtype={"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[args.dtype],
         block_size=args.block_size, max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
         max_blocks_per_seq=args.max_blocks_per_seq, max_num_blocks=args.max_num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     try:
         options.validate()

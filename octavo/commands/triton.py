@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from octavo.errors import InvalidRequestError
-from octavo.triton_server.front import MAX_BODY_BYTES, MAX_JSON_DEPTH
+from octavo.triton_server.front_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH  # no aiohttp: --no-serve needs none
 from octavo.triton_server.model_repository import write_model_repository
 
 HELP = "serve a model behind NVIDIA Triton Inference Server (writes a model repository, starts tritonserver)"
@@ -61,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
     from octavo.runtime.model_setup import resolve_model_dir
     from octavo.serving.engine_params import value_text
     from octavo.triton_server.launcher import check_ports_free
-    from octavo.triton_server.serve import ServeOptions, serve_repository
 
     ea = engine_args(args, model_argument(args.model)[0])  # refuse bad values now, before any work
     if not args.no_serve:  # a taken port is named now, not after an export and a tritonserver start
@@ -77,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model repository: {repo} (model {model})", flush=True)
     if args.no_serve:
         return 0
+    from octavo.triton_server.serve import ServeOptions, serve_repository  # the front needs aiohttp (serve extra)
+
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="octavo-triton-run-"))
     options = ServeOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                            metrics_port=args.metrics_port, max_body_bytes=args.max_body_bytes,

@@ -123,7 +123,7 @@ def _available_memory() -> int:
 def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_model_len: int) -> Backend:
     if args.backend == "tensorrt":  # sizes its pool from free GPU memory unless told
         from octavo.tensorrt.backend import TensorRTBackend
-        from octavo.tensorrt.engine_info import BUILD_INFO_NAME, BuildInfo
+        from octavo.tensorrt.engine_info import BUILD_INFO_NAME, BuildInfo, check_serving_limits
 
         # The pool dtype is the engine's, fixed at build time. Without an engine the backend itself says
         # what is missing (TensorRT, or the engine), so sizing falls back to the manifest's dtype.
@@ -133,6 +133,9 @@ def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_mode
             raise InvalidRequestError(
                 f"this TensorRT engine keeps its KV pool in {pool_dtype} (set by `octavo build --dtype`); "
                 f"kv_cache_dtype={args.kv_cache_dtype!r} needs an engine built for it, or use 'auto'")
+        if built:  # options the engine's profile cannot run fail here, not at the first step past them
+            check_serving_limits(BuildInfo.load(model_dir), model_dir, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len)
         explicit = args.num_blocks is not None or args.kv_cache_memory is not None
         num_blocks = default_num_blocks(args, manifest, max_model_len, pool_dtype) if explicit else None
         return TensorRTBackend(model_dir, manifest, num_blocks, args.block_size)

@@ -7,7 +7,7 @@ Build time (`octavo build MODEL --target tensorrt`, `octavo.commands.build`):
 - `gpu_kernel`: `octavo.PagedAttention` as one OpenAI-Triton kernel (+ a torch launcher for tests/gpu_check);
   `kernel_launch`: its launch geometry in plain Python;
 - `plugin`: the `octavo::PagedAttention` TensorRT plugin (`tensorrt.plugin`), whose AOT implementation hands
-  TensorRT the kernel's PTX;
+  TensorRT the kernel's PTX; `ptx_abi`: that PTX's parameter list made exactly TensorRT's 15 launch arguments;
 - `onnx_rewrite` (+ `half_weights`): the export's ONNX rewritten for TensorRT's parser;
 - `builder`: parser + builder + optimization profile -> `model.<dtype>.engine` and `tensorrt.json`.
 

@@ -4,8 +4,14 @@ The KV pools live in device memory, one key and one value pool per layer, carved
 sized from a fraction of the free GPU memory (or an explicit block count), each starting on a 256-byte
 boundary (what `setTensorAddress` requires). Each pool's address is bound once to BOTH the engine's
 `key_cache.{l}` input and its aliased output `key_cache.{l}.out` (likewise for values): the plugin
-writes the new K/V through the output, so binding the output elsewhere would leave the pool stale. Per step only the small integer inputs go host -> device and only the N
-requested logits rows come back.
+writes the new K/V through the output, so binding the output elsewhere would leave the pool stale.
+
+Whether the engine really writes the pools in place is not taken from `get_aliased_input_tensor` (TensorRT may
+insert copies around an aliased plugin and not report the aliasing; what it reports is logged and kept in
+`aliasing_reported`): at start-up one probe step writes token 0's K/V into slot 0 of every pool, pre-filled
+with a sentinel, and the pools are read back (`_verify_in_place`). An engine whose step leaves the sentinel is
+refused with "rebuild". Per step only the small integer inputs go host -> device and only the N requested
+logits rows come back.
 
 Import-guarded: importing this module needs neither TensorRT nor cuda-python; constructing the backend
 without them raises BackendUnavailableError saying why. Written from TensorRT's documented Python API
@@ -24,7 +30,7 @@ from octavo.errors import BackendUnavailableError, InvalidRequestError, ModelFor
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.tensorrt.cuda_api import check, import_cudart
-from octavo.tensorrt.engine_info import BuildInfo, pool_output_name
+from octavo.tensorrt.engine_info import BuildInfo, kv_copy_suspected, pool_blocks_for_memory, pool_output_name
 from octavo.tensorrt.trt_import import import_tensorrt
 
 log = logging.getLogger(__name__)
@@ -49,11 +55,7 @@ def aligned(nbytes: int, alignment: int = TENSOR_ALIGNMENT) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-def pool_blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int, max_blocks: int) -> int:
-    """How many KV blocks fit in FRACTION of FREE_BYTES (capped by what the engine's profile accepts)."""
-    if not 0.0 < fraction <= 1.0:
-        raise InvalidRequestError(f"memory fraction must be in (0, 1], got {fraction}")
-    return max(0, min(max_blocks, int(free_bytes * fraction) // bytes_per_block))
+SENTINEL_BYTE = 0xFF  # a NaN in fp32/fp16/bf16: no K/V projection writes these bits
 
 
 class TensorRTBackend:
@@ -94,6 +96,7 @@ class TensorRTBackend:
                                           f"{self.info.tensorrt_version} for sm_{self.info.compute_capability}; "
                                           f"this is TensorRT {self._trt.__version__}); rebuild it on this machine")
         self.context = self.engine.create_execution_context()
+        self.device_memory_bytes = self._engine_device_memory()
         self._stream = check(cudart.cudaStreamCreate(), "cudaStreamCreate")
 
         bytes_per_block = manifest.kv_bytes_per_block(self.block_size, self.info.dtype)  # the engine's pool dtype
@@ -103,9 +106,12 @@ class TensorRTBackend:
         if not 1 <= num_blocks <= self.info.max_num_blocks:
             raise InvalidRequestError(f"num_blocks must be in 1..{self.info.max_num_blocks} for this engine, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.aliasing_reported: dict[str, str | None] = {}
+        self.in_place_verified = False
         try:
             self._allocate_pools(bytes_per_block)
             self._allocate_step_buffers()
+            self._verify_in_place()
         except BaseException:
             self.close()
             raise
@@ -124,21 +130,68 @@ class TensorRTBackend:
         if not self.context.set_input_shape(name, shape):
             raise InvalidRequestError(f"TensorRT refused shape {shape} for input {name!r} (outside the engine's profile)")
 
-    def _check_aliasing(self, pool: str) -> None:
-        """The engine must alias POOL's output to POOL (engines built before in-place pools do not)."""
+    def _engine_device_memory(self) -> int:
+        """The engine's own device memory (TensorRT >= 10.x: device_memory_size_v2), logged against the pools."""
+        size = getattr(self.engine, "device_memory_size_v2", None)
+        size = int(size if size is not None else getattr(self.engine, "device_memory_size", 0) or 0)
+        log.info("TensorRT engine %s: %d bytes of device memory of its own (activations at the profile maxima)",
+                 self.info.engine_file, size)
+        if kv_copy_suspected(size, self.info.kv_pool_bytes_per_layer):
+            log.warning("the engine's %d bytes of device memory are at least one layer's K/V pools at the profile "
+                        "maximum (%d bytes): TensorRT likely copies the pools around the attention plugin",
+                        size, self.info.kv_pool_bytes_per_layer)
+        return size
+
+    def _aliasing_report(self, pool: str) -> str | None:
+        """What TensorRT reports as the input aliased to POOL's output; logged, never trusted or required (TensorRT
+        may alias through inserted copies without reporting it). The probe step checks the write instead."""
         out = pool_output_name(pool)
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
-        if out in names and not hasattr(self.engine, "get_aliased_input_tensor"):
-            log.warning("TensorRT %s cannot report I/O aliasing; trusting %s -> %s", self._trt.__version__, out, pool)
-            return
-        aliased = self.engine.get_aliased_input_tensor(out) if out in names else None
-        if aliased != pool:
-            raise ModelFormatError(f"{self.info.engine_file}: output {out!r} is not aliased to input {pool!r} "
-                                   f"(got {aliased!r}); rebuild with `octavo build {self.model_dir} --target tensorrt`")
+        if out not in names:
+            raise ModelFormatError(f"{self.info.engine_file} has no output {out!r} (the pool written in place); "
+                                   f"rebuild with `octavo build {self.model_dir} --target tensorrt`")
+        report = getattr(self.engine, "get_aliased_input_tensor", None)
+        reported = report(out) if report is not None else None
+        self.aliasing_reported[out] = reported
+        return reported
+
+    def _verify_in_place(self) -> None:
+        """One probe step (token 0 at position 0 into block 0, slot 0) over pools whose slot-0 rows hold a
+        sentinel; every pool's row must change. Then the rows are zeroed again (the pools start empty)."""
+        reported = sum(1 for out, inp in self.aliasing_reported.items() if inp == out.removesuffix(".out"))
+        log.info("TensorRT reports %d of %d pool outputs aliased to their inputs (get_aliased_input_tensor)",
+                 reported, len(self.aliasing_reported))
+        cudart = self._cudart
+        row = self.pool_row_bytes
+        for name, ptr in self.pool_pointers.items():
+            check(cudart.cudaMemset(ptr, SENTINEL_BYTE, row), f"cudaMemset({name} slot 0)")
+        probe = StepInputs(np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([0, 1], np.int32),
+                           np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros(1, np.int64),
+                           np.zeros(1, np.int64))
+        self.run(probe)
+        stale = []
+        for name, ptr in self.pool_pointers.items():
+            host = np.empty(row, np.uint8)
+            check(cudart.cudaMemcpy(host.ctypes.data, ptr, row, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost),
+                  f"cudaMemcpy({name} slot 0)")
+            if np.all(host == SENTINEL_BYTE):
+                stale.append(name)
+            check(cudart.cudaMemset(ptr, 0, row), f"cudaMemset({name} slot 0)")
+        if stale:
+            raise ModelFormatError(
+                f"{self.info.engine_file}: a step did not write the KV pools in place ({len(stale)} of "
+                f"{len(self.pool_pointers)} pools unchanged, e.g. {stale[0]!r}; TensorRT reported {reported} "
+                f"aliased pool outputs): the engine writes K/V to buffers of its own, so decoding would read a stale "
+                f"cache. Rebuild with `octavo build {self.model_dir} --target tensorrt` (it enables "
+                "PreviewFeature.ALIASED_PLUGIN_IO_10_03 and makes the pool outputs network outputs)")
+        self.in_place_verified = True
+        log.info("TensorRT engine %s writes its %d KV pools in place (probe step verified)",
+                 self.info.engine_file, len(self.pool_pointers))
 
     def _allocate_pools(self, bytes_per_block: int) -> None:
         m = self.manifest
         pool_bytes = aligned(bytes_per_block // (2 * m.num_layers) * self.num_blocks)
+        self.pool_row_bytes = bytes_per_block // (2 * m.num_layers * self.block_size)  # one slot of one pool
         base = self._malloc(pool_bytes * 2 * m.num_layers)  # cudaMalloc: 256-byte aligned base
         check(self._cudart.cudaMemset(base, 0, pool_bytes * 2 * m.num_layers), "cudaMemset(pools)")
         self.pool_shape = (self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
@@ -146,7 +199,7 @@ class TensorRTBackend:
         for layer in range(m.num_layers):
             for j, kind in enumerate(("key_cache", "value_cache")):
                 name = f"{kind}.{layer}"
-                self._check_aliasing(name)
+                self._aliasing_report(name)
                 ptr = base + (2 * layer + j) * pool_bytes
                 self.pool_pointers[name] = ptr
                 self._set_shape(name, self.pool_shape)

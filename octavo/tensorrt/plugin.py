@@ -13,8 +13,9 @@ what has and has not been run):
   (kernel name, PTX, KernelLaunchParams, SymIntExprs). TensorRT embeds the PTX in the engine and launches
   it itself, so a serialized engine runs without Python, triton or this module.
   TensorRT's AOT launch ABI: kernel parameters are (input pointers..., int32 extras..., output
-  pointers...); the extras are `trtp.SymInt32` expressions of the input shapes; arguments Triton adds
-  after those (its scratch pointers) are passed as null, which `check_aot_launchable` makes sure is safe.
+  pointers...); the extras are `trtp.SymInt32` expressions of the input shapes. The PTX handed over declares
+  exactly those 15 parameters: Triton's two trailing scratch pointers are stripped (`ptx_abi.plugin_ptx`,
+  after checking the kernel never reads them), so the driver never reads past TensorRT's argument array.
   Float attributes (scale, softcap) cannot be extras (int32 only), so every node attribute is baked into
   the kernel as a constexpr: one compiled variant per distinct attribute set and dtype.
 
@@ -72,12 +73,15 @@ def register(arch: int, ptx_version: int | None = None) -> None:
         return  # already registered in this process (TensorRT's registry is per process)
 
     from octavo.tensorrt.gpu_kernel import KernelConfig, compile_for_aot
+    from octavo.tensorrt.ptx_abi import plugin_ptx
 
-    compiled_variants: dict[KernelConfig, object] = {}  # TensorRT asks once per format/tactic; compile once
+    compiled_variants: dict[KernelConfig, tuple] = {}  # TensorRT asks once per format/tactic; compile once
 
     def compiled_for(config: KernelConfig):  # noqa: ANN202
+        """(Triton's CompiledKernel, the PTX with exactly TensorRT's 15 parameters) of CONFIG."""
         if config not in compiled_variants:
-            compiled_variants[config] = compile_for_aot(config, arch=arch, ptx_version=ptx_version)
+            compiled = compile_for_aot(config, arch=arch, ptx_version=ptx_version)
+            compiled_variants[config] = (compiled, plugin_ptx(compiled.asm["ptx"], compiled.metadata.name))
         return compiled_variants[config]
 
     @trtp.register(PLUGIN_ID)
@@ -107,7 +111,7 @@ def register(arch: int, ptx_version: int | None = None) -> None:
             block_size=_constant(key_cache.shape_expr[1], "block size"),
             scale=scale, sliding_window=sliding_window, softcap=softcap,
         )
-        compiled = compiled_for(config)
+        compiled, ptx = compiled_for(config)
 
         tokens = query.shape_expr[0]
         seqs = past_seqlens.shape_expr[0]
@@ -121,4 +125,4 @@ def register(arch: int, ptx_version: int | None = None) -> None:
         extras[0] = trtp.SymInt32(tokens)
         extras[1] = trtp.SymInt32(seqs)
         extras[2] = trtp.SymInt32(block_table.shape_expr[1])
-        return compiled.metadata.name, compiled.asm["ptx"], params, extras
+        return compiled.metadata.name, ptx, params, extras

@@ -26,10 +26,10 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from octavo.triton_server.front_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH
+
 log = logging.getLogger(__name__)
 
-MAX_JSON_DEPTH = 64
-MAX_BODY_BYTES = 16 << 20
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                          "transfer-encoding", "upgrade", "host", "content-length"})
 _TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string (skipped whole) or a bracket

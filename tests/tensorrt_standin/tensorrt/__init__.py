@@ -3,6 +3,12 @@
 The version it pretends to be comes from OCTAVO_TRT_STANDIN_VERSION (default 11.4.0.106); the API
 differences octavo must handle follow it (BuilderFlag without FP16/BF16 from 11, EXPLICIT_BATCH gone,
 plugin attribute conversion fixed in 11.3).
+
+How it honours an aliased plugin output is chosen by the environment, because TensorRT does not promise one:
+OCTAVO_TRT_STANDIN_ALIAS_REPORT = "none" (default: `get_aliased_input_tensor` answers None even for an aliased
+output, as TensorRT may) or "exact"; OCTAVO_TRT_STANDIN_ALIAS_COPIES = "1": TensorRT inserts copies around the
+aliased plugin (the plugin writes an engine buffer seeded from the input, the engine copies it to wherever the
+output is bound; its device memory then holds a layer's pools at the profile maximum).
 """
 from __future__ import annotations
 
@@ -20,6 +26,10 @@ __version__ = os.environ.get("OCTAVO_TRT_STANDIN_VERSION", "11.4.0.106")
 _MAJOR_MINOR = tuple(int(p) for p in __version__.split(".")[:2])
 _log = logging.getLogger("tensorrt.standin")
 ALIGNMENT = 256
+ALIAS_REPORT = os.environ.get("OCTAVO_TRT_STANDIN_ALIAS_REPORT", "none")
+ALIAS_COPIES = os.environ.get("OCTAVO_TRT_STANDIN_ALIAS_COPIES", "0") == "1"
+ACTIVATION_BYTES = 1 << 20  # the stand-in engine's own device memory when nothing is copied
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 ERRORS: list[str] = []  # what a real TensorRT would print through its logger (tests read it)
 
 
@@ -226,13 +236,18 @@ class IOptimizationProfile:
 
 class IBuilderConfig:
     def __init__(self) -> None:
-        self.flags: set = set()
+        self.flags: set = {BuilderFlag.TF32}  # on by default, as in TensorRT
+        self.cleared: set = set()
         self.preview: set = set()
         self.profiles: list[IOptimizationProfile] = []
         self.pool_limits: dict = {}
 
     def set_flag(self, flag: Any) -> None:  # noqa: ANN401
         self.flags.add(flag)
+
+    def clear_flag(self, flag: Any) -> None:  # noqa: ANN401
+        self.flags.discard(flag)
+        self.cleared.add(flag)
 
     def set_preview_feature(self, feature: Any, enable: bool) -> None:  # noqa: ANN401
         (self.preview.add if enable else self.preview.discard)(feature)
@@ -287,7 +302,11 @@ class Builder:
             definition = trtp.REGISTRY[layer.plugin_id]
             shapes_in = [inputs[n] if n in inputs else _Tensor(n, network.value_types.get(n, DataType.FLOAT), (-1, -1))
                          for n in layer.inputs]
-            layer.kernel = self._aot(definition, layer, shapes_in, network.value_types)
+            try:
+                layer.kernel = self._aot(definition, layer, shapes_in, network.value_types)
+            except (TypeError, ValueError) as exc:
+                _error(f"{layer.node_name}: AOT plugin rejected: {exc}")
+                return None
             for out_index, in_index in layer.aliased.items():
                 out, inp = layer.outputs[out_index], layer.inputs[in_index]
                 if in_place and out in output_names and inp in inputs:
@@ -296,12 +315,19 @@ class Builder:
                     scratch[out] = inp
         if not ALIASED and any(layer.aliased for layer in network.plugins):
             _log.warning("aliased plugin I/O ignored: PreviewFeature.ALIASED_PLUGIN_IO_10_03 is off")
+        copied = dict(aliases) if ALIAS_COPIES else {}
+        device_memory = ACTIVATION_BYTES
+        if copied or scratch:  # a buffer per copied/engine-owned pool output, reused across layers: one layer's K+V
+            per_pool = [int(np.prod(profile[inp][2])) * _ITEMSIZE[inputs[inp].dtype.value]
+                        for inp in {**copied, **scratch}.values() if inp in profile]
+            device_memory += 2 * max(per_pool, default=0)
         engine = {
             "version": __version__, "onnx": network.onnx_path,
             "inputs": [[t.name, t.dtype.value, list(t.shape)] for t in network.inputs],
             "outputs": [[t.name, t.dtype.value, list(t.shape)] for t in network.outputs],
             "profile": {k: [list(x) for x in v] for k, v in profile.items()},
-            "aliases": aliases, "scratch_outputs": scratch,
+            "aliases": aliases, "scratch_outputs": scratch, "copied_aliases": copied,
+            "device_memory": device_memory,
             "kernels": [layer.kernel for layer in network.plugins],
         }
         return json.dumps(engine).encode()
@@ -334,6 +360,10 @@ class Builder:
 
         entry = ptx_text[ptx_text.index(f".entry {name_text}("):]
         entry = entry[:entry.index(")")]
+        passed = len(layer.inputs) + len(extras) + len(layer.outputs)  # TensorRT's kernelParams entries
+        if entry.count(".param") != passed:
+            raise ValueError(f"kernel {name_text} declares {entry.count('.param')} parameters; the AOT launch passes "
+                             f"{passed} (inputs, extras, outputs): the driver would read past the argument array")
         return {"name": name_text, "ptx_chars": len(ptx_text), "ptx_params": entry.count(".param"),
                 "inputs": list(layer.inputs),
                 "params": {k: as_json(getattr(params, k)) for k in ("grid_x", "grid_y", "grid_z", "block_x", "shared_mem")},
@@ -369,7 +399,12 @@ class ICudaEngine:
         return next(TensorIOMode.INPUT if m == "input" else TensorIOMode.OUTPUT for n, m, _, _ in self.io if n == name)
 
     def get_aliased_input_tensor(self, name: str) -> str | None:
-        return self.spec["aliases"].get(name)
+        """Only with OCTAVO_TRT_STANDIN_ALIAS_REPORT=exact: TensorRT does not promise to expose the aliasing."""
+        return self.spec["aliases"].get(name) if ALIAS_REPORT == "exact" else None
+
+    @property
+    def device_memory_size_v2(self) -> int:
+        return int(self.spec["device_memory"])
 
     def create_execution_context(self) -> "IExecutionContext":
         return IExecutionContext(self)
@@ -407,7 +442,7 @@ class IExecutionContext:
                 _error(f"no address set for {name}")
                 return False
         for out, inp in spec["aliases"].items():
-            if self.addresses[out] != self.addresses[inp]:
+            if out not in spec["copied_aliases"] and self.addresses[out] != self.addresses[inp]:
                 _error(f"aliased output {out} must be bound to the address of its input {inp}")
                 return False
         try:
@@ -451,16 +486,16 @@ class IExecutionContext:
         feeds = {}
         for name, dtype, _shape in spec["inputs"]:
             feeds[name] = self._view(name, dtype, self.shapes[name])
-        for inp in spec["scratch_outputs"].values():
-            # not in place: the plugin writes a buffer of the engine's own, seeded from the input; the
-            # caller's pool behind the input address is never updated
+        for inp in [*spec["scratch_outputs"].values(), *spec["copied_aliases"].values()]:
+            # not in place: the plugin writes a buffer of the engine's own, seeded from the input; the caller's
+            # pool behind the input address is updated only through a copied alias's bound output address
             feeds[inp] = feeds[inp].copy()
         self.launches = [self._launch(kernel, feeds) for kernel in spec["kernels"]]
         out_names = [name for name, *_ in spec["outputs"]]
         results = dict(zip(out_names, self._session.run(out_names, feeds)))
         for name, dtype, _shape in spec["outputs"]:
-            if name in spec["aliases"] or name in spec["scratch_outputs"]:
-                continue  # in place through the shared address, or into the engine's own buffer
+            if name in spec["scratch_outputs"] or (name in spec["aliases"] and name not in spec["copied_aliases"]):
+                continue  # into the engine's own buffer, or in place through the shared address
             value = results[name]
             target = self._view(name, dtype, value.shape)
             target[...] = value
@@ -476,6 +511,17 @@ def evaluate_expr(expr: Any, shapes: list[tuple[int, ...]]) -> int:  # noqa: ANN
     return {"+": a + b, "-": a - b, "*": a * b, "//": a // b, "cdiv": -(-a // b), "max": max(a, b), "min": min(a, b)}[expr[0]]
 
 
+def _as_float32(array: np.ndarray) -> np.ndarray:
+    if array.dtype in (np.float32, np.float16):
+        return array.astype(np.float32)
+    return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # bfloat16 bits
+
+
+def _bfloat16_bits(array: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(array, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def _reference_plugin_op():  # noqa: ANN202
     from onnx.reference.op_run import OpRun
 
@@ -487,11 +533,18 @@ def _reference_plugin_op():  # noqa: ANN202
         def _run(self, query, key, value, key_cache, value_cache, cu, past, table, slots,  # noqa: ANN001, ANN202, PLR0913
                  num_heads=None, kv_num_heads=None, scale=None, sliding_window=None, softcap=None,
                  plugin_namespace=None, plugin_version=None, aot=None):
-            dtype = query.dtype
-            out = paged_attention_ref(query.astype(np.float32), key.astype(np.float32), value.astype(np.float32),
-                                      key_cache, value_cache, cu, past, table, slots, num_heads=num_heads,
+            # bfloat16 arrives as raw 16-bit words (onnx's custom dtype, or the uint16 views of the pools):
+            # computed in float32, the pools written back as bfloat16 bits (round to nearest even)
+            bf16 = query.dtype not in (np.float32, np.float16)
+            pools = [_as_float32(c) if bf16 else c for c in (key_cache, value_cache)]
+            out = paged_attention_ref(_as_float32(query), _as_float32(key), _as_float32(value),
+                                      pools[0], pools[1], cu, past, table, slots, num_heads=num_heads,
                                       kv_num_heads=kv_num_heads, scale=scale, sliding_window=sliding_window,
                                       softcap=softcap)
-            return out.astype(dtype), key_cache, value_cache
+            if not bf16:
+                return out.astype(query.dtype), key_cache, value_cache
+            for pool, computed in zip((key_cache, value_cache), pools):
+                pool.view(np.uint16)[...] = _bfloat16_bits(computed)
+            return _bfloat16_bits(out).view(query.dtype), key_cache, value_cache
 
     return PagedAttention
