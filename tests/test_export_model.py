@@ -3,7 +3,6 @@ safetensors dtypes, resolve_model's cache, and the SmolLM2 GGUF end to end."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +107,8 @@ def test_resolve_model_exports_once_into_the_cache(hf_model_dir, tmp_path: Path,
 
 
 @pytest.mark.slow  # ~7 s export + reads a 100 MB GGUF; slower on a busy machine
-def test_smollm2_gguf_exports_fast_and_answers(tmp_path: Path) -> None:
-    """The real pretrained demo model: GGUF -> export (timed) -> greedy answer through the backend."""
+def test_smollm2_gguf_exports_and_answers(tmp_path: Path) -> None:
+    """The real pretrained demo model: GGUF -> export -> greedy answer through the backend."""
     pytest.importorskip("octavo.export.gguf_reader")
     from octavo.export.embedded import default_model_path
     from octavo.errors import ModelFormatError
@@ -124,10 +123,7 @@ def test_smollm2_gguf_exports_fast_and_answers(tmp_path: Path) -> None:
 
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
-    started = time.perf_counter()
-    manifest = export_model(gguf, tmp_path / "smol", progress=False)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 60, f"export took {elapsed:.1f} s"
+    manifest = export_model(gguf, tmp_path / "smol", progress=False)  # its time is a benchmark's, not a test's
     assert (manifest.num_layers, manifest.tie_word_embeddings) == (30, True)
 
     folder = tmp_path / "smol"
