@@ -135,7 +135,9 @@ class CompletionShape(Shape):
         ids, entries = scores
         legacy = None
         if self.req.echo and self.req.logprobs is not None:
-            legacy, self.offsets[index] = R.echo_logprobs(ids, entries, self.req.logprobs, _decoder(self.st),
+            # a token-id prompt is echoed with its special tokens: its first token's text counts them too
+            keep = not isinstance(self.req.prompts[index // self.req.params.n], str)
+            legacy, self.offsets[index] = R.echo_logprobs(ids, entries, self.req.logprobs, _decoder(self.st, keep),
                                                           as_ids=self.opts.tokens_as_ids)
         vllm = None
         if self.req.prompt_logprobs is not None:
@@ -322,9 +324,9 @@ class BatchChatShape(ChatShape):
         return out
 
 
-def _decoder(st: ServerState) -> Any:
+def _decoder(st: ServerState, keep_special: bool = False) -> Any:
     tok = st.tokenizer
-    return lambda tid: tok.decode([tid])
+    return lambda tid: tok.decode([tid], skip_special_tokens=not keep_special)
 
 
 __all__ = ["BatchChatShape", "ChatShape", "CompletionShape", "Shape"]
