@@ -15,6 +15,8 @@ import pytest
 from engine_helpers import exported
 from serve_process import serve_in_thread, serving
 
+from octavo import LLM, SamplingParams
+from octavo.errors import InvalidRequestError
 from octavo.runtime.engine_args import EngineArgs
 
 NAME = "tiny"
@@ -347,3 +349,23 @@ def test_max_logprobs_minus_one_allows_the_vocabulary_within_the_entry_budget(mo
         assert sums == pytest.approx([1.0] * len(sums), abs=1e-3)
         e = err(post(s.base_url, "/v1/completions", {"prompt": "x", "logprobs": -1, "max_tokens": 400}))
         assert "logprob entries" in e["message"]
+
+
+def test_library_max_logprobs(model_dir) -> None:  # noqa: ANN001
+    """The engine owns the bound: LLM(max_logprobs=...) refuses more, and resolves -1 to the vocabulary."""
+    llm = LLM(str(model_dir), num_blocks=32, num_threads=1)
+    try:
+        with pytest.raises(InvalidRequestError, match="max allowed: 20"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, prompt_logprobs=21))
+        with pytest.raises(InvalidRequestError, match="logprob_token_ids"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=1, logprob_token_ids=[999]))
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=[7, 9]))
+        assert set(out[0].outputs[0].token_ids) <= {7, 9}
+    finally:
+        llm.close()
+    llm = LLM(str(model_dir), num_blocks=32, num_threads=1, max_logprobs=-1)
+    try:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, prompt_logprobs=-1))
+        assert all(len(e) == VOCAB for e in out[0].prompt_logprobs[1:])
+    finally:
+        llm.close()
