@@ -127,12 +127,14 @@ class InputProcessor:
                                           f"(vocabulary size {self.vocab_size}: allowed 0 to {self.vocab_size - 1})")
         if params.allowed_token_ids is not None:
             params.allowed_token_ids = sorted(set(params.allowed_token_ids))
-        k = params.logprobs
-        if k is not None and k > DEFAULT_MAX_LOGPROBS and max_tokens * (k + 1) > self.max_prompt_logprob_entries:
+        # a top-k above the default may hold no more entries than a top-20 request over the whole context does
+        # (nor than max_prompt_logprob_entries, if that is more)
+        k, budget = params.logprobs, max(self.max_prompt_logprob_entries, self.max_model_len * (DEFAULT_MAX_LOGPROBS + 1))
+        if k is not None and k > DEFAULT_MAX_LOGPROBS and max_tokens * (k + 1) > budget:
             raise InvalidRequestError(
                 f"logprobs={k} over up to {max_tokens} generated tokens is {max_tokens * (k + 1)} logprob entries; "
-                f"this server keeps at most {self.max_prompt_logprob_entries} per request for a top-k above "
-                f"{DEFAULT_MAX_LOGPROBS} (--max-prompt-logprob-entries): lower logprobs or max_tokens")
+                f"this server keeps at most {budget} per request (a top-{DEFAULT_MAX_LOGPROBS} request over the "
+                f"whole context, or --max-prompt-logprob-entries): lower max_tokens or the number of logprobs")
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text: str | None = None

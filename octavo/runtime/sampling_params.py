@@ -153,6 +153,8 @@ class SamplingParams:
                                           f"len(logprob_token_ids)={len(ids)}")
             if self.use_beam_search:
                 raise InvalidRequestError("logprob_token_ids is not supported with use_beam_search")
+        if self.allowed_token_ids is not None and self.use_beam_search:  # (vLLM's beam search has no such field)
+            raise InvalidRequestError("allowed_token_ids is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:
