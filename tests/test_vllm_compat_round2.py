@@ -6,8 +6,6 @@ out-of-vocabulary errors and --max-logprobs. References: transformers (the model
 chat template), pydantic (tool arguments), the server's own single-conversation route (batch)."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import numpy as np
 import openai
@@ -230,6 +228,10 @@ def test_echo_of_token_ids_keeps_special_tokens_and_agrees_with_text_offset(clie
     assert offs[len(ids)] == len(echoed)  # the generated text starts where the echo ends
     for i, tok in enumerate(lp.tokens[:len(ids)]):  # each token's text sits at its offset
         assert text[offs[i]:offs[i] + len(tok)] == tok
+    streamed = list(client.completions.create(model=NAME, prompt=ids, max_tokens=1, temperature=0.0, echo=True,
+                                              logprobs=0, stream=True))
+    assert "".join(c.text for ch in streamed for c in ch.choices) == text
+    assert [o for ch in streamed for c in ch.choices if c.logprobs for o in c.logprobs.text_offset] == offs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,6 +322,13 @@ def test_batch_chat_body_is_capped(url) -> None:  # noqa: ANN001
 
 # ------------------------------------------------------------------------------------------------
 # 8, 9. the vocabulary size in errors; --max-logprobs
+
+
+@pytest.mark.parametrize("field, value", [("repetition_detection", {"max_pattern_size": 4, "min_count": 2}),
+                                          ("prompt_logprob_token_ids", [1]), ("watermarking", True)])
+def test_newer_vllm_sampling_fields_are_refused_not_ignored(url, field: str, value: object) -> None:  # noqa: ANN001
+    assert err(post(url, "/v1/chat/completions", {"messages": MSGS, field: value}))["param"] == field
+    assert post(url, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, field: None}).status_code == 200
 
 
 def test_logit_bias_out_of_range_names_the_vocabulary_size(url) -> None:  # noqa: ANN001

@@ -34,6 +34,9 @@ REFUSED_EXTENSIONS: dict[str, Any] = {
     "bad_words": [], "logits_processors": None,
     "prompt_embeds": None, "spaces_between_special_tokens": True, "documents": None, "mm_processor_kwargs": None,
     "kv_transfer_params": None, "cache_salt": None, "vllm_xargs": None,
+    # vLLM sampling fields newer than the above: each would change the output if ignored
+    "prompt_logprob_token_ids": None, "prompt_logprob_start": None, "repetition_detection": None,
+    "trace_decode_token_ids": None, "watermarking": False, "ec_transfer_params": None,
 }
 # OpenAI chat fields this server does not implement (the deprecated functions API, audio, predicted outputs)
 _REFUSED_CHAT: dict[str, Any] = {"functions": None, "function_call": None, "audio": None, "prediction": None,
