@@ -167,7 +167,7 @@ def _logit_bias(b: Body, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
-_out_of_vocabulary = out_of_vocabulary  # "... out of vocabulary (vocabulary size N: allowed 0 to N-1)"
+_out_of_vocabulary = out_of_vocabulary  # "... out of vocabulary (vocabulary size N; allowed: 0 to N-1)"
 
 
 def _max_tokens(b: Body, names: tuple[str, ...], default: int | None, limits: Limits) -> int | None:
