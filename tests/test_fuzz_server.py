@@ -31,7 +31,8 @@ KEY = "sk-fuzz"
 NAME = "tiny"
 CAP = 8  # --max-tokens-cap: keeps every valid request short
 BODY_LIMIT = 64 << 10
-ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/chat/completions/batch"),
+          ("GET", "/v1/models"),
           ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", OPENAPI_PATH),
           ("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info")]
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -162,7 +163,8 @@ HOSTILE_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch",
+                                  "/tokenize", "/detokenize"])
 def test_hostile_bodies_are_4xx(server, path: str) -> None:  # noqa: ANN001
     with httpx.Client(timeout=60) as http:
         for body in HOSTILE_BODIES:

@@ -196,7 +196,8 @@ def test_sse_wire_format_and_exact_shapes(server) -> None:  # noqa: ANN001
     r = httpx.post(server.base_url + "/v1/chat/completions", headers=auth(), json={
         "model": NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3})
     o = r.json()
-    assert set(o) == {"id", "object", "created", "model", "choices", "usage"} and o["object"] == "chat.completion"
+    assert set(o) == {"id", "object", "created", "model", "choices", "usage", "prompt_logprobs"} \
+        and o["object"] == "chat.completion" and o["prompt_logprobs"] is None
     assert o["id"].startswith("chatcmpl-") and isinstance(o["created"], int)
     assert set(o["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
     assert o["choices"][0]["message"]["role"] == "assistant"

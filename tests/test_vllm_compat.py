@@ -404,8 +404,9 @@ def test_enable_per_request_metrics_flag(model_dir) -> None:  # noqa: ANN001
     ({"best_of": 3}, "best_of", ["use_beam_search"]),
     ({"use_beam_search": True, "logprobs": 2}, "logprobs", ["beam search"]),
     ({"length_penalty": 0.5}, "length_penalty", ["use_beam_search"]),
-    ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens", ["not supported"]),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", ["not supported"]),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ["positive", "-1"]),
+    ({"allowed_token_ids": [1, 2, 384]}, "allowed_token_ids", ["384", "vocabulary size 384"]),
+    ({"prompt_embeds": "abc"}, "prompt_embeds", ["not supported"]),
     ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options", ["boolean"]),
 ])
 def test_validation_messages_name_every_offender_and_the_allowed_range(url, body, param, words) -> None:  # noqa: ANN001

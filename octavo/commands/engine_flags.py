@@ -47,6 +47,8 @@ HELP: dict[str, str] = {
     "max_constraint_choices": "most choices, or values of one enum, in an output constraint",
     "max_prompt_logprob_entries": "most prompt logprob entries (scored prompt tokens x (top-k + 1)) one request may "
                                   "ask for (prompt_logprobs, echo with logprobs)",
+    "max_logprobs": "most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs); -1: the "
+                    "whole vocabulary (vLLM's --max-logprobs)",
     "constraint_compile_timeout": "seconds a request waits for its output constraint to compile (then a 400)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
     "ort_fusions": "onnxruntime: fuse RoPE into ONNX Runtime's RotaryEmbedding and then into PagedAttention when "

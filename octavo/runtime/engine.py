@@ -57,7 +57,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
                                      self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal,
                                      prompt_logprob_rows=prompt_logprob_rows,
-                                     max_prompt_logprob_entries=args.max_prompt_logprob_entries)
+                                     max_prompt_logprob_entries=args.max_prompt_logprob_entries,
+                                     max_logprobs=args.max_logprobs)
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from octavo.errors import InvalidRequestError
 from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, check_quant_options, check_weight_options,
                                          not_on_tensorrt)
-from octavo.runtime.input_processor import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+from octavo.runtime.input_processor import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
 from octavo.structured.limits import ConstraintLimits
 
@@ -64,6 +64,9 @@ class EngineArgs:
     constraint_compile_timeout: float = _LIMITS.compile_timeout  # seconds a request waits for its grammar
     # prompt_logprobs / echo + logprobs: scored prompt tokens x (top-k + 1) one request may ask for (a 400 past it)
     max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+    # vLLM's --max-logprobs: the most top logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for;
+    # -1 = the whole vocabulary (entries per request still bounded by max_prompt_logprob_entries)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
     # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
@@ -99,6 +102,9 @@ class EngineArgs:
                 or self.max_prompt_logprob_entries < 1:
             raise InvalidRequestError(f"max_prompt_logprob_entries must be an integer >= 1, got "
                                       f"{self.max_prompt_logprob_entries!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise InvalidRequestError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got "
+                                      f"{self.max_logprobs!r}")
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")

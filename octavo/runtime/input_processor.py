@@ -28,6 +28,7 @@ Prompt = str | list[int] | dict[str, Any]
 # a request's prompt logprobs live as Python objects until its response is written (~200 bytes an entry, more
 # as JSON): bounded per request, like the sampled tokens' logprobs are by max_tokens x 20
 DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES = 65_536
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default: top-k per token a request may ask for
 
 
 def _too_long(prompt_len: int, max_tokens: int, limit: int, what: str) -> tuple[str, str]:
@@ -42,7 +43,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int,
                  block_size: int, seed: int, structured: StructuredOutputManager | None = None,
                  beam_search_refusal: str | None = None, prompt_logprob_rows: int = 1,
-                 max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES) -> None:
+                 max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         """beam_search_refusal: why this engine cannot run beam search (None: it can). prompt_logprob_rows:
         the logits rows a step can return beyond one per sequence (0: prompt_logprobs is refused)."""
         self.tokenizer = tokenizer
@@ -50,6 +52,7 @@ class InputProcessor:
         self.beam_search_refusal = beam_search_refusal
         self.prompt_logprob_rows = prompt_logprob_rows
         self.max_prompt_logprob_entries = max_prompt_logprob_entries  # scored prompt tokens x (top-k + 1), at most
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs  # top-k per token (-1: the vocabulary)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -69,6 +72,7 @@ class InputProcessor:
         max_tokens = self._check_fits(len(ids), params)
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        self._check_logprobs(params, max_tokens)
         if not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         if params.use_beam_search and self.beam_search_refusal is not None:
@@ -103,6 +107,34 @@ class InputProcessor:
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
                                          params.skip_special_tokens) for _ in children]
         return RequestGroup(request_id, text, ids, children, now, params.output_kind, detoks)
+
+    def _check_logprobs(self, params: SamplingParams, max_tokens: int) -> None:
+        """Resolve -1 (the whole vocabulary) in PARAMS (a private copy) and check every logprob ask against
+        max_logprobs (vLLM's wording), the token-id lists against the vocabulary, and a sampled top-k beyond
+        the default 20 against the per-request entry budget (its entries live until the response is written)."""
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            k = getattr(params, name)
+            if k == -1:
+                k = self.vocab_size
+                setattr(params, name, k)
+            if k is not None and k > self.max_logprobs:
+                raise InvalidRequestError(f"Requested {what} logprobs of {k}, which is greater than max allowed: "
+                                          f"{self.max_logprobs} (the server's --max-logprobs)")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            outside = [t for t in getattr(params, name) or () if not 0 <= t < self.vocab_size]
+            if outside:
+                raise InvalidRequestError(f"{name} holds token ids out of vocabulary: {outside[:16]} "
+                                          f"(vocabulary size {self.vocab_size}: allowed 0 to {self.vocab_size - 1})")
+        if params.allowed_token_ids is not None:
+            params.allowed_token_ids = sorted(set(params.allowed_token_ids))
+        # a top-k above the default may hold no more entries than a top-20 request over the whole context does
+        # (nor than max_prompt_logprob_entries, if that is more)
+        k, budget = params.logprobs, max(self.max_prompt_logprob_entries, self.max_model_len * (DEFAULT_MAX_LOGPROBS + 1))
+        if k is not None and k > DEFAULT_MAX_LOGPROBS and max_tokens * (k + 1) > budget:
+            raise InvalidRequestError(
+                f"logprobs={k} over up to {max_tokens} generated tokens is {max_tokens * (k + 1)} logprob entries; "
+                f"this server keeps at most {budget} per request (a top-{DEFAULT_MAX_LOGPROBS} request over the "
+                f"whole context, or --max-prompt-logprob-entries): lower max_tokens or the number of logprobs")
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text: str | None = None

@@ -1,9 +1,11 @@
 """Sampler: next tokens for a batch of logits rows, vectorised over the batch with numpy.
 
 Order of processing (vLLM semantics): the grammar's token bitmask of structured-output rows (tokens it
-forbids get -inf, before anything else sees the logits; see octavo/structured/), logit_bias, penalties (repetition over prompt+output tokens:
+forbids get -inf, before anything else sees the logits; see octavo/structured/), allowed_token_ids (every
+other token -inf), logit_bias, penalties (repetition over prompt+output tokens:
 positive logits divided, negative multiplied; presence/frequency over output tokens), min_tokens
-(EOS and stop ids suppressed until reached). Logprobs are the log-softmax of these processed logits.
+(EOS and stop ids suppressed until reached). Logprobs are the log-softmax of these processed logits: the top-k and the
+chosen token, or (logprob_token_ids) the chosen token and exactly the asked ids, in that order.
 Then greedy rows take the argmax; the others are divided by temperature, filtered by top_k, top_p,
 min_p and sampled with the request's own np.random.Generator (one uniform draw per token), so a
 seeded request gives the same tokens whatever else is in the batch. A constrained row left with no
@@ -53,7 +55,8 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def _plain_greedy(r: Request) -> bool:
     """Greedy, no logits processor active, no logprobs: the token is the argmax of the raw logits."""
     p = r.params
-    return (p.temperature == 0.0 and not p.logit_bias and p.logprobs is None and p.repetition_penalty == 1.0
+    return (p.temperature == 0.0 and not p.logit_bias and p.logprobs is None and p.allowed_token_ids is None
+            and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and len(r.output_token_ids) >= p.min_tokens)
 
@@ -141,11 +144,13 @@ class Sampler:
         logits = np.array(logits, dtype=np.float32, copy=True)
         if masked.size:
             apply_token_bitmask(logits, bitmask, masked)
+        self._apply_allowed(logits, reqs)
         self._apply_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
         self._apply_min_tokens(logits, reqs)
         if masked.size:
             self._revive_dead_rows(logits, masked)
+        self._revive_allowed(logits, reqs)
         logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         lp = log_softmax(logits[logprob_rows]) if logprob_rows else None
 
@@ -156,11 +161,15 @@ class Sampler:
 
         out_lp: list[dict[int, float] | None] = [None] * len(reqs)
         for j, i in enumerate(logprob_rows):
-            k = reqs[i].params.logprobs or 0
-            row = lp[j]
-            top = np.argpartition(-row, k - 1)[:k] if k else np.empty(0, np.int64)
-            d = {int(t): float(row[t]) for t in top[np.argsort(-row[top])]}
-            d[int(tokens[i])] = float(row[tokens[i]])
+            row, chosen, explicit = lp[j], int(tokens[i]), reqs[i].params.logprob_token_ids
+            if explicit is not None:  # vLLM's logprob_token_ids: the chosen token first, then exactly these
+                d = {chosen: float(row[chosen])}
+                d.update((t, float(row[t])) for t in explicit if t not in d)
+            else:
+                k = min(reqs[i].params.logprobs or 0, row.shape[0])
+                top = np.argpartition(-row, k - 1)[:k] if k else np.empty(0, np.int64)
+                d = {int(t): float(row[t]) for t in top[np.argsort(-row[top])]}
+                d[chosen] = float(row[chosen])
             out_lp[i] = d
         return SamplerOutput(token_ids=[int(t) for t in tokens], logprobs=out_lp)
 
@@ -178,6 +187,27 @@ class Sampler:
         eos = [t for t in self.eos_token_ids if 0 <= t < logits.shape[1]]
         if dead.size and eos:
             logits[np.ix_(dead, eos)] = 0.0
+
+    @staticmethod
+    def _apply_allowed(logits: np.ndarray, reqs: list[Request]) -> None:
+        """allowed_token_ids (vLLM's): every other token of the row gets -inf."""
+        for i, r in enumerate(reqs):
+            allowed = r.params.allowed_token_ids
+            if allowed is not None:
+                ids = np.asarray(allowed, np.int64)
+                ids = ids[(ids >= 0) & (ids < logits.shape[1])]
+                kept = logits[i, ids].copy()
+                logits[i] = -np.inf
+                logits[i, ids] = kept
+
+    @staticmethod
+    def _revive_allowed(logits: np.ndarray, reqs: list[Request]) -> None:
+        """A row whose allowed_token_ids are all held back (min_tokens suppressing the only allowed EOS, a grammar
+        allowing none of them) samples among its allowed tokens uniformly rather than from nothing."""
+        for i, r in enumerate(reqs):
+            if r.params.allowed_token_ids is not None and np.all(logits[i] == -np.inf):
+                ids = np.asarray(r.params.allowed_token_ids, np.int64)
+                logits[i, ids[(ids >= 0) & (ids < logits.shape[1])]] = 0.0
 
     @staticmethod
     def _apply_bias(logits: np.ndarray, reqs: list[Request]) -> None:

@@ -8,6 +8,7 @@ from octavo.structured.params import StructuredOutputsParams
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # vLLM's RequestOutputKind
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 
 
 @dataclass(slots=True)
@@ -28,8 +29,15 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-k logprobs per generated token (0 = only the chosen one)
-    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0 = only the prompt's own token)
+    # top-k logprobs per generated token (0 = only the chosen one; -1 = the whole vocabulary). The engine refuses
+    # more than its EngineArgs.max_logprobs (vLLM's --max-logprobs)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (0 = only the prompt's own token; -1 = all)
+    # vLLM's: the logprobs of exactly these tokens (besides the chosen one) at each generated position, instead of
+    # the top-k; logprobs then defaults to (and must equal) their number
+    logprob_token_ids: list[int] | None = None
+    # vLLM's: only these tokens may be sampled (every other logit is -inf, before logit_bias and penalties)
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     # what each output holds (vLLM's RequestOutputKind; see runtime/output_processor.py): "delta" (the
     # engine's native form: what is new since the previous output; the server and Triton stream these),
@@ -55,6 +63,8 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logprob_token_ids, (list, tuple)) and self.logprobs is None:
+            self.logprobs = len(self.logprob_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -87,12 +97,11 @@ class SamplingParams:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
-                                                 or not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            raise bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's (max_logprobs)
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < -1):
+                raise bad(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, got {v!r}")
+        self._validate_token_lists()
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a non-empty string or a list of non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
@@ -123,6 +132,29 @@ class SamplingParams:
             for k, v in self.logit_bias.items():
                 if not isinstance(k, int) or not _finite(v) or not -100 <= v <= 100:
                     raise bad(f"logit_bias maps token ids to values in [-100, 100], got {k!r}: {v!r}")
+
+    def _validate_token_lists(self) -> None:
+        """allowed_token_ids and logprob_token_ids: non-empty lists of token ids (the engine checks the vocabulary)."""
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, (list, tuple)) or not v or any(isinstance(t, bool) or not isinstance(t, int) for t in v):
+                raise InvalidRequestError(f"{name} must be a non-empty list of token ids, got {v!r}")
+            setattr(self, name, list(v))
+        ids = self.logprob_token_ids
+        if ids is not None:
+            if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise InvalidRequestError(f"logprob_token_ids holds {len(ids)} token ids, more than the "
+                                          f"{MAX_LOGPROB_TOKEN_IDS} allowed")
+            if self.logprobs != len(ids):
+                raise InvalidRequestError(f"when both logprobs and logprob_token_ids are set, logprobs must equal "
+                                          f"len(logprob_token_ids): got logprobs={self.logprobs}, "
+                                          f"len(logprob_token_ids)={len(ids)}")
+            if self.use_beam_search:
+                raise InvalidRequestError("logprob_token_ids is not supported with use_beam_search")
+        if self.allowed_token_ids is not None and self.use_beam_search:  # (vLLM's beam search has no such field)
+            raise InvalidRequestError("allowed_token_ids is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:

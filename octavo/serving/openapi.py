@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from octavo.runtime.sampling_params import MAX_LOGPROB_TOKEN_IDS
 from octavo.serving.protocol import MAX_LOGPROBS
 
 OPENAPI_PATH = "/openapi.json"
@@ -84,6 +85,15 @@ def _sampling(max_tokens_cap: int | None, max_n: int, vocab_size: int | None) ->
         "use_beam_search": {"type": "boolean", "nullable": True,
                             "description": "beam search of width max(n, best_of); the n best beams"},
         "length_penalty": {**_num(), "description": "beam score = cumulative logprob / length ** length_penalty"},
+        "allowed_token_ids": {"type": "array", "nullable": True, "minItems": 1, **({"maxItems": vocab_size} if vocab_size
+                                                                                   else {}), "items": token,
+                              "description": "only these tokens may be sampled"},
+        "logprob_token_ids": {"type": "array", "nullable": True, "minItems": 1, "maxItems": MAX_LOGPROB_TOKEN_IDS,
+                              "items": token, "description": "logprobs of exactly these tokens (needs logprobs)"},
+        "truncate_prompt_tokens": _int(-1, nullable=True, description="keep this many prompt tokens (-1: as many "
+                                                                      "as fit beside max_tokens)"),
+        "truncation_side": {"type": "string", "nullable": True, "enum": ["left", "right", None],
+                            "description": "left (default): keep the last tokens; right: the first"},
         **_constraints(),
     }
 
@@ -138,7 +148,7 @@ _TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "propert
                  "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
 
 
-def _completion_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, Any]:
+def _completion_request(cap: int | None, max_n: int, vocab: int | None, k: int) -> dict[str, Any]:
     token = _int(0, vocab - 1 if vocab else None)
     props = _sampling(cap, max_n, vocab)
     props.update({
@@ -148,17 +158,17 @@ def _completion_request(cap: int | None, max_n: int, vocab: int | None) -> dict[
             {"type": "array", "minItems": 1, "items": token},
             {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "array", "minItems": 1, "items": token}},
         ]},
-        "logprobs": _int(0, MAX_LOGPROBS, nullable=True),
+        "logprobs": _int(-1, k, nullable=True, description="-1: the whole vocabulary (where --max-logprobs allows)"),
         "echo": {"type": "boolean", "nullable": True, "description": "prepend the prompt (with logprobs: its "
                  "tokens' logprobs too, the first null)"},
         "max_tokens": _int(0, cap, nullable=True, description="0 only with echo: score the prompt, generate nothing"),
-        "prompt_logprobs": _int(0, MAX_LOGPROBS, nullable=True,
+        "prompt_logprobs": _int(-1, k, nullable=True,
                                 description="vLLM's: top-k logprobs of every prompt token, in choices[].prompt_logprobs"),
     })
     return {"type": "object", "required": ["prompt"], "properties": props}
 
 
-def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, Any]:
+def _chat_request(cap: int | None, max_n: int, vocab: int | None, k: int) -> dict[str, Any]:
     props = _sampling(cap, max_n, vocab)
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
@@ -174,7 +184,9 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, A
         "messages": {"type": "array", "minItems": 1, "items": message},
         "max_completion_tokens": _int(1, cap, nullable=True),
         "logprobs": {"type": "boolean", "nullable": True},
-        "top_logprobs": _int(0, MAX_LOGPROBS, nullable=True, description="needs logprobs: true"),
+        "top_logprobs": _int(-1, k, nullable=True, description="needs logprobs: true"),
+        "prompt_logprobs": _int(-1, k, nullable=True, description="vLLM's: the templated prompt's logprobs, in the "
+                                "response's prompt_logprobs (not with stream)"),
         "add_generation_prompt": {"type": "boolean", "nullable": True, "description": "default true"},
         "continue_final_message": {"type": "boolean", "nullable": True,
                                    "description": "continue the last (assistant) message; needs "
@@ -189,6 +201,16 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, A
                                "description": "special tokens (BOS) on top of the template's; default false"},
         **_tools(),
     })
+    return {"type": "object", "required": ["messages"], "properties": props}
+
+
+def _batch_chat_request(cap: int | None, max_n: int, vocab: int | None, k: int, max_prompts: int) -> dict[str, Any]:
+    """vLLM's /v1/chat/completions/batch: messages is a list of conversations; no stream, tools, beam search."""
+    props = dict(_chat_request(cap, max_n, vocab, k)["properties"])
+    for name in ("stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "use_beam_search",
+                 "best_of", "length_penalty", "prompt_logprobs", "n"):
+        props.pop(name)
+    props["messages"] = {"type": "array", "minItems": 1, "maxItems": max_prompts, "items": props["messages"]}
     return {"type": "object", "required": ["messages"], "properties": props}
 
 
@@ -239,10 +261,12 @@ def _responses_schemas() -> dict[str, Any]:
                                        "message": {"type": "object", "required": ["role", "content"], "properties": {
                                            "role": {"type": "string", "enum": ["assistant"]},
                                            "content": {"type": "string", "nullable": True},
+                                           "reasoning": {"type": "string", "nullable": True},
                                            "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
                                        "logprobs": {"type": "object", "nullable": True},
                                        "finish_reason": _FINISH, "token_ids": _TOKEN_IDS}}},
-                               "usage": _ref("Usage"), "metrics": _METRICS, "prompt_token_ids": _TOKEN_IDS}},
+                               "usage": _ref("Usage"), "metrics": _METRICS, "prompt_token_ids": _TOKEN_IDS,
+                               "prompt_logprobs": _PROMPT_LOGPROBS}},
         "Tokenize": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
             "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer", "nullable": True},
             "tokens": {"type": "array", "items": {"type": "integer"}},
@@ -301,7 +325,7 @@ def _get_op(summary: str, content: dict[str, Any], *, auth: bool = True) -> dict
 
 
 def _tokenize_requests(vocab: int | None) -> dict[str, Any]:
-    chat = _chat_request(None, 1, vocab)["properties"]["messages"]
+    chat = _chat_request(None, 1, vocab, MAX_LOGPROBS)["properties"]["messages"]
     flag = {"type": "boolean", "nullable": True}
     return {
         "TokenizeRequest": {"type": "object", "description": "exactly one of prompt and messages", "properties": {
@@ -326,11 +350,14 @@ def _tokenizer_op(summary: str, request: str, response: str) -> dict[str, Any]:
 
 
 def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int | None = None, max_n: int = 16,
-                   vocab_size: int | None = None, version: str = "0") -> dict[str, Any]:
+                   vocab_size: int | None = None, version: str = "0", max_logprobs: int = MAX_LOGPROBS,
+                   max_prompts: int = 64) -> dict[str, Any]:
     """The OpenAPI 3.0.3 document of this server, with its limits filled in."""
     schemas = _responses_schemas()
-    schemas["CompletionRequest"] = _completion_request(max_tokens_cap, max_n, vocab_size)
-    schemas["ChatCompletionRequest"] = _chat_request(max_tokens_cap, max_n, vocab_size)
+    schemas["CompletionRequest"] = _completion_request(max_tokens_cap, max_n, vocab_size, max_logprobs)
+    schemas["ChatCompletionRequest"] = _chat_request(max_tokens_cap, max_n, vocab_size, max_logprobs)
+    schemas["BatchChatCompletionRequest"] = _batch_chat_request(max_tokens_cap, max_n, vocab_size, max_logprobs,
+                                                                max_prompts)
     schemas["InvocationRequest"] = {"oneOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]}
     schemas["Invocation"] = {"oneOf": [_ref("ChatCompletion"), _ref("Completion")]}
     schemas.update(_tokenize_requests(vocab_size))
@@ -346,6 +373,9 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
             "/v1/completions": {"post": _generate_op("text completion", "CompletionRequest", "Completion")},
             "/v1/chat/completions": {"post": _generate_op("chat completion", "ChatCompletionRequest",
                                                           "ChatCompletion")},
+            "/v1/chat/completions/batch": {"post": _generate_op(
+                "vLLM's batch chat completion: one choice per conversation (never streamed)",
+                "BatchChatCompletionRequest", "ChatCompletion")},
             "/invocations": {"post": {**_generate_op(
                 "SageMaker-style: a chat completion when the body has 'messages', else a completion ('prompt')",
                 "InvocationRequest", "Invocation")}},
@@ -370,9 +400,11 @@ def server_schema(state: Any) -> dict[str, Any]:
     from octavo.version import __version__
 
     cfg = state.config
-    vocab = state.limits.vocab_size if state.limits is not None else None
+    lim = state.limits
     return openapi_schema(cfg.served_model_names, max_tokens_cap=cfg.max_tokens_cap, max_n=cfg.max_n,
-                          vocab_size=vocab, version=__version__)
+                          vocab_size=lim.vocab_size if lim is not None else None, version=__version__,
+                          max_logprobs=lim.max_logprobs if lim is not None else MAX_LOGPROBS,
+                          max_prompts=lim.max_prompts if lim is not None else 64)
 
 
 def add_openapi_route(app: web.Application, schema: Any) -> None:

@@ -19,19 +19,24 @@ from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.body import Body, listed, show
 from octavo.serving.chat_messages import ChatOptions, chat_options, parse_messages
 from octavo.serving.constraints import CONSTRAINT_FIELDS, parse_constraint
+from octavo.serving.token_fields import (Truncation, allowed_token_ids, logprob_token_ids, out_of_vocabulary, top_k,
+                                         truncation)
 from octavo.serving.tools import ToolChoice, constraint, parse_tool_choice, parse_tools
 from octavo.structured.params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20  # top-k logprobs per token (OpenAI allows 5 / 20, vLLM 20)
+MAX_LOGPROBS = 20  # default top-k logprobs per token (OpenAI allows 5 / 20, vLLM 20): --max-logprobs sets Limits
 _INT64 = 2**63
 # vLLM request fields this server does not implement: given with a value other than their default, they are a 400
 # (silently ignoring them would change what the client gets); name -> the value that means "off"
 REFUSED_EXTENSIONS: dict[str, Any] = {
-    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [], "logits_processors": None,
+    "bad_words": [], "logits_processors": None,
     "prompt_embeds": None, "spaces_between_special_tokens": True, "documents": None, "mm_processor_kwargs": None,
     "kv_transfer_params": None, "cache_salt": None, "vllm_xargs": None,
+    # vLLM sampling fields newer than the above: each would change the output if ignored
+    "prompt_logprob_token_ids": None, "prompt_logprob_start": None, "repetition_detection": None,
+    "trace_decode_token_ids": None, "watermarking": False, "ec_transfer_params": None,
 }
 # OpenAI chat fields this server does not implement (the deprecated functions API, audio, predicted outputs)
 _REFUSED_CHAT: dict[str, Any] = {"functions": None, "function_call": None, "audio": None, "prediction": None,
@@ -42,7 +47,8 @@ _COMMON_FIELDS = frozenset({
     "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids",
     "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "stream", "stream_options", "user",
     "return_token_ids", "return_tokens_as_token_ids", "include_metrics", "priority", "prompt_logprobs",
-    "use_beam_search", "length_penalty", "echo", "add_special_tokens", *REFUSED_EXTENSIONS, *CONSTRAINT_FIELDS,
+    "use_beam_search", "length_penalty", "echo", "add_special_tokens", "allowed_token_ids", "logprob_token_ids",
+    "truncate_prompt_tokens", "truncation_side", *REFUSED_EXTENSIONS, *CONSTRAINT_FIELDS,
     "store", "metadata", "service_tier"})  # (the last three change nothing in the output)
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "logprobs"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
@@ -60,6 +66,8 @@ class Limits:
     max_prompts: int = 64  # prompts in one /v1/completions batch
     max_choices: int = 256  # prompts x n in one request
     tool_call_parser: str | None = None  # --tool-call-parser: what tool_choice "auto" reads calls with
+    max_model_len: int | None = None  # the context (truncate_prompt_tokens' bound)
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs (resolved: -1 is the vocabulary size)
     warned_fields: set[str] = field(default_factory=set)  # unknown request fields already logged
 
 
@@ -87,6 +95,7 @@ class CompletionRequest:
     prompt_logprobs: int | None = None  # vLLM's field: top-k per prompt token, returned as choices[].prompt_logprobs
     score_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) only, nothing generated
     constraint_where: str | None = None  # the request field the output constraint came from (for its errors)
+    truncation: Truncation | None = None  # truncate_prompt_tokens / truncation_side
 
 
 @dataclass(slots=True)
@@ -104,6 +113,8 @@ class ChatRequest:
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     parallel_tool_calls: bool = True
     constraint_where: str | None = None  # the request field the output constraint came from (for its errors)
+    truncation: Truncation | None = None  # truncate_prompt_tokens / truncation_side
+    prompt_logprobs: int | None = None  # vLLM's: top-k per token of the templated prompt, in "prompt_logprobs"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,10 +167,7 @@ def _logit_bias(b: Body, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
-def _out_of_vocabulary(ids: list[int], vocab_size: int) -> str:
-    several = len(ids) > 1
-    return (f"token id{'s' if several else ''} {listed(ids)} {'are' if several else 'is'} out of vocabulary "
-            f"(allowed: 0 to {vocab_size - 1})")
+_out_of_vocabulary = out_of_vocabulary  # "... out of vocabulary (vocabulary size N; allowed: 0 to N-1)"
 
 
 def _max_tokens(b: Body, names: tuple[str, ...], default: int | None, limits: Limits) -> int | None:
@@ -212,13 +220,9 @@ def _output_options(b: Body, continuous: bool, logprobs_on: bool) -> OutputOptio
     )
 
 
-def _prompt_logprobs(b: Body) -> int | None:
-    """vLLM's prompt_logprobs: top-k logprobs of every prompt token (None: not asked)."""
-    v = b.integer("prompt_logprobs", None)
-    if v is not None and not 0 <= v <= MAX_LOGPROBS:
-        raise bad_request(f"'prompt_logprobs' must be an integer between 0 and {MAX_LOGPROBS}, got {v}",
-                          "prompt_logprobs")
-    return v
+def _prompt_logprobs(b: Body, limits: Limits) -> int | None:
+    """vLLM's prompt_logprobs: top-k logprobs of every prompt token (None: not asked; -1: the vocabulary)."""
+    return top_k(b, "prompt_logprobs", limits.max_logprobs, limits.vocab_size, "prompt")
 
 
 def _beam(b: Body, n: int) -> bool:
@@ -254,7 +258,10 @@ def _check_fields(b: Body, known: frozenset[str], limits: Limits, refused: dict[
 
 
 def _sampling(b: Body, limits: Limits, max_tokens: int | None, logprobs: int | None,
-              structured: StructuredOutputsParams | None = None) -> SamplingParams:
+              structured: StructuredOutputsParams | None = None,
+              logprob_ids: list[int] | None = None) -> SamplingParams:
+    """SamplingParams of the shared fields. LOGPROB_IDS (vLLM's logprob_token_ids) replace the top-k: logprobs is
+    then their number, whatever count the request gave (as vLLM)."""
     n = b.integer("n", 1, lo=1, hi=limits.max_n)
     best_of = b.integer("best_of", None, lo=1, hi=limits.max_n)
     beam = _beam(b, n)
@@ -294,7 +301,9 @@ def _sampling(b: Body, limits: Limits, max_tokens: int | None, logprobs: int | N
             stop_token_ids=stop_token_ids,
             include_stop_str_in_output=b.boolean("include_stop_str_in_output", False),
             ignore_eos=b.boolean("ignore_eos", False),
-            logprobs=logprobs,
+            logprobs=len(logprob_ids) if logprob_ids else logprobs,
+            logprob_token_ids=logprob_ids,
+            allowed_token_ids=allowed_token_ids(b, limits.vocab_size),
             skip_special_tokens=b.boolean("skip_special_tokens", True),
             structured_outputs=structured,
             use_beam_search=beam, best_of=best_of if beam else None,
@@ -342,9 +351,9 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     _check_fields(b, _COMPLETION_FIELDS, limits)
     if b.present("suffix"):
         raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
-    logprobs = b.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    logprobs = top_k(b, "logprobs", limits.max_logprobs, limits.vocab_size, "sample")
     echo = b.boolean("echo", False)
-    prompt_logprobs = _prompt_logprobs(b)
+    prompt_logprobs = _prompt_logprobs(b, limits)
     stream, include_usage, continuous = _stream(b)
     # echo with max_tokens 0 scores the prompt only (OpenAI's and vLLM's legacy use, lm-eval's loglikelihood):
     # the engine samples one token (its prefill yields the prompt's logprobs), the response drops it
@@ -354,7 +363,12 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     max_tokens = 1 if score_only else _max_tokens(b, ("max_tokens",), 16, limits)
     prompts = _prompts(b, limits)
     structured, source = parse_constraint(b.d)
-    params = _sampling(b, limits, max_tokens, logprobs, structured)
+    if score_only and b.d.get("logprob_token_ids") is not None:
+        raise bad_request("'logprob_token_ids' is not supported when 'echo' is true and 'max_tokens' is 0 (no "
+                          "output tokens are generated)", "logprob_token_ids")
+    ids = logprob_token_ids(b, limits.vocab_size, logprobs is not None, b.boolean("use_beam_search", False),
+                            "'logprobs' must be set")
+    params = _sampling(b, limits, max_tokens, logprobs, structured, ids)
     # the prompt's logprobs: asked for directly (vLLM), or echoed with logprobs (OpenAI's legacy shape)
     wanted = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
     if wanted:
@@ -368,6 +382,7 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
         options=_output_options(b, continuous, logprobs is not None),
         prompt_logprobs=prompt_logprobs, score_only=score_only, constraint_where=source,
+        truncation=truncation(b, limits.max_model_len, max_tokens),
     )
 
 
@@ -391,23 +406,29 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
         raise bad_request(f"'{source}' cannot be combined with tool_choice {choice.mode!r} (which constrains the "
                           "output to the tool call)", source)
     logprobs = b.boolean("logprobs", False)
-    top = b.integer("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    if top is not None and not logprobs:
+    top = top_k(b, "top_logprobs", limits.max_logprobs, limits.vocab_size, "sample")
+    if top and not logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     top = top or 0
     stream, include_usage, continuous = _stream(b)
     max_tokens = _max_tokens(b, ("max_completion_tokens", "max_tokens"), None, limits)
     messages = parse_messages(b)
-    params = _sampling(b, limits, max_tokens, top if logprobs else None, forced or structured)
-    if _prompt_logprobs(b) is not None:
-        raise bad_request("'prompt_logprobs' is not supported on /v1/chat/completions yet: send the chat's token ids "
-                          "(POST /tokenize with these messages) to /v1/completions with prompt_logprobs",
-                          "prompt_logprobs")
+    ids = logprob_token_ids(b, limits.vocab_size, logprobs, b.boolean("use_beam_search", False),
+                            "'logprobs' must be set to true")
+    params = _sampling(b, limits, max_tokens, top if logprobs else None, forced or structured, ids)
+    prompt_logprobs = _prompt_logprobs(b, limits)
+    if prompt_logprobs and stream:  # vLLM's rule (0 with a stream is accepted, and nothing is returned)
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
+    if prompt_logprobs is not None and not stream:
+        params.prompt_logprobs = prompt_logprobs
+        params.validate()
     return ChatRequest(
         model=_model(b), messages=messages, params=params,
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
         options=_output_options(b, continuous, logprobs), chat=chat_options(b, messages),
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel, constraint_where=forced_where or source,
+        truncation=truncation(b, limits.max_model_len, max_tokens),
+        prompt_logprobs=prompt_logprobs if not stream else None,
     )
 
 

@@ -72,10 +72,11 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
     return out
 
 
-def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int,
+def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int | None,
                         decode: Decode, text_offset: int = 0, as_ids: bool = False) -> dict[str, Any]:
     """Legacy logprobs: tokens, token_logprobs, top_logprobs (top-k plus the chosen token), text_offset.
-    as_ids: tokens written as "token_id:<id>" (text_offset still counts the decoded text)."""
+    as_ids: tokens written as "token_id:<id>" (text_offset still counts the decoded text). top_k None: every entry
+    in the engine's order (vLLM's logprob_token_ids: the chosen token, then the asked ids)."""
     shown = _token_id_or_text(decode, as_ids)
     tokens: list[str] = []
     token_logprobs: list[float] = []
@@ -141,19 +142,22 @@ def chat(rid: str, created: int, model: str, choices: list[dict[str, Any]], use:
 
 def chat_choice(index: int, content: str, finish_reason: str | None,
                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": content, "refusal": None},
+    return {"index": index, "message": {"role": "assistant", "content": content, "refusal": None, "reasoning": None},
             "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None,
                       logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    if "reasoning" not in delta:  # vLLM always sends the key (null when the model does not reason)
+        delta = {**delta, "reasoning": None}
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int,
+def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], top_k: int | None,
                   decode: Decode, as_ids: bool = False) -> dict[str, Any]:
     """Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
-    as_ids: tokens written as "token_id:<id>"; bytes stay those of the token's text."""
+    as_ids: tokens written as "token_id:<id>"; bytes stay those of the token's text. top_k None: every entry in
+    the engine's order (logprob_token_ids)."""
     shown = _token_id_or_text(decode, as_ids)
     content = []
     for tid, entry in zip(token_ids, entries):
@@ -197,8 +201,11 @@ def _token_text(tid: int, entry: dict[int, Logprob], decode: Decode) -> str:
     return lp.decoded if lp is not None and lp.decoded else decode(tid)
 
 
-def _top(entry: dict[int, Logprob], k: int, chosen: int | None) -> list[tuple[int, Logprob]]:
-    """The k most likely tokens of one position; the chosen token is added when it is not among them."""
+def _top(entry: dict[int, Logprob], k: int | None, chosen: int | None) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one position; the chosen token is added when it is not among them. K None:
+    every entry, in the engine's order."""
+    if k is None:
+        return list(entry.items())
     ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
     if chosen is not None and chosen in entry and all(t != chosen for t, _ in ranked):
         ranked.append((chosen, entry[chosen]))

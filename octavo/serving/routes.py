@@ -1,5 +1,6 @@
-"""The generation routes: POST /v1/completions, POST /v1/chat/completions and POST /invocations (SageMaker's,
-either by its body). Each reads the body (within --body-timeout; 503 while the engine cannot take requests),
+"""The generation routes: POST /v1/completions, POST /v1/chat/completions, vLLM's POST
+/v1/chat/completions/batch (several conversations, one choice each) and POST /invocations (SageMaker's, either
+by its body). Each reads the body (within --body-timeout; 503 while the engine cannot take requests),
 parses it (serving/protocol.py), compiles its output constraint, starts a Generation and answers with its
 Shape (serving/shapes.py): one JSON response, or an SSE stream. An error before the first byte is a plain JSON
 error; after the headers went out it is an in-band error event.
@@ -21,8 +22,9 @@ from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request, from_exception
 from octavo.serving.body import parse_json_body
 from octavo.serving.generation import ChoiceUpdate, Generation
+from octavo.serving.batch_chat import parse_batch_chat
 from octavo.serving.protocol import ChatRequest, CompletionRequest, check_model, parse_chat, parse_completion
-from octavo.serving.shapes import ChatShape, CompletionShape, Shape
+from octavo.serving.shapes import BatchChatShape, ChatShape, CompletionShape, Shape
 from octavo.serving.state import CLOSE_AFTER, STATE, ServerState
 from octavo.serving.tools import template_messages
 from octavo.structured.params import CONSTRAINT_FAILED
@@ -89,6 +91,8 @@ async def _completions(request: web.Request, st: ServerState, engine: AsyncEngin
                        req: CompletionRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
     await _prepare_constraint(engine, req)
+    if req.truncation is not None:  # vLLM's truncate_prompt_tokens: the kept token ids are the prompt
+        req.prompts = await asyncio.to_thread(_truncated, st, req)
     rid = R.new_id("cmpl")
     gen = Generation(engine, st.metrics, req.prompts, req.params, rid, req.options.priority)
     return await _run(request, st, gen, CompletionShape(st, req, gen, rid))
@@ -99,23 +103,49 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _chat(request, st, engine, parse_chat(body, st.limits))
 
 
+def _truncated(st: ServerState, req: CompletionRequest) -> list[str | list[int]]:
+    """Each prompt's token ids (a string tokenized as the engine would), cut to req.truncation."""
+    assert req.truncation is not None
+    return [req.truncation.apply(st.tokenizer.encode(p) if isinstance(p, str) else p) for p in req.prompts]
+
+
 async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req: ChatRequest) -> web.StreamResponse:
     check_model(req.model, st.config.served_model_names)
     await _prepare_constraint(engine, req)
+    ids = await _chat_ids(st, req, req.messages)
+    rid = R.new_id("chatcmpl")
+    gen = Generation(engine, st.metrics, [{"prompt_token_ids": ids}], req.params, rid, req.options.priority)
+    return await _run(request, st, gen, ChatShape(st, req, gen, rid))
+
+
+async def _chat_ids(st: ServerState, req: ChatRequest, messages: list[dict[str, Any]]) -> list[int]:
+    """MESSAGES rendered with the chat template and tokenized (off the event loop: a long conversation takes a
+    while), then truncated as the request asks (vLLM's truncate_prompt_tokens / truncation_side)."""
     c = req.chat
-    try:  # off the event loop: a long conversation takes a while to render and tokenize
+    try:
         tools = {"tools": req.tools} if req.tools else {}  # as transformers' apply_chat_template(tools=...)
         ids = await asyncio.to_thread(
-            st.tokenizer.encode_chat, template_messages(req.messages), c.add_generation_prompt,
+            st.tokenizer.encode_chat, template_messages(messages), c.add_generation_prompt,
             add_special_tokens=c.add_special_tokens, special_tokens_in_content=st.config.special_tokens_in_content,
             chat_template=c.chat_template, continue_final_message=c.continue_final_message, **c.chat_template_kwargs,
             **tools)
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects these messages
         param = "chat_template" if c.chat_template is not None else "messages"
         raise bad_request(f"cannot apply the chat template to these messages: {exc}", param) from None
+    return req.truncation.apply(ids) if req.truncation is not None else ids
+
+
+async def batch_chat_completions(request: web.Request) -> web.StreamResponse:
+    """vLLM's POST /v1/chat/completions/batch: `messages` is a list of conversations, each answered by one
+    choice (index = its position), with the body's other fields for all; never streamed."""
+    st, engine, body = await _generation_body(request)
+    req, conversations = parse_batch_chat(body, st.limits)
+    check_model(req.model, st.config.served_model_names)
+    await _prepare_constraint(engine, req)
+    prompts = [{"prompt_token_ids": await _chat_ids(st, req, conv)} for conv in conversations]
     rid = R.new_id("chatcmpl")
-    gen = Generation(engine, st.metrics, [{"prompt_token_ids": ids}], req.params, rid, req.options.priority)
-    return await _run(request, st, gen, ChatShape(st, req, gen, rid))
+    gen = Generation(engine, st.metrics, prompts, req.params, rid, req.options.priority)
+    return await _run(request, st, gen, BatchChatShape(st, req, gen, rid, conversations))
 
 
 async def _prepare_constraint(engine: AsyncEngine, req: ChatRequest | CompletionRequest) -> None:
@@ -232,4 +262,4 @@ async def _stream(request: web.Request, shape: Shape, first: list[ChoiceUpdate] 
     return resp
 
 
-__all__ = ["chat_completions", "completions", "invocations"]
+__all__ = ["batch_chat_completions", "chat_completions", "completions", "invocations"]

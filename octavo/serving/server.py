@@ -81,8 +81,10 @@ class OpenAIServer:
             tokenizer, vocab_size, max_model_len = _engine_facts(engine)
             st.tokenizer = tokenizer
             st.max_model_len = max_model_len
+            max_logprobs = int(getattr(engine.engine.args, "max_logprobs", 20))
             st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n,
-                               tool_call_parser=st.config.tool_call_parser)
+                               tool_call_parser=st.config.tool_call_parser, max_model_len=max_model_len,
+                               max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs)
             st.engine = engine
             log.info("model %s ready", st.model_name)
         except BaseException as exc:  # reported through /health, wait_ready() and the CLI

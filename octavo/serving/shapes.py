@@ -31,6 +31,13 @@ class Shape:
         self.prompt_ids_sent: set[int] = set()  # choices whose chunk carried prompt_token_ids
 
     @property
+    def _top_k(self) -> int | None:
+        """Top logprobs shown per generated token; None: every entry the engine returned (logprob_token_ids)."""
+        if self.req.params.logprob_token_ids is not None:
+            return None
+        return self.req.logprobs if isinstance(self.req, CompletionRequest) else self.req.top_logprobs
+
+    @property
     def _with_metrics(self) -> bool:
         return self.opts.include_metrics or self.st.config.per_request_metrics
 
@@ -115,7 +122,7 @@ class CompletionShape(Shape):
         if self.req.logprobs is None or entries is None:
             return None
         off = self.offsets.get(index, 0)
-        lp = R.completion_logprobs(entries, ids, self.req.logprobs, _decoder(self.st), off,
+        lp = R.completion_logprobs(entries, ids, self._top_k, _decoder(self.st), off,
                                    as_ids=self.opts.tokens_as_ids)
         self.offsets[index] = off + R.text_length(entries, ids, _decoder(self.st))
         return lp
@@ -128,7 +135,9 @@ class CompletionShape(Shape):
         ids, entries = scores
         legacy = None
         if self.req.echo and self.req.logprobs is not None:
-            legacy, self.offsets[index] = R.echo_logprobs(ids, entries, self.req.logprobs, _decoder(self.st),
+            # a token-id prompt is echoed with its special tokens: its first token's text counts them too
+            keep = not isinstance(self.req.prompts[index // self.req.params.n], str)
+            legacy, self.offsets[index] = R.echo_logprobs(ids, entries, self.req.logprobs, _decoder(self.st, keep),
                                                           as_ids=self.opts.tokens_as_ids)
         vllm = None
         if self.req.prompt_logprobs is not None:
@@ -136,10 +145,12 @@ class CompletionShape(Shape):
         return legacy, vllm
 
     def _echo(self, index: int) -> str:
+        """The prompt as sent, or the text of its token ids with their special tokens (so that the echo and the
+        prompt tokens' text_offset agree; a truncated prompt is echoed as the tokens that were kept)."""
         if not self.req.echo:
             return ""
         p = self.req.prompts[index // self.req.params.n]
-        return p if isinstance(p, str) else self.st.tokenizer.decode(p)
+        return p if isinstance(p, str) else self.st.tokenizer.decode(p, skip_special_tokens=False)
 
     def _stream_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None,
                        token_ids: list[int], prompt_logprobs: list[dict[str, Any] | None] | None = None
@@ -185,6 +196,7 @@ class CompletionShape(Shape):
         if legacy is not None:
             lp = R.joined_logprobs(legacy, lp) if lp is not None else legacy
         choice = R.completion_choice(i, self._echo(i) + text, reason, lp, prompt_lp)
+        choice.setdefault("prompt_logprobs", None)  # vLLM always sends the key in a whole response
         if self.opts.return_token_ids:
             choice["prompt_token_ids"] = self.gen.prompt_token_ids(i)
             choice["token_ids"] = ids
@@ -211,14 +223,17 @@ class ChatShape(Shape):
     def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
         if not self.req.logprobs or u.logprobs is None:
             return None
-        return R.chat_logprobs(u.logprobs, u.token_ids, self.req.top_logprobs, _decoder(self.st),
+        return R.chat_logprobs(u.logprobs, u.token_ids, self._top_k, _decoder(self.st),
                                as_ids=self.opts.tokens_as_ids)
 
-    @property
-    def _echo(self) -> str:
+    def _messages(self, index: int) -> list[dict[str, Any]]:
+        """The conversation choice INDEX answers."""
+        return self.req.messages
+
+    def _echo(self, index: int) -> str:
         """With echo, the reply starts with the last message's content when that message is the assistant's
         (vLLM's rule: the echoed message must have the role of the reply)."""
-        last = self.req.messages[-1]
+        last = self._messages(index)[-1]
         return last["content"] if self.req.chat.echo and last["role"] == "assistant" else ""
 
     def first_chunks(self) -> list[dict[str, Any]]:
@@ -228,9 +243,8 @@ class ChatShape(Shape):
             if self.opts.return_token_ids:
                 chunk["prompt_token_ids"] = self.gen.prompt_token_ids(i)
             out.append(chunk)
-        if self._echo:
-            out += [self._chunk([R.chat_chunk_choice(i, {"content": self._echo}, None)])
-                    for i in range(self.gen.num_choices)]
+        out += [self._chunk([R.chat_chunk_choice(i, {"content": self._echo(i)}, None)])
+                for i in range(self.gen.num_choices) if self._echo(i)]
         return out
 
     def chunk(self, u: ChoiceUpdate) -> dict[str, Any] | None:
@@ -267,9 +281,9 @@ class ChatShape(Shape):
                       entries: list[dict[int, Logprob]]) -> dict[str, Any]:
         lp = None
         if self.req.logprobs:
-            lp = R.chat_logprobs(entries, ids, self.req.top_logprobs, _decoder(self.st),
+            lp = R.chat_logprobs(entries, ids, self._top_k, _decoder(self.st),
                                  as_ids=self.opts.tokens_as_ids)
-        text = self._echo + text
+        text = self._echo(i) + text
         choice = R.chat_choice(i, text, reason, lp)
         if self.req.tools is not None and self.req.tool_choice.mode != "none":
             m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, text, reason,
@@ -283,14 +297,36 @@ class ChatShape(Shape):
     def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
               reasons: dict[int, str | None]) -> dict[str, Any]:
         out = super().whole(texts, updates, reasons)
+        out["prompt_logprobs"] = None  # vLLM's field: always present, the templated prompt's logprobs when asked
+        scores = self.gen.prompt_scores(0) if self.req.prompt_logprobs is not None else None
+        if scores is not None:
+            out["prompt_logprobs"] = R.prompt_logprobs_json(*scores, self.req.prompt_logprobs)
         if self.opts.return_token_ids:
             out["prompt_token_ids"] = self.gen.prompt_token_ids(0)
         return out
 
 
-def _decoder(st: ServerState) -> Any:
+class BatchChatShape(ChatShape):
+    """/v1/chat/completions/batch (vLLM's): one choice per conversation, index = its position; no stream."""
+
+    def __init__(self, st: ServerState, req: ChatRequest, gen: Generation, rid: str,
+                 conversations: list[list[dict[str, Any]]]) -> None:
+        super().__init__(st, req, gen, rid)
+        self.conversations = conversations
+
+    def _messages(self, index: int) -> list[dict[str, Any]]:
+        return self.conversations[index]
+
+    def whole(self, texts: dict[int, list[str]], updates: dict[int, list[ChoiceUpdate]],
+              reasons: dict[int, str | None]) -> dict[str, Any]:
+        out = super().whole(texts, updates, reasons)
+        out.pop("prompt_token_ids", None)  # several prompts: not one list (each choice has its token_ids)
+        return out
+
+
+def _decoder(st: ServerState, keep_special: bool = False) -> Any:
     tok = st.tokenizer
-    return lambda tid: tok.decode([tid])
+    return lambda tid: tok.decode([tid], skip_special_tokens=not keep_special)
 
 
-__all__ = ["ChatShape", "CompletionShape", "Shape"]
+__all__ = ["BatchChatShape", "ChatShape", "CompletionShape", "Shape"]

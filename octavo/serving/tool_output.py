@@ -124,7 +124,7 @@ class ToolStream:
 
 
 def tool_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "reasoning": None}
     if calls:
         msg["tool_calls"] = [c.as_dict() for c in calls]
     return msg
