@@ -19,6 +19,7 @@ from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.body import Body, listed, show
 from octavo.serving.chat_messages import ChatOptions, chat_options, parse_messages
 from octavo.serving.constraints import CONSTRAINT_FIELDS, parse_constraint
+from octavo.serving.tool_parser_registry import KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS
 from octavo.serving.tools import ToolChoice, constraint, parse_tool_choice, parse_tools
 from octavo.structured.params import StructuredOutputsParams
 
@@ -384,7 +385,8 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     parallel = b.boolean("parallel_tool_calls", True)
     if choice.mode == "auto" and tools and limits.tool_call_parser is None:
         raise bad_request("tool_choice 'auto' needs a tool call parser: start the server with --tool-call-parser "
-                          "(hermes, llama3_json), or send tool_choice 'required', 'none' or a named function",
+                          f"({', '.join(TOOL_CALL_PARSERS)}), or send tool_choice 'required', 'none' or a named "
+                          "function",
                           "tool_choice")
     forced, forced_where = constraint(tools, choice, parallel)
     if forced is not None and structured is not None:
@@ -399,6 +401,8 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     max_tokens = _max_tokens(b, ("max_completion_tokens", "max_tokens"), None, limits)
     messages = parse_messages(b)
     params = _sampling(b, limits, max_tokens, top if logprobs else None, forced or structured)
+    if tools and choice.mode == "auto" and limits.tool_call_parser in KEEPS_SPECIAL_TOKENS:
+        params.skip_special_tokens = False  # the parser reads its markers, which are special tokens (vLLM too)
     if _prompt_logprobs(b) is not None:
         raise bad_request("'prompt_logprobs' is not supported on /v1/chat/completions yet: send the chat's token ids "
                           "(POST /tokenize with these messages) to /v1/completions with prompt_logprobs",

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from octavo.errors import OctavoError
 from octavo.runtime.async_engine import AsyncEngine
+from octavo.runtime.reasoning import prompt_ends_reasoning
 from octavo.serving import responses as R
 from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request, from_exception
@@ -113,9 +114,12 @@ async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req:
     except Exception as exc:  # noqa: BLE001 - no template, or a template that rejects these messages
         param = "chat_template" if c.chat_template is not None else "messages"
         raise bad_request(f"cannot apply the chat template to these messages: {exc}", param) from None
+    answering = False  # with a reasoning parser: the prompt closed the thinking (all of the output is answer)
+    if st.reasoning is not None:
+        answering = await asyncio.to_thread(prompt_ends_reasoning, st.reasoning, st.tokenizer, ids)
     rid = R.new_id("chatcmpl")
     gen = Generation(engine, st.metrics, [{"prompt_token_ids": ids}], req.params, rid, req.options.priority)
-    return await _run(request, st, gen, ChatShape(st, req, gen, rid))
+    return await _run(request, st, gen, ChatShape(st, req, gen, rid, answering=answering))
 
 
 async def _prepare_constraint(engine: AsyncEngine, req: ChatRequest | CompletionRequest) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from octavo.errors import OctavoError
+from octavo.runtime.reasoning import TokenPieces, get_reasoning_format
 from octavo.serving.api_error import ApiError
 from octavo.serving.app import build_app
 from octavo.serving.connections import GuardedSite, RateLimitedLoopErrors
@@ -81,6 +82,9 @@ class OpenAIServer:
             tokenizer, vocab_size, max_model_len = _engine_facts(engine)
             st.tokenizer = tokenizer
             st.max_model_len = max_model_len
+            parser = engine.engine.args.reasoning_parser
+            if parser is not None:
+                st.reasoning, st.token_pieces = get_reasoning_format(parser), TokenPieces(tokenizer)
             st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n,
                                tool_call_parser=st.config.tool_call_parser)
             st.engine = engine
