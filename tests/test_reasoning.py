@@ -366,3 +366,32 @@ def test_smollm2_tokenizer_reasoning_and_schema(r1_smollm2: Scripted) -> None:
         if c.finish_reason == "stop":
             jsonschema.validate(json.loads(c.message.content), SCHEMA)
     assert any(c.finish_reason == "stop" for c in r.choices)
+
+
+# ------------------------------------------------------------------------------------------------
+# `octavo serve --reasoning-parser` as a process, on a real (tiny, random) exported model
+
+
+@pytest.mark.slow  # a server process (~30 s on a loaded machine); the same path runs in-thread above
+def test_serve_flag_splits_what_the_model_wrote(hf_model_dir) -> None:  # noqa: ANN001
+    """The chat route's reasoning/answer split of a real model's output equals runtime/reasoning.py's split of
+    the raw text the completions route returns for the same prompt ids (a random model never closes its
+    thinking: all of it is reasoning, and every token a reasoning token)."""
+    import httpx
+    from engine_helpers import exported
+    from serve_process import serving
+
+    with serving([str(exported(hf_model_dir("llama"))), "--port", "0", "--num-threads", "1", "--num-blocks", "64",
+                  "--reasoning-parser", "deepseek_r1", "--served-model-name", "m"]) as (_, url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        extra = {"chat_template": R1_TEMPLATE}
+        r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=12, temperature=0, extra_body=extra)
+        ids = httpx.post(url + "/tokenize", json={"messages": MSGS, **extra}).json()["tokens"]
+        raw = client.completions.create(model="m", prompt=ids, max_tokens=12, temperature=0).choices[0].text
+        msg = r.choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == split_reasoning(R1, raw)
+        assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"]
+        if "</think>" not in raw:
+            assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens
+        st = _streamed(client, model="m", messages=MSGS, max_tokens=12, temperature=0, extra_body=extra)
+        assert (st["reasoning_content"] or None, st["content"] or None) == split_reasoning(R1, raw)
