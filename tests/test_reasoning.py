@@ -195,6 +195,14 @@ def test_stop_string_inside_the_thinking_ends_the_output_there(r1: Scripted) -> 
             got = (r.choices[0].message.model_extra["reasoning_content"], r.choices[0].message.content,
                    r.choices[0].finish_reason)
         assert got == ("Maybe ", None, "stop")
+    # a forced call whose thinking never ended is no call (its grammar never started)
+    r = r1.client.chat.completions.create(model="m", messages=MSGS, max_tokens=50, temperature=0, stop=["STOP"],
+                                          tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
+    c = r.choices[0]
+    assert (c.message.tool_calls, c.message.content, c.finish_reason) == (None, None, "stop")
+    s = _streamed(r1.client, model="m", messages=MSGS, max_tokens=50, temperature=0, stop=["STOP"], tools=TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "add"}})
+    assert (s["tool_calls"], s["content"], s["finish_reason"]) == ({}, "", "stop")
 
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {

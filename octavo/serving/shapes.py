@@ -290,10 +290,10 @@ class ChatShape(Shape):
             thought, answer = self.reasoning.whole(i, text, ids)
         answer = self._echo + answer if answer is not None else (self._echo or None)
         choice = R.chat_choice(i, answer, reason, lp)
-        if self.req.tools is not None and self.req.tool_choice.mode != "none":
-            m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, answer or "", reason,
+        if self.req.tools is not None and self.req.tool_choice.mode != "none" and answer is not None:
+            m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, answer, reason,
                               self.req.parallel_tool_calls, self.req.tools)
-            choice["message"] = tool_message(m.content if answer is not None else None, m.tool_calls)
+            choice["message"] = tool_message(m.content, m.tool_calls)
             choice["finish_reason"] = m.finish_reason
         if self.reasoning is not None:
             with_reasoning(choice["message"], thought)
