@@ -265,6 +265,52 @@ def test_named_tool_call_arguments_follow_the_thinking(r1: Scripted) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# markers that are single special tokens (dropped by skip_special_tokens unless the server keeps them)
+
+
+@pytest.fixture(scope="module")
+def r1_special(tmp_path_factory):  # noqa: ANN001, ANN201
+    import tokenizers
+
+    from octavo.export.manifest import Manifest
+
+    folder = _toy_dir(tmp_path_factory, R1_TEMPLATE)
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(["<think>", "</think>"])
+    tok.save(str(folder / "tokenizer.json"))
+    m = Manifest.load(folder)
+    m.vocab_size = tok.get_vocab_size()
+    m.save(folder)
+    backend = ScriptedBackend(256, 16, m.vocab_size)
+    ea = EngineArgs(model=str(folder), block_size=16, num_blocks=256, max_num_seqs=16, reasoning_parser="deepseek_r1")
+    srv = OpenAIServer(ServerConfig(served_model_names=("m",)), lambda: AsyncEngine(ea, backend), shutdown_timeout=5)
+    with ServerThread(srv) as t:
+        yield Scripted(t, backend)
+
+
+def test_special_token_markers_are_seen(r1_special: Scripted) -> None:
+    s = r1_special
+    end_ids = s.tok.encode("</think>", add_special_tokens=False)
+    assert len(end_ids) == 1 and s.tok.decode(end_ids) == ""  # a special token: skipped by default
+    thought = s.tok.encode("Thinking hard.", add_special_tokens=False)
+    answer = s.tok.encode("Done.", add_special_tokens=False)
+    s.backend.anchor = s.tok.encode_chat(MSGS, True)
+    s.backend.script = thought + end_ids + answer + s.tok.eos_token_ids[:1]
+    r = s.client.chat.completions.create(model="m", messages=MSGS, max_tokens=100, temperature=0)
+    m = r.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content) == ("Thinking hard.", "Done.")
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(thought) + 1
+    st = _streamed(s.client, model="m", messages=MSGS, max_tokens=100, temperature=0)
+    assert (st["reasoning"], st["content"]) == ("Thinking hard.", "Done.")
+    # the engine's grammar starts right after the single-token marker
+    s.backend.script = thought + end_ids
+    r = s.client.chat.completions.create(model="m", messages=MSGS, max_tokens=30, temperature=0,
+                                         extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert (r.choices[0].message.model_extra["reasoning"], r.choices[0].message.content) in (
+        ("Thinking hard.", "yes"), ("Thinking hard.", "no"))
+
+
+# ------------------------------------------------------------------------------------------------
 # qwen3: enable_thinking false
 
 

@@ -175,10 +175,22 @@ class ThinkingGate:
         return False
 
 
+def markers_are_special(fmt: ReasoningFormat, tokenizer: Any) -> bool:
+    """The tokenizer has a marker as a special token, which detokenizing with skip_special_tokens drops: the
+    server then keeps special tokens in the text of chat outputs, or the split could not see the markers."""
+    for marker in (fmt.start, fmt.end):
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "" and \
+                tokenizer.decode(ids, skip_special_tokens=False) == marker:
+            return True
+    return False
+
+
 def prompt_ends_reasoning(fmt: ReasoningFormat, tokenizer: Any, prompt_ids: list[int]) -> bool:
     """The prompt PROMPT_IDS closed the thinking: its output is all answer."""
     return fmt.prompt_ends_reasoning(tokenizer.decode(list(prompt_ids), skip_special_tokens=False))
 
 
 __all__ = ["REASONING_PARSERS", "ReasoningFormat", "ReasoningStream", "ThinkingGate", "TokenPieces",
-           "get_reasoning_format", "prompt_ends_reasoning", "split_reasoning"]
+           "get_reasoning_format", "markers_are_special", "prompt_ends_reasoning",
+           "split_reasoning"]

@@ -117,6 +117,8 @@ async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req:
     answering = False  # with a reasoning parser: the prompt closed the thinking (all of the output is answer)
     if st.reasoning is not None:
         answering = await asyncio.to_thread(prompt_ends_reasoning, st.reasoning, st.tokenizer, ids)
+        if st.reasoning_keeps_specials:  # the markers are special tokens: the split must see them in the text
+            req.params.skip_special_tokens = False
     rid = R.new_id("chatcmpl")
     gen = Generation(engine, st.metrics, [{"prompt_token_ids": ids}], req.params, rid, req.options.priority)
     return await _run(request, st, gen, ChatShape(st, req, gen, rid, answering=answering))

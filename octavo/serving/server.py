@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from octavo.errors import OctavoError
-from octavo.runtime.reasoning import TokenPieces, get_reasoning_format
+from octavo.runtime.reasoning import TokenPieces, get_reasoning_format, markers_are_special
 from octavo.serving.api_error import ApiError
 from octavo.serving.app import build_app
 from octavo.serving.connections import GuardedSite, RateLimitedLoopErrors
@@ -85,6 +85,7 @@ class OpenAIServer:
             parser = engine.engine.args.reasoning_parser
             if parser is not None:
                 st.reasoning, st.token_pieces = get_reasoning_format(parser), TokenPieces(tokenizer)
+                st.reasoning_keeps_specials = markers_are_special(st.reasoning, tokenizer)
             st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n,
                                tool_call_parser=st.config.tool_call_parser)
             st.engine = engine

@@ -48,6 +48,7 @@ class ServerState:
     max_model_len: int | None = None
     reasoning: ReasoningFormat | None = None  # the engine's reasoning parser (EngineArgs.reasoning_parser)
     token_pieces: TokenPieces | None = None  # each token's text, for counting reasoning tokens
+    reasoning_keeps_specials: bool = False  # its markers are special tokens: chat text keeps special tokens
     load_error: str | None = None
     draining: bool = False
     in_flight: int = 0  # requests whose handler is running (the drain waits for them)
