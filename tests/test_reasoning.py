@@ -164,6 +164,13 @@ def test_reasoning_content_whole_and_streamed(r1: Scripted) -> None:
     s = _streamed(r1.client, model="m", messages=MSGS, max_tokens=200, temperature=0)
     assert (s["reasoning_content"], s["reasoning"], s["content"]) == (THOUGHT, THOUGHT, msg.content)
     assert s["finish_reason"] == "stop" and s["usage"].completion_tokens_details.reasoning_tokens == thinking_tokens
+    # vLLM's include_reasoning: false leaves the thinking out (it still counts)
+    off = {"include_reasoning": False}
+    r = r1.client.chat.completions.create(model="m", messages=MSGS, max_tokens=200, temperature=0, extra_body=off)
+    assert r.choices[0].message.model_extra["reasoning_content"] is None and r.choices[0].message.content == msg.content
+    assert r.usage.completion_tokens_details.reasoning_tokens == thinking_tokens
+    s = _streamed(r1.client, model="m", messages=MSGS, max_tokens=200, temperature=0, extra_body=off)
+    assert (s["reasoning"], s["content"]) == ("", msg.content)
 
 
 def test_no_end_marker_before_max_tokens_is_all_thinking(r1: Scripted) -> None:

@@ -185,6 +185,8 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None) -> dict[str, A
                           "description": "this request's Jinja chat template (sandboxed)"},
         "chat_template_kwargs": {"type": "object", "nullable": True,
                                  "description": "extra template variables"},
+        "include_reasoning": {"type": "boolean", "nullable": True,
+                              "description": "with --reasoning-parser: false leaves the thinking out; default true"},
         "add_special_tokens": {"type": "boolean", "nullable": True,
                                "description": "special tokens (BOS) on top of the template's; default false"},
         **_tools(),

@@ -48,7 +48,8 @@ _COMMON_FIELDS = frozenset({
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "logprobs"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", *_REFUSED_CHAT}
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "include_reasoning",
+    *_REFUSED_CHAT}
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ class ChatRequest:
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     parallel_tool_calls: bool = True
     constraint_where: str | None = None  # the request field the output constraint came from (for its errors)
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out (with --reasoning-parser)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -412,6 +414,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
         stream=stream, include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
         options=_output_options(b, continuous, logprobs), chat=chat_options(b, messages),
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel, constraint_where=forced_where or source,
+        include_reasoning=b.boolean("include_reasoning", True),
     )
 
 

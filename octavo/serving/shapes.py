@@ -254,7 +254,7 @@ class ChatShape(Shape):
         ts = self._tool_stream(u.index)
         delta, reason = self._tool_delta(ts, text, u.finish_reason) if ts.active else (
             {"content": text} if text else {}, u.finish_reason)
-        if thought:
+        if thought and self.req.include_reasoning:
             delta = with_reasoning({}, thought) | delta
         if not delta and reason is None and not (u.token_ids and (self.req.logprobs or self.opts.return_token_ids)):
             return None  # text held back (a call being assembled, a tail that may be a thinking marker)
@@ -296,7 +296,7 @@ class ChatShape(Shape):
             choice["message"] = tool_message(m.content, m.tool_calls)
             choice["finish_reason"] = m.finish_reason
         if self.reasoning is not None:
-            with_reasoning(choice["message"], thought)
+            with_reasoning(choice["message"], thought if self.req.include_reasoning else None)
         if self.opts.return_token_ids:
             choice["token_ids"] = ids
         return choice
