@@ -59,6 +59,8 @@ class MistralStreamer:
                 out.content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return out
             out.content, self.buf, self.in_calls = self.buf[:i], self.buf[i + len(TOOL_CALLS):], True
+        elif "}" not in text and "]" not in text:
+            return out  # no call can have completed (a call's JSON ends with one of these): not re-read
         self._calls(out, final=False)
         return out
 

@@ -10,9 +10,10 @@
 
 any number, after optional content. A parameter's value is text (one newline after the opening tag and one
 before the closing tag belong to the layout); it becomes the JSON type that the tool's parameter schema
-declares: "string" stays text, "integer" / "number" / "boolean" are read as such, anything else (object,
-array, no schema) as JSON or a Python literal, else text; "null" is null for every type. A parameter the
-schema does not know stays text. Streamed like hermes: content at once, each call when its block is complete.
+declares, as vLLM reads it: "string" (or no type) stays text, integer and number types are read as numbers
+(a whole number as an integer), "boolean" as true/false, anything else (object, array) as JSON or a Python
+literal; a value that does not read as its type stays text; "null" is null for every type. A parameter the
+schema does not know stays text. Calls must be inside <tool_call> blocks (vLLM also reads a bare <function=...>). Streamed like hermes: content at once, each call when its block is complete.
 """
 from __future__ import annotations
 
@@ -62,23 +63,32 @@ def _unwrapped(text: str) -> str:
 
 
 def _value(text: str, schema: Any) -> Any:
-    if text.strip().lower() == "null":
+    """TEXT as the type SCHEMA declares (vLLM's reading: int*/long/short/unsigned -> int, num*/float* -> a number
+    (int when whole), string/str/text/char/enum or no type -> text, anything else JSON then a Python literal);
+    a value that does not read as its type stays text (a boolean too: not silently false)."""
+    if text.lower() == "null":
         return None
+    if schema is None:
+        return text
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):  # ["integer", "null"]: the first type that is not null
         kind = next((k for k in kind if k != "null"), None)
-    if schema is None or kind in ("string", "str", "text"):
-        return text
+    kind = str(kind).strip().lower() if kind is not None else "string"
     t = text.strip()
-    try:
-        if kind == "integer":
-            return int(t)
-        if kind == "number":
-            f = float(t)
-            return int(f) if f.is_integer() and "." not in t and "e" not in t.lower() else f
-    except ValueError:
+    if kind in ("string", "str", "text", "varchar", "char", "enum"):
         return text
-    if kind == "boolean":
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        try:
+            return int(t)
+        except ValueError:
+            return text
+    if kind.startswith(("num", "float")):
+        try:
+            f = float(t)
+        except ValueError:
+            return text
+        return int(f) if f.is_integer() and abs(f) < 2 ** 63 else f
+    if kind in ("boolean", "bool", "binary"):
         return t.lower() == "true" if t.lower() in ("true", "false") else text
     try:
         return json.loads(t)
