@@ -17,7 +17,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from octavo.serving.tool_parsers import Parsed, StreamDelta, call_of, partial_suffix, whole
+from octavo.runtime.reasoning import partial_suffix
+from octavo.serving.tool_parsers import Parsed, StreamDelta, call_of, whole
 from octavo.serving.tools import ToolCall
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
+from octavo.runtime.reasoning import partial_suffix
 from octavo.serving.tools import ToolCall
 
 
@@ -185,11 +186,3 @@ class Llama3Streamer:
             return StreamDelta(content=rest)
         parsed = self.parser.parse(rest)
         return StreamDelta(calls=parsed.calls) if parsed.calls else StreamDelta(content=rest)
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of TEXT that is a proper prefix of MARKER."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
