@@ -53,7 +53,7 @@ class ToyBackend:
         assert len(cu) == len(past) + 1 and cu[0] == 0 and cu[-1] == len(inputs.input_ids)
         self.tokens.reshape(-1)[inputs.slot_mapping] = inputs.input_ids
         self.positions.reshape(-1)[inputs.slot_mapping] = inputs.position_ids
-        out = np.empty((len(inputs.logits_indices), VOCAB), np.float32)
+        out = np.empty((len(inputs.logits_indices), self.vocab_size), np.float32)
         for j, row in enumerate(inputs.logits_indices):
             i = int(np.searchsorted(cu, row, side="right")) - 1
             assert row == cu[i + 1] - 1, "logits requested for a row that is not a sequence's last token"
@@ -61,8 +61,12 @@ class ToyBackend:
             pos = np.arange(length)
             blocks = table[i, pos // bs]
             assert np.array_equal(self.positions[blocks, pos % bs], pos), "KV slots hold wrong positions"
-            out[j] = toy_logits(self.tokens[blocks, pos % bs].tolist())
+            out[j] = self.logits_for(self.tokens[blocks, pos % bs].tolist())
         return out
+
+    def logits_for(self, context: list[int]) -> np.ndarray:
+        """The next-token logits after CONTEXT (subclasses script other models)."""
+        return toy_logits(context)
 
     def close(self) -> None:
         pass

@@ -19,6 +19,7 @@ from octavo.errors import InvalidRequestError
 from octavo.export.quant_options import QUANT_KERNEL_HELP, QUANT_KERNELS
 from octavo.runtime.engine_args import ENVIRONMENT_DEFAULTS, ORT_SPINNING_MODES, EngineArgs
 from octavo.runtime.kv_dtype import KV_CACHE_DTYPES
+from octavo.runtime.reasoning import REASONING_PARSERS
 from octavo.serving.engine_params import convert_value, engine_parameter_names
 
 HELP: dict[str, str] = {
@@ -49,6 +50,9 @@ HELP: dict[str, str] = {
                                   "ask for (prompt_logprobs, echo with logprobs)",
     "max_logprobs": "most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs); -1: the "
                     "whole vocabulary (vLLM's --max-logprobs)",
+    "reasoning_parser": "a reasoning model's thinking markers (vLLM's names: deepseek_r1, qwen3, seed_oss, "
+                        "minimax_m2): the server answers reasoning_content apart from content, and output "
+                        "constraints apply to the answer after the thinking",
     "constraint_compile_timeout": "seconds a request waits for its output constraint to compile (then a 400)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
     "ort_fusions": "onnxruntime: fuse RoPE into ONNX Runtime's RotaryEmbedding and then into PagedAttention when "
@@ -80,6 +84,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "quant_kernel": QUANT_KERNELS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "ort_spinning": ORT_SPINNING_MODES,
+    "reasoning_parser": tuple(REASONING_PARSERS),
 }
 ALIASES: dict[str, tuple[str, ...]] = {  # earlier spellings, still accepted
     "trace_path": ("--trace",),

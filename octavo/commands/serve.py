@@ -82,9 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=_positive_int, default=1024,
                    help="open connections at most; more are refused at once with 503 (also kept below the "
                         "open-file limit, which serve raises to its hard maximum)")
-    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                   help="read tool calls out of the model's text (enables tool_choice 'auto'): hermes = "
-                        "<tool_call>{...}</tool_call>, llama3_json = Llama 3's JSON calls")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"),
+                   default=None,
+                   help="read tool calls out of the model's text (enables tool_choice 'auto'; vLLM's names): hermes = "
+                        "<tool_call>{...}</tool_call>, llama3_json = Llama 3's JSON calls, mistral = [TOOL_CALLS], "
+                        "pythonic = [f(a=1)] (Llama 3.2/4), qwen3_coder = <tool_call><function=f><parameter=a>")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility (--tool-call-parser alone enables 'auto')")
     add_engine_arguments(p)

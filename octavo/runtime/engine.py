@@ -28,6 +28,7 @@ from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler
 from octavo.runtime.stats import EngineStats, engine_stats
 from octavo.runtime.step_record import StepListener, StepRecord, notify
+from octavo.runtime.reasoning import get_reasoning_format
 from octavo.runtime.structured_outputs import StructuredOutputManager
 from octavo.runtime.trace_writer import JsonlTraceWriter
 
@@ -51,8 +52,9 @@ class LLMEngine:
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
         self.sampler = Sampler(self.tokenizer.eos_token_ids)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,  # grammars, masks
-                                                  args.constraint_limits())
+        self.structured = StructuredOutputManager(  # grammars, masks
+            self.tokenizer, self.vocab_size, args.constraint_limits(),
+            reasoning=get_reasoning_format(args.reasoning_parser) if args.reasoning_parser else None)
         self.beams = BeamSearchManager(self.scheduler, self.block_manager, self.backend, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
                                      self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal,

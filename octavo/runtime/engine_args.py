@@ -16,6 +16,7 @@ from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, che
                                          not_on_tensorrt)
 from octavo.runtime.input_processor import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
+from octavo.runtime.reasoning import get_reasoning_format
 from octavo.structured.limits import ConstraintLimits
 
 _LIMITS = ConstraintLimits()
@@ -67,6 +68,9 @@ class EngineArgs:
     # vLLM's --max-logprobs: the most top logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for;
     # -1 = the whole vocabulary (entries per request still bounded by max_prompt_logprob_entries)
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # a reasoning model's thinking markers (vLLM's --reasoning-parser names: runtime/reasoning.py): output
+    # constraints start after the thinking; the server splits reasoning_content from content
+    reasoning_parser: str | None = None
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
     # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
@@ -105,6 +109,8 @@ class EngineArgs:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise InvalidRequestError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got "
                                       f"{self.max_logprobs!r}")
+        if self.reasoning_parser is not None:
+            get_reasoning_format(self.reasoning_parser)
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")

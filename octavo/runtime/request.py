@@ -16,6 +16,7 @@ from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from octavo.runtime.reasoning import ThinkingGate
     from octavo.structured.matcher import GrammarMatcher
 
 
@@ -53,6 +54,8 @@ class Request:
     # children of an n > 1 request, which then find the prompt's full blocks in the prefix cache
     followers: list[Request] = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
+    # with a reasoning parser: whether the thinking has ended (the grammar waits for it; runtime/reasoning.py)
+    thinking: ThinkingGate | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

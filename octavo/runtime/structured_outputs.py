@@ -10,6 +10,11 @@ the step (llguidance releases the GIL, as ONNX Runtime does); `bitmask` waits fo
 without a grammar are all ones. Preemption, recompute, prefix-cache hits and chunked prefill need nothing:
 they change which KV is computed, never the committed tokens the matcher has seen, and a mask is computed
 only for rows that sample.
+
+With a reasoning parser (EngineArgs.reasoning_parser) a request's grammar starts after the thinking, as in
+vLLM: until the end marker is committed (its ThinkingGate, runtime/reasoning.py) the row is not masked and
+the matcher sees no token; the first token after the marker is the grammar's first. A prompt that already
+closed the thinking (Qwen3 with enable_thinking off) constrains from the first token.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from octavo.runtime.reasoning import ReasoningFormat, ThinkingGate, TokenPieces, prompt_ends_reasoning
 from octavo.structured.compiler import GrammarCompiler
 from octavo.structured.grammar import error_text
 from octavo.structured.limits import ConstraintLimits
@@ -50,11 +56,20 @@ def commit_token(req: Request, token: int) -> CommitResult:
     g: GrammarMatcher | None = req.grammar
     if g is None or g.freed:
         return CommitResult()
+    if req.thinking is not None and not req.thinking.ended:  # the thinking: not the grammar's (it may end here)
+        req.thinking.feed(token)
+        return CommitResult()
     if g.is_terminated:  # (an EOS after completion: nothing to match)
         return CommitResult(terminated=True)
     if not g.accept(token):
         return CommitResult(error=f"{CONSTRAINT_FAILED} at token {token}: {error_text(g.error(), 300)}")
     return CommitResult(terminated=g.is_terminated)
+
+
+def constrained(req: Request) -> bool:
+    """REQ's next token is masked by its grammar (it has one, and its thinking, if any, has ended)."""
+    return (req.grammar is not None and not req.grammar.freed
+            and (req.thinking is None or req.thinking.ended))
 
 
 def release_grammar(req: Request) -> None:
@@ -76,7 +91,9 @@ class StructuredOutputManager:
     tokenizer: Tokenizer
     vocab_size: int
     limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+    reasoning: ReasoningFormat | None = None  # the engine's reasoning parser: grammars start after the thinking
     compiler: GrammarCompiler = field(init=False)
+    _pieces: TokenPieces | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     _pending: concurrent.futures.Future | None = None
     _pending_key: tuple[tuple[int, int], ...] = ()  # (row, id(request)) of the masks being computed
@@ -84,16 +101,24 @@ class StructuredOutputManager:
 
     def __post_init__(self) -> None:
         self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.limits)
+        if self.reasoning is not None:
+            self._pieces = TokenPieces(self.tokenizer)
 
     # -- requests -----------------------------------------------------------------------------------
     def init_requests(self, reqs: Sequence[Request]) -> None:
         """Give each request whose params ask for structured outputs its own matcher (StructuredOutputError,
         an InvalidRequestError, if the constraint is unusable or passes the limits; OverloadedError if too many
         are waiting to compile). Safe from any thread; blocks while the grammar compiles on the workers."""
+        prompt_ended: dict[int, bool] = {}  # n > 1 children share one prompt list: read it once
         for req in reqs:
             so = req.params.structured_outputs
             if so is not None and req.grammar is None:
                 req.grammar = self.compiler.matcher(so)
+                if self.reasoning is not None and self._pieces is not None:
+                    key = id(req.prompt_token_ids)
+                    if key not in prompt_ended:
+                        prompt_ended[key] = prompt_ends_reasoning(self.reasoning, self.tokenizer, req.prompt_token_ids)
+                    req.thinking = ThinkingGate(self.reasoning.end, self._pieces, ended=prompt_ended[key])
 
     commit = staticmethod(commit_token)
     free = staticmethod(release_grammar)
@@ -102,7 +127,7 @@ class StructuredOutputManager:
     def start_bitmask(self, reqs: Sequence[Request]) -> None:
         """Begin computing the masks of REQS (the rows the step will sample, in order) in the background."""
         self._pending = None
-        rows = tuple(i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.freed)
+        rows = tuple(i for i, r in enumerate(reqs) if constrained(r))
         if len(rows) < OVERLAP_MIN_ROWS:
             return
         if self._pool is None:
@@ -114,7 +139,7 @@ class StructuredOutputManager:
         """[len(reqs), words] int32 masks (None when no row is constrained): the one start_bitmask began
         for these rows, or computed now."""
         pending, self._pending = self._pending, None
-        rows = tuple(i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.freed)
+        rows = tuple(i for i, r in enumerate(reqs) if constrained(r))
         if not rows:
             return None
         t = time.perf_counter()

@@ -197,6 +197,8 @@ def _chat_request(cap: int | None, max_n: int, vocab: int | None, k: int) -> dic
                           "description": "this request's Jinja chat template (sandboxed)"},
         "chat_template_kwargs": {"type": "object", "nullable": True,
                                  "description": "extra template variables"},
+        "include_reasoning": {"type": "boolean", "nullable": True,
+                              "description": "with --reasoning-parser: false leaves the thinking out; default true"},
         "add_special_tokens": {"type": "boolean", "nullable": True,
                                "description": "special tokens (BOS) on top of the template's; default false"},
         **_tools(),
@@ -218,7 +220,9 @@ _NULLABLE_STR = {"type": "string", "nullable": True}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     **{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
     "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
-        "cached_tokens": {"type": "integer", "minimum": 0, "description": "prompt tokens from the prefix cache"}}}}}
+        "cached_tokens": {"type": "integer", "minimum": 0, "description": "prompt tokens from the prefix cache"}}},
+    "completion_tokens_details": {"type": "object", "description": "chat, with --reasoning-parser", "properties": {
+        "reasoning_tokens": {"type": "integer", "minimum": 0, "description": "tokens of the thinking"}}}}}
 _MS = {"type": "number", "nullable": True, "minimum": 0}
 _METRICS = {"type": "object", "nullable": True, "description": "with include_metrics (or "
             "--enable-per-request-metrics); null for n > 1 or several prompts", "properties": {
@@ -261,7 +265,9 @@ def _responses_schemas() -> dict[str, Any]:
                                        "message": {"type": "object", "required": ["role", "content"], "properties": {
                                            "role": {"type": "string", "enum": ["assistant"]},
                                            "content": {"type": "string", "nullable": True},
-                                           "reasoning": {"type": "string", "nullable": True},
+                                           **{k: {"type": "string", "nullable": True,
+                                                  "description": "the thinking (with --reasoning-parser)"}
+                                              for k in ("reasoning_content", "reasoning")},
                                            "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
                                        "logprobs": {"type": "object", "nullable": True},
                                        "finish_reason": _FINISH, "token_ids": _TOKEN_IDS}}},

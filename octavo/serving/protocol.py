@@ -21,6 +21,7 @@ from octavo.serving.chat_messages import ChatOptions, chat_options, parse_messag
 from octavo.serving.constraints import CONSTRAINT_FIELDS, parse_constraint
 from octavo.serving.token_fields import (Truncation, allowed_token_ids, logprob_token_ids, out_of_vocabulary, top_k,
                                          truncation)
+from octavo.serving.tool_parser_registry import KEEPS_SPECIAL_TOKENS, TOOL_CALL_PARSERS
 from octavo.serving.tools import ToolChoice, constraint, parse_tool_choice, parse_tools
 from octavo.structured.params import StructuredOutputsParams
 
@@ -53,7 +54,8 @@ _COMMON_FIELDS = frozenset({
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "logprobs"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", *_REFUSED_CHAT}
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "include_reasoning",
+    *_REFUSED_CHAT}
 
 
 @dataclass(slots=True)
@@ -115,6 +117,7 @@ class ChatRequest:
     constraint_where: str | None = None  # the request field the output constraint came from (for its errors)
     truncation: Truncation | None = None  # truncate_prompt_tokens / truncation_side
     prompt_logprobs: int | None = None  # vLLM's: top-k per token of the templated prompt, in "prompt_logprobs"
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out (with --reasoning-parser)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,7 +402,8 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     parallel = b.boolean("parallel_tool_calls", True)
     if choice.mode == "auto" and tools and limits.tool_call_parser is None:
         raise bad_request("tool_choice 'auto' needs a tool call parser: start the server with --tool-call-parser "
-                          "(hermes, llama3_json), or send tool_choice 'required', 'none' or a named function",
+                          f"({', '.join(TOOL_CALL_PARSERS)}), or send tool_choice 'required', 'none' or a named "
+                          "function",
                           "tool_choice")
     forced, forced_where = constraint(tools, choice, parallel)
     if forced is not None and structured is not None:
@@ -416,6 +420,8 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     ids = logprob_token_ids(b, limits.vocab_size, logprobs, b.boolean("use_beam_search", False),
                             "'logprobs' must be set to true")
     params = _sampling(b, limits, max_tokens, top if logprobs else None, forced or structured, ids)
+    if tools and choice.mode == "auto" and limits.tool_call_parser in KEEPS_SPECIAL_TOKENS:
+        params.skip_special_tokens = False  # the parser reads its markers, which are special tokens (vLLM too)
     prompt_logprobs = _prompt_logprobs(b, limits)
     if prompt_logprobs and stream:  # vLLM's rule (0 with a stream is accepted, and nothing is returned)
         raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
@@ -429,6 +435,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
         tools=tools, tool_choice=choice, parallel_tool_calls=parallel, constraint_where=forced_where or source,
         truncation=truncation(b, limits.max_model_len, max_tokens),
         prompt_logprobs=prompt_logprobs if not stream else None,
+        include_reasoning=b.boolean("include_reasoning", True),
     )
 
 

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from octavo.errors import OctavoError
 from octavo.runtime.async_engine import AsyncEngine
+from octavo.runtime.reasoning import prompt_ends_reasoning
 from octavo.serving import responses as R
 from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request, from_exception
@@ -113,9 +114,14 @@ async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req:
     check_model(req.model, st.config.served_model_names)
     await _prepare_constraint(engine, req)
     ids = await _chat_ids(st, req, req.messages)
+    answering = False  # with a reasoning parser: the prompt closed the thinking (all of the output is answer)
+    if st.reasoning is not None:
+        answering = await asyncio.to_thread(prompt_ends_reasoning, st.reasoning, st.tokenizer, ids)
+        if st.reasoning_keeps_specials:  # the markers are special tokens: the split must see them in the text
+            req.params.skip_special_tokens = False
     rid = R.new_id("chatcmpl")
     gen = Generation(engine, st.metrics, [{"prompt_token_ids": ids}], req.params, rid, req.options.priority)
-    return await _run(request, st, gen, ChatShape(st, req, gen, rid))
+    return await _run(request, st, gen, ChatShape(st, req, gen, rid, answering=answering))
 
 
 async def _chat_ids(st: ServerState, req: ChatRequest, messages: list[dict[str, Any]]) -> list[int]:

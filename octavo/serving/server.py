@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from octavo.errors import OctavoError
+from octavo.runtime.reasoning import TokenPieces, get_reasoning_format, markers_are_special
 from octavo.serving.api_error import ApiError
 from octavo.serving.app import build_app
 from octavo.serving.connections import GuardedSite, RateLimitedLoopErrors
@@ -82,6 +83,10 @@ class OpenAIServer:
             st.tokenizer = tokenizer
             st.max_model_len = max_model_len
             max_logprobs = int(getattr(engine.engine.args, "max_logprobs", 20))
+            parser = engine.engine.args.reasoning_parser
+            if parser is not None:
+                st.reasoning, st.token_pieces = get_reasoning_format(parser), TokenPieces(tokenizer)
+                st.reasoning_keeps_specials = markers_are_special(st.reasoning, tokenizer)
             st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n,
                                tool_call_parser=st.config.tool_call_parser, max_model_len=max_model_len,
                                max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs)

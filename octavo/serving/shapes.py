@@ -15,6 +15,7 @@ from octavo.serving import responses as R
 from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.protocol import ChatRequest, CompletionRequest
 from octavo.serving.state import ServerState
+from octavo.serving.reasoning_output import ChatReasoning, with_reasoning
 from octavo.serving.tool_output import ToolStream, tool_message, whole_message
 
 
@@ -209,15 +210,25 @@ class ChatShape(Shape):
     envelope = staticmethod(R.chat)
     req: ChatRequest
 
-    def __init__(self, st: ServerState, req: ChatRequest, gen: Generation, rid: str) -> None:
+    def __init__(self, st: ServerState, req: ChatRequest, gen: Generation, rid: str, *,
+                 answering: bool = False) -> None:
         super().__init__(st, req, gen, rid)
         self.tool_streams: dict[int, ToolStream] = {}  # per choice, when tool calls are read from the text
+        # with a reasoning parser: each choice's thinking apart from its answer (ANSWERING: the prompt closed it)
+        self.reasoning = None if st.reasoning is None or st.token_pieces is None else ChatReasoning(
+            st.reasoning, st.token_pieces, answering, st.reasoning.thinking_disabled(req.chat.chat_template_kwargs))
+
+    def _usage(self) -> dict[str, Any]:
+        use = super()._usage()
+        if self.reasoning is not None:
+            use["completion_tokens_details"] = {"reasoning_tokens": self.reasoning.reasoning_tokens}
+        return use
 
     def _tool_stream(self, index: int) -> ToolStream:
         ts = self.tool_streams.get(index)
         if ts is None:
             ts = self.tool_streams[index] = ToolStream(self.req.tool_choice, self.st.config.tool_call_parser,
-                                                       self.req.parallel_tool_calls)
+                                                       self.req.parallel_tool_calls, self.req.tools)
         return ts
 
     def _logprobs(self, u: ChoiceUpdate) -> dict[str, Any] | None:
@@ -251,21 +262,25 @@ class ChatShape(Shape):
         self._counted(u)
         if not self._wants_chunk(u, self.req.logprobs):
             return None
+        text, thought = u.text, ""
+        if self.reasoning is not None:  # the thinking goes out as reasoning deltas, the answer as content
+            thought, text = self.reasoning.choice(u.index).feed(u.text, u.token_ids, u.finish_reason is not None)
         ts = self._tool_stream(u.index)
-        delta, reason = self._tool_delta(ts, u) if ts.active else ({"content": u.text} if u.text else {}, u.finish_reason)
-        if ts.active and not delta and reason is None and not (u.token_ids and (self.req.logprobs
-                                                                               or self.opts.return_token_ids)):
-            return None  # text held back (a call being assembled)
+        delta, reason = self._tool_delta(ts, text, u.finish_reason) if ts.active else (
+            {"content": text} if text else {}, u.finish_reason)
+        if thought and self.req.include_reasoning:
+            delta = with_reasoning({}, thought) | delta
+        if not delta and reason is None and not (u.token_ids and (self.req.logprobs or self.opts.return_token_ids)):
+            return None  # text held back (a call being assembled, a tail that may be a thinking marker)
         choice = R.chat_chunk_choice(u.index, delta, reason, self._logprobs(u))
         if self.opts.return_token_ids:
             choice["token_ids"] = u.token_ids
         return self._chunk([choice])
 
     @staticmethod
-    def _tool_delta(ts: ToolStream, u: ChoiceUpdate) -> tuple[dict[str, Any], str | None]:
+    def _tool_delta(ts: ToolStream, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A choice whose text may be tool calls: its content / tool-call deltas merged into one delta."""
-        deltas = ts.feed(u.text)
-        reason = u.finish_reason
+        deltas = ts.feed(text)
         if reason is not None:
             last, reason = ts.finish(reason)
             deltas += last
@@ -283,13 +298,20 @@ class ChatShape(Shape):
         if self.req.logprobs:
             lp = R.chat_logprobs(entries, ids, self._top_k, _decoder(self.st),
                                  as_ids=self.opts.tokens_as_ids)
-        text = self._echo(i) + text
-        choice = R.chat_choice(i, text, reason, lp)
-        if self.req.tools is not None and self.req.tool_choice.mode != "none":
-            m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, text, reason,
-                              self.req.parallel_tool_calls)
+        thought: str | None = None
+        answer: str | None = text
+        if self.reasoning is not None:  # the thinking apart; content, tool calls: the answer only
+            thought, answer = self.reasoning.whole(i, text, ids)
+        echo = self._echo(i)
+        answer = echo + answer if answer is not None else (echo or None)
+        choice = R.chat_choice(i, answer, reason, lp)
+        if self.req.tools is not None and self.req.tool_choice.mode != "none" and answer is not None:
+            m = whole_message(self.req.tool_choice, self.st.config.tool_call_parser, answer, reason,
+                              self.req.parallel_tool_calls, self.req.tools)
             choice["message"] = tool_message(m.content, m.tool_calls)
             choice["finish_reason"] = m.finish_reason
+        if self.reasoning is not None:
+            with_reasoning(choice["message"], thought if self.req.include_reasoning else None)
         if self.opts.return_token_ids:
             choice["token_ids"] = ids
         return choice

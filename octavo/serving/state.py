@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from octavo.runtime.async_engine import AsyncEngine
+from octavo.runtime.reasoning import ReasoningFormat, TokenPieces
 from octavo.serving.api_error import ApiError
 from octavo.serving.metrics import ServerMetrics
 from octavo.serving.protocol import Limits
@@ -45,6 +46,9 @@ class ServerState:
     tokenizer: Any | None = None
     limits: Limits | None = None
     max_model_len: int | None = None
+    reasoning: ReasoningFormat | None = None  # the engine's reasoning parser (EngineArgs.reasoning_parser)
+    token_pieces: TokenPieces | None = None  # each token's text, for counting reasoning tokens
+    reasoning_keeps_specials: bool = False  # its markers are special tokens: chat text keeps special tokens
     load_error: str | None = None
     draining: bool = False
     in_flight: int = 0  # requests whose handler is running (the drain waits for them)

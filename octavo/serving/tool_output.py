@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from octavo.serving.tool_parsers import get_parser
-from octavo.serving.tools import ToolCall, ToolChoice, calls_from_required, new_call_id
+from octavo.serving.tool_parser_registry import call_id_maker, get_parser
+from octavo.serving.tools import ToolCall, ToolChoice, calls_from_required
 
 
 @dataclass(slots=True)
@@ -25,19 +25,22 @@ class WholeMessage:
 
 
 def whole_message(choice: ToolChoice, parser_name: str | None, text: str, finish_reason: str | None,
-                  parallel: bool = True) -> WholeMessage:
-    """The non-streamed message of one choice."""
+                  parallel: bool = True, tools: list[dict[str, Any]] | None = None) -> WholeMessage:
+    """The non-streamed message of one choice (TOOLS: the request's, which some parsers read)."""
     calls: list[ToolCall] = []
     content: str | None = text
+    new_id = call_id_maker(parser_name)
     if finish_reason not in ("length", "abort", "error"):
         if choice.mode == "function":
-            calls, content = [ToolCall(choice.name or "", text)], None
+            calls, content = [ToolCall(choice.name or "", text, new_id())], None
         elif choice.mode == "required":
             parsed = calls_from_required(text)
             if parsed:
                 calls, content = parsed, None
+                for c in calls:
+                    c.id = new_id()
         elif choice.mode == "auto" and parser_name is not None:
-            p = get_parser(parser_name).parse(text)
+            p = get_parser(parser_name, tools).parse(text)
             calls, content = p.calls, p.content
             if not parallel:
                 calls = calls[:1]
@@ -51,6 +54,7 @@ class ToolStream:
     choice: ToolChoice
     parser_name: str | None
     parallel: bool = True
+    tools: list[dict[str, Any]] | None = None  # the request's (some parsers read their schemas)
     _streamer: Any = None
     _buf: str = ""  # required: the whole array
     _named_id: str | None = None
@@ -59,7 +63,7 @@ class ToolStream:
 
     def __post_init__(self) -> None:
         if self.choice.mode == "auto" and self.parser_name is not None:
-            self._streamer = get_parser(self.parser_name).streamer()
+            self._streamer = get_parser(self.parser_name, self.tools).streamer()
 
     @property
     def active(self) -> bool:
@@ -72,7 +76,7 @@ class ToolStream:
         if self.choice.mode == "function":
             out = []
             if self._named_id is None:
-                self._named_id = new_call_id()
+                self._named_id = call_id_maker(self.parser_name)()
                 out.append(self._call_delta(0, ToolCall(self.choice.name or "", "", self._named_id), with_head=True))
                 self.num_calls = 1
             out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
@@ -92,6 +96,7 @@ class ToolStream:
             calls = None if cut else calls_from_required(self._buf)
             if calls:
                 for c in calls:
+                    c.id = call_id_maker(self.parser_name)()
                     out.append(self._call_delta(self.num_calls, c, with_head=True))
                     self.num_calls += 1
             elif self._buf:

@@ -8,14 +8,18 @@
 `parse` reads a finished output. `streamer()` reads one as it grows: plain content is passed on at once,
 except a tail that may be the start of a call; each call is emitted when it is complete (name and
 arguments in one delta: OpenAI clients accumulate argument fragments, one fragment is a valid stream).
-Text that looks like a call but does not parse stays content.
+Text that looks like a call but does not parse stays content. The other formats have a module each
+(tool_parser_mistral.py, tool_parser_pythonic.py, tool_parser_qwen3_coder.py); the names are in
+tool_parser_registry.py.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
+from octavo.runtime.reasoning import partial_suffix
 from octavo.serving.tools import ToolCall
 
 
@@ -25,7 +29,7 @@ class Parsed:
     calls: list[ToolCall] = field(default_factory=list)
 
 
-def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
+def call_of(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = next((obj[k] for k in args_keys if k in obj), {})
@@ -46,20 +50,17 @@ class HermesParser:
     def parse(self, text: str) -> Parsed:
         """Calls of the well-formed blocks; content is the text before the first block plus any block that
         does not parse (what the streamer sends, by construction)."""
-        st = self.streamer()
-        a, b = st.feed(text), st.finish()
-        content = a.content + b.content
-        return Parsed(content if content.strip() or not (a.calls or b.calls) else None, a.calls + b.calls)
+        return whole(self.streamer(), text)
 
-    def streamer(self) -> HermesStreamer:
-        return HermesStreamer()
+    def streamer(self) -> BlockStreamer:
+        return BlockStreamer(self.START, self.END, self.block_call)
 
     @classmethod
     def block_call(cls, block: str) -> ToolCall | None:
         """The call in one '<tool_call>...</tool_call>' block (the end tag may be missing), or None."""
         body = block.strip().removeprefix(cls.START).removesuffix(cls.END).strip()
         try:
-            return _call(json.loads(body), ("arguments", "parameters"))
+            return call_of(json.loads(body), ("arguments", "parameters"))
         except ValueError:
             return None
 
@@ -70,32 +71,46 @@ class StreamDelta:
     calls: list[ToolCall] = field(default_factory=list)
 
 
+def whole(streamer: Any, text: str) -> Parsed:
+    """A finished output read by a fresh STREAMER: what a stream of it sends, by construction. Content that is
+    only whitespace beside calls is none."""
+    a, b = streamer.feed(text), streamer.finish()
+    content = a.content + b.content
+    return Parsed(content if content.strip() or not (a.calls or b.calls) else None, a.calls + b.calls)
+
+
 @dataclass(slots=True)
-class HermesStreamer:
+class BlockStreamer:
+    """Calls written as START ... END blocks after optional content (hermes, qwen3_coder): READ gives the call
+    of one whole block (its END may be missing at the end of the output), or None (then it stays content)."""
+
+    start: str
+    end: str
+    read: Callable[[str], ToolCall | None]
     buf: str = ""  # text not yet passed on
-    in_calls: bool = False  # a <tool_call> was seen: text between blocks is no longer content
+    in_calls: bool = False  # a start marker was seen: text between blocks is no longer content
 
     def feed(self, text: str) -> StreamDelta:
         self.buf += text
         out = StreamDelta()
         if not self.in_calls:
-            i = self.buf.find(HermesParser.START)
+            i = self.buf.find(self.start)
             if i < 0:
-                keep = _partial_suffix(self.buf, HermesParser.START)
+                keep = partial_suffix(self.buf, self.start)
                 out.content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return out
             out.content, self.buf, self.in_calls = self.buf[:i], self.buf[i:], True
         while True:  # complete blocks
-            end = self.buf.find(HermesParser.END)
+            end = self.buf.find(self.end)
             if end < 0:
                 break
-            block, self.buf = self.buf[:end + len(HermesParser.END)], self.buf[end + len(HermesParser.END):]
+            block, self.buf = self.buf[:end + len(self.end)], self.buf[end + len(self.end):]
             self._block(block, out)
-            i = self.buf.find(HermesParser.START)  # text between calls is dropped (as vLLM does)
+            i = self.buf.find(self.start)  # text between calls is dropped (as vLLM does)
             if i >= 0:
                 self.buf = self.buf[i:]
             else:
-                keep = _partial_suffix(self.buf, HermesParser.START)
+                keep = partial_suffix(self.buf, self.start)
                 self.buf = self.buf[len(self.buf) - keep:] if keep else ""
         return out
 
@@ -109,9 +124,8 @@ class HermesStreamer:
             self._block(rest, out)
         return out
 
-    @staticmethod
-    def _block(block: str, out: StreamDelta) -> None:
-        call = HermesParser.block_call(block)
+    def _block(self, block: str, out: StreamDelta) -> None:
+        call = self.read(block)
         if call is not None:
             out.calls.append(call)
         else:  # not a well-formed call: the model's text, as is
@@ -135,7 +149,7 @@ class Llama3JsonParser:
                 obj, i = dec.raw_decode(body, i)
             except ValueError:
                 return Parsed(text)
-            call = _call(obj, ("parameters", "arguments"))
+            call = call_of(obj, ("parameters", "arguments"))
             if call is None:
                 return Parsed(text)
             calls.append(call)
@@ -172,21 +186,3 @@ class Llama3Streamer:
             return StreamDelta(content=rest)
         parsed = self.parser.parse(rest)
         return StreamDelta(calls=parsed.calls) if parsed.calls else StreamDelta(content=rest)
-
-
-PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
-
-
-def get_parser(name: str) -> HermesParser | Llama3JsonParser:
-    try:
-        return PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(PARSERS)}") from None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of TEXT that is a proper prefix of MARKER."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
