@@ -9,6 +9,8 @@ from __future__ import annotations
 MODULE_EXTRAS = {
     "aiohttp": "serve",
     "prometheus_client": "serve",
+    "zmq": "serve",
+    "msgspec": "serve",
     "matplotlib": "plot",
     "triton": "kernels",
     "tensorrt": "gpu",

@@ -16,6 +16,7 @@ from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, che
                                          not_on_tensorrt)
 from octavo.runtime.input_processor import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
+from octavo.runtime.kv_events import KVEventsConfig
 from octavo.structured.limits import ConstraintLimits
 
 _LIMITS = ConstraintLimits()
@@ -64,6 +65,9 @@ class EngineArgs:
     constraint_compile_timeout: float = _LIMITS.compile_timeout  # seconds a request waits for its grammar
     # prompt_logprobs / echo + logprobs: scored prompt tokens x (top-k + 1) one request may ask for (a 400 past it)
     max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+    # vLLM's --kv-events-config (JSON): publish the prefix cache's stored / removed / cleared blocks over ZeroMQ for
+    # KV-aware routers (runtime/kv_events.py, docs/serving.md); None = off
+    kv_events_config: str | None = None
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
     # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
@@ -73,6 +77,10 @@ class EngineArgs:
     # the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch per
     # process, set by the last backend made); None = on unless $OCTAVO_AMX is "0"
     amx: bool | None = None
+
+    def kv_events(self) -> KVEventsConfig:
+        """kv_events_config parsed (events off when it is None)."""
+        return KVEventsConfig.parse(self.kv_events_config) if self.kv_events_config is not None else KVEventsConfig()
 
     def constraint_limits(self) -> ConstraintLimits:
         return ConstraintLimits(self.max_constraint_bytes, self.max_constraint_depth, self.max_constraint_rules,
@@ -99,6 +107,8 @@ class EngineArgs:
                 or self.max_prompt_logprob_entries < 1:
             raise InvalidRequestError(f"max_prompt_logprob_entries must be an integer >= 1, got "
                                       f"{self.max_prompt_logprob_entries!r}")
+        if self.kv_events_config is not None:
+            KVEventsConfig.parse(self.kv_events_config)
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")
