@@ -11,6 +11,8 @@ MODULE_EXTRAS = {
     "prometheus_client": "serve",
     "zmq": "serve",
     "msgspec": "serve",
+    "ray": "ray",
+    "starlette": "ray",
     "matplotlib": "plot",
     "triton": "kernels",
     "tensorrt": "gpu",

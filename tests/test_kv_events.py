@@ -169,7 +169,7 @@ def test_engine_publishes_vllm_batches_that_replay_to_its_cache(model_dir, tmp_p
         assert state == {external(h) for h in cache}, "the event stream replays to the engine's prefix cache"
         assert all(known[external(h)] == h for h in cache), "the events' hashes are the prefix cache's"
 
-        assert llm.engine.reset_prefix_cache()
+        assert llm.reset_prefix_cache()
         sub.receive_until(publisher.published_batches - 1)
         apply(state, DECODER.decode(sub.live[publisher.published_batches - 1]))
         assert state == set() and not llm.engine.block_manager.hash_to_block
@@ -193,11 +193,12 @@ import json, sys
 import msgspec
 from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
 dec = msgspec.msgpack.Decoder(KVEventBatch)
+h = lambda x: x.hex() if isinstance(x, bytes) else [h(y) for y in x] if isinstance(x, list) else x
 out = []
 for payload in msgspec.msgpack.decode(open(sys.argv[1], "rb").read()):
     b = dec.decode(payload)
-    out.append([b.data_parallel_rank, [[type(e).__name__, getattr(e, "block_hashes", None),
-                getattr(e, "parent_block_hash", None), getattr(e, "token_ids", None), getattr(e, "block_size", None),
+    out.append([b.data_parallel_rank, [[type(e).__name__, h(getattr(e, "block_hashes", None)),
+                h(getattr(e, "parent_block_hash", None)), getattr(e, "token_ids", None), getattr(e, "block_size", None),
                 getattr(e, "medium", None)] for e in b.events]])
 print(json.dumps(out))
 """
@@ -213,8 +214,12 @@ def vllm_check(tmp_path: Path, payloads: list[bytes]) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
     names = {Stored: "BlockStored", Removed: "BlockRemoved", Cleared: "AllBlocksCleared"}
-    ours = [[b.data_parallel_rank, [[names[type(e)], getattr(e, "block_hashes", None),
-                                     getattr(e, "parent_block_hash", None), getattr(e, "token_ids", None),
+
+    def h(x: object) -> object:
+        return x.hex() if isinstance(x, bytes) else [h(y) for y in x] if isinstance(x, list) else x
+
+    ours = [[b.data_parallel_rank, [[names[type(e)], h(getattr(e, "block_hashes", None)),
+                                     h(getattr(e, "parent_block_hash", None)), getattr(e, "token_ids", None),
                                      getattr(e, "block_size", None), getattr(e, "medium", None)] for e in b.events]]
             for b in map(DECODER.decode, payloads)]
     assert theirs == ours
