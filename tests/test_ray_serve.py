@@ -1,10 +1,11 @@
 """Ray Serve (octavo/ray_serve.py): the application builder's arguments, and two octavo replicas started by the one
-command `serve run octavo.ray_serve:build_app model=... num_replicas=2` (a local Ray cluster of its own, on
-loopback), driven through Ray Serve's proxy by the openai client: every request answered exactly once, both replicas
+command `serve run CONFIG` (Serve's config file naming `octavo.ray_serve:build_app` with model=... num_replicas=2, and the
+proxy on a free loopback port; serve run starts a local Ray instance of its own), driven through Ray Serve's proxy by the openai client: every request answered exactly once, both replicas
 used, streaming equal to the whole response. Needs `pip install 'octavo[ray]'` (skipped without Ray: it is not in
 `make test`'s extras)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -54,15 +55,19 @@ def test_serve_run_two_replicas(hf_model_dir, tmp_path) -> None:  # noqa: ANN001
     """~1-2 min on 2 cores (Ray's own start is most of it)."""
     model = exported(hf_model_dir("llama"))
     port = _free_port()
+    config = tmp_path / "octavo-serve.json"  # Serve's config file (YAML; JSON is YAML): the proxy's port, the app
+    config.write_text(json.dumps({
+        "proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "octavo", "route_prefix": "/", "import_path": "octavo.ray_serve:build_app",
+                          "args": {"model": str(model), "num_replicas": 2, "num_cpus": 0.5, "num_threads": 1,
+                                   "num_blocks": 64, "served_model_name": "tiny"}}]}))
     serve_cli = Path(sys.executable).with_name("serve")
-    command = [str(serve_cli) if serve_cli.exists() else shutil.which("serve") or "serve",
-               "run", "octavo.ray_serve:build_app", f"model={model}",
-               "num_replicas=2", "num_cpus=0.5", "num_threads=1", "num_blocks=64", "served_model_name=tiny"]
-    env = {**os.environ, "RAY_SERVE_DEFAULT_HTTP_HOST": "127.0.0.1", "RAY_SERVE_DEFAULT_HTTP_PORT": str(port),
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DASHBOARD": "1",
+    command = [str(serve_cli) if serve_cli.exists() else shutil.which("serve") or "serve", "run", str(config)]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
