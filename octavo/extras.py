@@ -9,6 +9,10 @@ from __future__ import annotations
 MODULE_EXTRAS = {
     "aiohttp": "serve",
     "prometheus_client": "serve",
+    "zmq": "serve",
+    "msgspec": "serve",
+    "ray": "ray",
+    "starlette": "ray",
     "matplotlib": "plot",
     "triton": "kernels",
     "tensorrt": "gpu",

@@ -21,7 +21,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("octavo.export", "octavo.structured")),
     ("engine", ("octavo.runtime", "octavo.tensorrt")),
     ("users of the engine", ("octavo.serving", "octavo.tracing", "octavo.bench", "octavo.demo", "octavo.oplib_build")),
-    ("servers on servers", ("octavo.triton_server",)),
+    ("servers on servers", ("octavo.triton_server", "octavo.ray_serve")),
     ("interface", ("octavo.commands", "octavo.cli", "octavo.__main__", "octavo")),
 ]
 

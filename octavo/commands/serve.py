@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read tool calls out of the model's text (enables tool_choice 'auto'; vLLM's names): hermes = "
                         "<tool_call>{...}</tool_call>, llama3_json = Llama 3's JSON calls, mistral = [TOOL_CALLS], "
                         "pythonic = [f(a=1)] (Llama 3.2/4), qwen3_coder = <tool_call><function=f><parameter=a>")
+    p.add_argument("--metric-names", choices=("both", "vllm", "octavo"), default="both",
+                   help="what /metrics shows: octavo:* and vLLM's vllm:* names and labels (what llm-d, production-stack "
+                        "and KServe read), or one set (default: %(default)s)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility (--tool-call-parser alone enables 'auto')")
     add_engine_arguments(p)
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         per_request_metrics=args.enable_per_request_metrics,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, max_connections=args.max_connections,
         special_tokens_in_content=args.special_tokens_in_content, tool_call_parser=args.tool_call_parser,
+        metric_names=args.metric_names,
     )
     raise_open_file_limit()
     server = OpenAIServer(config, lambda: AsyncEngine(ea), shutdown_timeout=args.shutdown_timeout)

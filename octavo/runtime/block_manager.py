@@ -13,17 +13,22 @@
 - `fork`: a new request shares another's full computed blocks (beam search, n > 1); for beam search also its
   own copy of the partially filled last block (copy on write: both will write into it).
 - Invariant (tests/pool_check.py checks it): free + in use == total; a block is free iff its refcount is 0.
+- KV events (runtime/kv_events.py, with an `events` log): every hash registered (`BlocksStored`: runs of consecutive
+  blocks with their parent hash and tokens), evicted (`BlocksRemoved`) or dropped (`CacheCleared`) is logged at the
+  transition itself, so the events replay to exactly `hash_to_block`'s keys.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from octavo.runtime.block_hash import extend_block_hashes
+from octavo.runtime.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KVEventLog
 from octavo.runtime.request import Request
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -34,6 +39,7 @@ class BlockManager:
         self.promised: dict[bytes, Request] = {}  # hash of a full block being computed -> the request computing it
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of those, tokens found
+        self.events = events if enable_prefix_caching else None  # no prefix cache: nothing is ever cached
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,13 +69,41 @@ class BlockManager:
             return
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_table))
         extend_block_hashes(req, n_full * self.block_size, self.block_size)
+        run_start = -1  # with events: the first of the consecutive blocks registered just now
         for i in range(req.num_registered_blocks, n_full):
             b, h = req.block_table[i], req.block_hashes[i]
             if self.hash_of[b] is None and h not in self.hash_to_block:
                 self.hash_of[b] = h
                 self.hash_to_block[h] = b
+                if self.events is not None and run_start < 0:
+                    run_start = i
+            elif run_start >= 0:  # already cached (another block has these tokens): the run ends before it
+                self._stored(req, run_start, i)
+                run_start = -1
             self.promised.pop(h, None)  # filled (by req or by whoever got there first): now in hash_to_block
+        if run_start >= 0:
+            self._stored(req, run_start, n_full)
         req.num_registered_blocks = max(req.num_registered_blocks, n_full)
+
+    def _stored(self, req: Request, start: int, end: int) -> None:
+        """Log req's blocks [start, end) as stored (chained: the parent is the hash of block start - 1)."""
+        assert self.events is not None
+        bs = self.block_size
+        self.events.events.append(BlocksStored(req.block_hashes[start:end],
+                                               req.block_hashes[start - 1] if start else None,
+                                               req.tokens(start * bs, end * bs)))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache: after new weights, or between benchmarks). Only
+        when no request holds a block; returns whether it was done."""
+        if len(self.free_lru) != self.num_blocks:
+            return False
+        self.hash_of[:] = [None] * self.num_blocks
+        self.hash_to_block.clear()
+        self.promised.clear()
+        if self.events is not None:
+            self.events.events.append(CacheCleared())
+        return True
 
     # -- promises (cold shared prefixes) ------------------------------------------------------------
     def promise(self, req: Request) -> None:
@@ -118,6 +152,7 @@ class BlockManager:
         need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
         if need > len(self.free_lru):
             return False
+        evicted: list[bytes] = []
         for _ in range(need):
             b, _ = self.free_lru.popitem(last=False)  # least recently freed: evict its cached hash
             h = self.hash_of[b]
@@ -125,8 +160,11 @@ class BlockManager:
                 self.hash_of[b] = None
                 if self.hash_to_block.get(h) == b:
                     del self.hash_to_block[h]
+                    evicted.append(h)
             self.ref_count[b] = 1
             req.block_table.append(b)
+        if evicted and self.events is not None:
+            self.events.events.append(BlocksRemoved(evicted))
         return True
 
     def commit(self, req: Request, num_tokens: int) -> None:

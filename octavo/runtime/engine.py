@@ -11,6 +11,7 @@ requests end with "error" (their blocks are freed) and the engine keeps serving 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from octavo.errors import InvalidRequestError, StepFailedError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
@@ -18,6 +19,7 @@ from octavo.runtime.beam_search import BeamSearchManager
 from octavo.runtime.block_manager import BlockManager
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.input_processor import InputProcessor, Prompt
+from octavo.runtime.kv_events import KVEventLog, KVEventsConfig
 from octavo.runtime.model_setup import load_model
 from octavo.runtime.output_processor import OutputProcessor, RequestGroup
 from octavo.runtime.outputs import RequestOutput
@@ -32,7 +34,19 @@ from octavo.runtime.reasoning import get_reasoning_format
 from octavo.runtime.structured_outputs import StructuredOutputManager
 from octavo.runtime.trace_writer import JsonlTraceWriter
 
+if TYPE_CHECKING:
+    from octavo.runtime.kv_event_publisher import ZmqEventPublisher
+
 logger = logging.getLogger(__name__)
+
+
+def open_kv_event_publisher(config: KVEventsConfig, block_size: int) -> ZmqEventPublisher:
+    """The ZeroMQ publisher (imported here: pyzmq and msgspec come with the serve extra)."""
+    try:
+        from octavo.runtime.kv_event_publisher import ZmqEventPublisher
+    except ModuleNotFoundError as exc:
+        raise InvalidRequestError(f"kv_events_config needs {exc.name!r}: pip install 'octavo[serve]'") from None
+    return ZmqEventPublisher(config, block_size)
 
 
 class LLMEngine:
@@ -43,7 +57,9 @@ class LLMEngine:
         self.model_dir, self.manifest, self.tokenizer = model.model_dir, model.manifest, model.tokenizer
         self.max_model_len, self.backend = model.max_model_len, model.backend
         self.block_size, self.num_blocks, self.vocab_size = args.block_size, self.backend.num_blocks, self.manifest.vocab_size
-        self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching)
+        kv_events = args.kv_events()
+        self._kv_log = KVEventLog() if kv_events.publishes else None
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching, self._kv_log)
         prompt_logprob_rows = max_prompt_logprob_rows(self.backend, args.max_num_seqs, self.vocab_size)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -66,6 +82,13 @@ class LLMEngine:
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []
         self._arrived: list[str] = []
         self.step_count = 0
+        self.kv_event_publisher: ZmqEventPublisher | None = None
+        if self._kv_log is not None:
+            try:
+                self.kv_event_publisher = open_kv_event_publisher(kv_events, self.block_size)
+            except BaseException:
+                self.close()  # nobody else holds the engine yet: release its backend before raising
+                raise
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -118,6 +141,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs = self.outputs.take_ready()
         if not sched.scheduled:
+            self._publish_kv_events()
             return outputs
         self.step_count += 1
         rec.lap("schedule")
@@ -162,12 +186,27 @@ class LLMEngine:
         rec.end(sched, self._arrived, self.scheduler.take_finished(), len(self.scheduler.waiting), self.block_manager)
         self._arrived = []
         notify(self._listeners, rec)
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the prefix cache did since the last call to the KV event publisher (one batch)."""
+        if self._kv_log is not None and self._kv_log.events and self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self._kv_log.take())
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's): only when no request holds blocks; returns whether it did."""
+        done = self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.block_manager, self.step_count)
 
     def close(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
         self.structured.close()
         if self._trace is not None:
             self._trace.close()

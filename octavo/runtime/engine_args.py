@@ -17,6 +17,7 @@ from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, che
 from octavo.runtime.input_processor import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
 from octavo.runtime.reasoning import get_reasoning_format
+from octavo.runtime.kv_events import KVEventsConfig
 from octavo.structured.limits import ConstraintLimits
 
 _LIMITS = ConstraintLimits()
@@ -71,6 +72,9 @@ class EngineArgs:
     # a reasoning model's thinking markers (vLLM's --reasoning-parser names: runtime/reasoning.py): output
     # constraints start after the thinking; the server splits reasoning_content from content
     reasoning_parser: str | None = None
+    # vLLM's --kv-events-config (JSON): publish the prefix cache's stored / removed / cleared blocks over ZeroMQ for
+    # KV-aware routers (runtime/kv_events.py, docs/serving.md); None = off
+    kv_events_config: str | None = None
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
     # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
@@ -80,6 +84,10 @@ class EngineArgs:
     # the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch per
     # process, set by the last backend made); None = on unless $OCTAVO_AMX is "0"
     amx: bool | None = None
+
+    def kv_events(self) -> KVEventsConfig:
+        """kv_events_config parsed (events off when it is None)."""
+        return KVEventsConfig.parse(self.kv_events_config) if self.kv_events_config is not None else KVEventsConfig()
 
     def constraint_limits(self) -> ConstraintLimits:
         return ConstraintLimits(self.max_constraint_bytes, self.max_constraint_depth, self.max_constraint_rules,
@@ -111,6 +119,8 @@ class EngineArgs:
                                       f"{self.max_logprobs!r}")
         if self.reasoning_parser is not None:
             get_reasoning_format(self.reasoning_parser)
+        if self.kv_events_config is not None:
+            KVEventsConfig.parse(self.kv_events_config)
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")

@@ -160,5 +160,10 @@ class LLM:
                 self.engine.step()
         return [done[i] for i in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's; KV-event subscribers get AllBlocksCleared). False if a request
+        still holds blocks (never between generate calls)."""
+        return self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         self.engine.close()

@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names under the `octavo:` prefix, in a per-server CollectorRegistry.
+"""Prometheus metrics with vLLM's names under the `octavo:` prefix, in a per-server CollectorRegistry; /metrics also
+shows them under vLLM's own `vllm:` names and labels (serving/vllm_metrics.py, `metric_names`).
 
 Engine state (running/waiting requests, KV usage, prefix-cache and token counters, preemptions) is read
 from `engine.stats()` at scrape time by a custom collector, so it can never drift from the engine.
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from octavo.runtime.stats import ENGINE_METRICS
+from octavo.serving.vllm_metrics import exposed_registry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -66,11 +68,13 @@ class ServerMetrics:
     """All metrics of one server; nothing global, so several servers can live in one process."""
 
     def __init__(self, model_name: str, stats: Callable[[], Any | None],
-                 in_flight: Callable[[], int] | None = None) -> None:
+                 in_flight: Callable[[], int] | None = None, metric_names: str = "both") -> None:
+        """METRIC_NAMES: what /metrics shows: "both", "vllm" or "octavo" (serving/vllm_metrics.py)."""
         self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, model_name, in_flight))
-        r = self.registry
+        self.cache_info: dict[str, str] | None = None  # vllm:cache_config_info's labels, set once the model is loaded
+        r = CollectorRegistry(auto_describe=True)  # the octavo:* families
+        r.register(_EngineCollector(stats, model_name, in_flight))
+        self.registry = exposed_registry(r, metric_names, lambda: self.cache_info)
         self.ttft = Histogram("octavo:time_to_first_token_seconds", "Time to first token.", ["model_name"],
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("octavo:inter_token_latency_seconds", "Time between consecutive output tokens.",

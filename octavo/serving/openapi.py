@@ -287,7 +287,9 @@ def _responses_schemas() -> dict[str, Any]:
                                                 "properties": {"id": {"type": "string"},
                                                                "object": {"type": "string", "enum": ["model"]},
                                                                "created": {"type": "integer"},
-                                                               "owned_by": {"type": "string"}}}}}},
+                                                               "owned_by": {"type": "string"},
+                                                               "root": {"type": "string"},
+                                                               "parent": _NULLABLE_STR}}}}},
     }
 
 

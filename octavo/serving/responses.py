@@ -179,7 +179,9 @@ def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int
 
 def model_list(names: Sequence[str], created: int, max_model_len: int | None) -> dict[str, Any]:
     return {"object": "list", "data": [
-        {"id": n, "object": "model", "created": created, "owned_by": "octavo", "max_model_len": max_model_len}
+        # root / parent as vLLM's cards (routers' service discovery reads them): every name serves the base model
+        {"id": n, "object": "model", "created": created, "owned_by": "octavo", "root": names[0], "parent": None,
+         "max_model_len": max_model_len}
         for n in names]}
 
 

@@ -24,6 +24,7 @@ from octavo.serving.connections import GuardedSite, RateLimitedLoopErrors
 from octavo.serving.metrics import ServerMetrics
 from octavo.serving.protocol import Limits
 from octavo.serving.state import ServerConfig, ServerState
+from octavo.serving.vllm_metrics import cache_config_info
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class OpenAIServer:
         self._load_engine = load_engine
         self._shutdown_timeout = shutdown_timeout
         self.state = ServerState(config=config, metrics=ServerMetrics(config.served_model_names[0], self._stats,
-                                                                      lambda: self.state.in_flight))
+                                                                      lambda: self.state.in_flight,
+                                                                      config.metric_names))
         self.app = build_app(self.state)
         self._runner: web.AppRunner | None = None
         self._load_task: asyncio.Task[None] | None = None
@@ -90,6 +92,7 @@ class OpenAIServer:
             st.limits = Limits(vocab_size=vocab_size, max_tokens_cap=st.config.max_tokens_cap, max_n=st.config.max_n,
                                tool_call_parser=st.config.tool_call_parser, max_model_len=max_model_len,
                                max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs)
+            st.metrics.cache_info = _cache_info(engine)
             st.engine = engine
             log.info("model %s ready", st.model_name)
         except BaseException as exc:  # reported through /health, wait_ready() and the CLI
@@ -161,6 +164,14 @@ async def _discard(engine: Any) -> None:
         await engine.shutdown()
     except Exception:  # noqa: BLE001 - the load error is the one to report
         log.exception("shutting down the engine that failed to start also failed")
+
+
+def _cache_info(engine: Any) -> dict[str, str]:
+    """vllm:cache_config_info's labels for a started AsyncEngine's KV pool."""
+    core = engine.engine
+    dtype = getattr(core.backend, "kv_cache_dtype", None) or core.args.kv_cache_dtype
+    return cache_config_info(core.block_size, core.num_blocks, str(dtype), core.args.enable_prefix_caching,
+                             core.args.kv_cache_memory)
 
 
 def _engine_facts(engine: Any) -> tuple[Any, int, int | None]:

@@ -33,6 +33,7 @@ class ServerConfig:
     max_connections: int = 1024  # open connections; more get 503 too_many_connections at once
     special_tokens_in_content: bool = False  # parse special-token strings in chat messages as control tokens
     tool_call_parser: str | None = None  # --tool-call-parser (hermes, llama3_json): enables tool_choice "auto"
+    metric_names: str = "both"  # --metric-names: /metrics under octavo:*, vLLM's vllm:* (serving/vllm_metrics.py) or both
 
 
 @dataclass(slots=True)
