@@ -243,7 +243,8 @@ def test_installed_cli_generate_export_version(install: Install, hf_model_dir, r
 def test_missing_extra_names_the_pip_command_in_one_line(install: Install, hf_model_dir) -> None:  # noqa: ANN001
     """Runs before test_triton_from_the_installed_package installs the serve extra (file order)."""
     for command in ("serve", "triton"):  # the Triton front is an aiohttp server too
-        proc = install.octavo(command, hf_model_dir("llama"), "--no-serve" if command == "triton" else "--port=0",
+        # (`octavo triton --no-serve` only writes a repository and needs no extra: test_triton_repository_base_install)
+        proc = install.octavo(command, hf_model_dir("llama"), "--http-port=0" if command == "triton" else "--port=0",
                               check=False)
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from octavo.triton_server.launcher import check_ports_free
 
     ea = engine_args(args, model_argument(args.model)[0])  # refuse bad values now, before any work
-    if not args.no_serve:  # a taken port is named now, not after an export and a tritonserver start
+    if not args.no_serve:  # a missing serve extra and a taken port are named now, not after an export
+        import aiohttp  # noqa: F401 - the front needs it (serve extra); --no-serve only writes the repository
         check_ports_free([("HTTP", args.host, args.http_port), ("gRPC", args.host, args.grpc_port),
                           ("metrics", args.host, args.metrics_port)])
     if ea.trace_path:  # the python-backend stub runs in another folder
