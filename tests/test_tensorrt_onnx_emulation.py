@@ -97,7 +97,8 @@ def _worker(export_dir: str) -> None:
         print(json.dumps(emulate(export_dir, kv_dtype)), flush=True)
 
 
-ARCHS = ["llama", "qwen3", "gemma3", "phi3"]  # q/k norms, sandwich norms + GELU + two rope tables, fused weights
+ARCHS = ["llama", "qwen3", "gemma3", "phi3", "smollm3"]  # q/k norms, sandwich norms + GELU + two rope tables,
+# fused weights, layers without rope
 
 
 @pytest.fixture(scope="module")
