@@ -124,3 +124,24 @@ def test_writer_refuses_a_scalar_llama_cpp_would_not_derive(hf_model_dir, tmp_pa
     with pytest.raises(ModelFormatError, match="query_pre_attn_scalar"):
         write_gguf(hf_model_dir("gemma3"), tmp_path / "model.gguf")
     assert not (tmp_path / "model.gguf").exists()
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_q8_0_file_on_its_own_blocks_matches_transformers_gguf_weights(tmp_path: Path, arch: str) -> None:
+    """A Q8_0 file exported with its own blocks (weights "gguf", the default) == transformers' model with
+    the state dict transformers' GGUF loader makes of the same file (dequantized, norms minus 1)."""
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src = make_random_model(tmp_path / "hf", arch, query_pre_attn_scalar=24)
+    path = write_gguf(src, tmp_path / "model.gguf", tensor_type="Q8_0")
+    manifest = export_model(path, tmp_path / "out", progress=False)
+    assert manifest.weights == "gguf"
+    model = load_hf(src)[0]
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=False)
+    ids = _prompt(36)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(want - hf_prompt_logits(src, ids)).max() > 1e-2  # the quantization shows
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=ATOL, rtol=0)
