@@ -80,6 +80,31 @@ def test_short_factors_when_the_context_is_the_original_one(hf_model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_an_engine_context_within_the_original_one_uses_the_short_factors(hf_model_dir, arch: str) -> None:  # noqa: ANN001
+    """The long-factor export served with max_model_len 32 (vLLM's rule: long only when max_model_len exceeds
+    the original context) rotates with the short factors: logits of 32 tokens and greedy continuations that
+    stay within 32 tokens (transformers uses the short factors throughout) equal transformers'."""
+    from step_inputs import one_sequence
+
+    from octavo.export.manifest import Manifest
+    from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    src, folder = hf_model_dir(arch), exported(hf_model_dir(arch))
+    ids = _prompt(ORIGINAL)
+    backend = OnnxRuntimeBackend(folder, Manifest.load(folder), num_blocks=2, block_size=16, num_threads=1,
+                                 max_model_len=ORIGINAL)
+    try:
+        got = backend.run(one_sequence(ids, 0, np.arange(2, dtype=np.int32)[::-1], 16, all_logits=True))
+    finally:
+        backend.close()
+    np.testing.assert_allclose(got, hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
+    prompts = [_prompt(12 + 4 * seed, seed) for seed in range(3)]  # + 10 tokens: at most 30
+    got_tokens = llm_greedy(folder, prompts, 10, num_blocks=16, block_size=8, max_model_len=ORIGINAL)
+    for p, tokens in zip(prompts, got_tokens):
+        assert tokens == hf_reference(src, p, 10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_under_batching_and_preemption_matches_transformers(hf_model_dir, arch: str) -> None:  # noqa: ANN001
     """Prompts of 33..48 tokens (past the original 32), 10 new tokens each, 16-token steps in a pool of 14
     blocks of 8 that cannot hold all three at once (preemption, recompute)."""

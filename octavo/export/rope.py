@@ -12,9 +12,10 @@ ONNX Runtime backend's rotary fusion still matches it.
 LongRoPE (Phi-3.5 / Phi-4-mini, transformers' "longrope") divides each frequency by a per-dimension factor:
 transformers picks `long_factor` when the sequence is longer than `original_max_position_embeddings`,
 `short_factor` otherwise, for every position of the batch. A paged KV cache keeps keys rotated once, so
-octavo picks one set for the whole export, as llama.cpp picks by its context size: the long factors when the
-model's context (max_position_embeddings) exceeds the original one, the short ones otherwise
-(`complete_longrope` records the choice as `factors`). Its attention factor multiplies cos and sin like YaRN's.
+the set is fixed per engine, by vLLM's rule: long when the context exceeds the original one. The export
+writes the set of the model's full context (max_position_embeddings; `complete_longrope` records it as
+`factors`); an ONNX Runtime engine with a smaller max_model_len swaps the table
+(octavo.runtime.backends.longrope_table). Its attention factor multiplies cos and sin like YaRN's.
 Partial rotary (`rotary_dim` < head_dim: the first rotary_dim values of each head turn, the rest pass) takes
 tables of rotary_dim / 2 frequencies.
 """
