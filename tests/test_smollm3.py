@@ -112,3 +112,18 @@ def test_gguf_writer_refuses_layers_llama_cpp_cannot_express(hf_model_dir, tmp_p
     with pytest.raises(ModelFormatError, match="every 4th layer"):
         write_gguf(hf_model_dir("smollm3"), tmp_path / "model.gguf")  # NoPE layers 1 and 3
     assert not (tmp_path / "model.gguf").exists()
+
+
+def test_yarn_scales_the_rope_layers_only(tmp_path: Path) -> None:
+    """SmolLM3's long-context setting (yarn): its attention factor reaches the rope layers' scale only; the NoPE
+    layers keep 1/sqrt(head_dim), as transformers (no cos/sin there)."""
+    from models import make_random_model
+
+    src = make_random_model(tmp_path / "hf", "smollm3", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    export_model(src, tmp_path / "out", progress=False)
+    graph = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
+    scales = [next(a.f for a in n.attribute if a.name == "scale") for n in graph.node if n.op_type == "PagedAttention"]
+    assert scales[1] == scales[3] == pytest.approx(16 ** -0.5) and scales[0] > scales[1]
+    ids = _prompt(45)
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
