@@ -145,3 +145,15 @@ def test_q8_0_file_on_its_own_blocks_matches_transformers_gguf_weights(tmp_path:
         want = model(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(want - hf_prompt_logits(src, ids)).max() > 1e-2  # the quantization shows
     np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=ATOL, rtol=0)
+
+
+def test_gemma3_file_without_a_window_attends_fully_everywhere() -> None:
+    """llama.cpp runs a gemma3 file without attention.sliding_window with full attention on every layer and the
+    global rope base; the reader says the same (a gemma2 file gets llama.cpp's default window, 4096)."""
+    from octavo.export.gguf_gemma import gemma_config
+
+    base = dict(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, head_dim=24)
+    gemma3 = spec_from_config(gemma_config({}, "gemma3", base, "f") | dict(
+        architectures=["Gemma3ForCausalLM"], vocab_size=32, intermediate_size=128))
+    assert gemma3.sliding_windows == [0, 0, 0] and gemma3.local_rope_layers == []
+    assert gemma_config({}, "gemma2", base, "f")["sliding_window"] == 4096

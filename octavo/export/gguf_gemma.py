@@ -11,7 +11,8 @@ GGUF facts (llama.cpp's converter and model loader):
   (Gemma 2), `.rope.freq_base` (Gemma 3: the global layers' base; linear `.rope.scaling.*` applies to them
   only). Not stored, fixed by llama.cpp: the local layers' base 10000 (read from `.rope.freq_base_swa` where
   a file has it), the layer pattern (every 2nd layer global for Gemma 2, every 6th for Gemma 3; a
-  `.attention.sliding_window_pattern` array of per-layer booleans, true = sliding, wins) and the attention
+  `.attention.sliding_window_pattern` array of per-layer booleans, true = sliding, wins; no window: 4096 for
+  Gemma 2, full attention on every layer for Gemma 3) and the attention
   scale: query_pre_attn_scalar = hidden_size / heads for the 27B models (Gemma 2: 46 layers, Gemma 3: 62),
   head_dim otherwise (`.attention.scale`, where a file has it, wins). Embeddings are scaled by
   sqrt(hidden_size), the MLP is gelu_pytorch_tanh: both implied by the architecture.
@@ -33,6 +34,7 @@ BLOCK_NAMES = {
 DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's set_swa_pattern: every Nth layer global
 LAYERS_OF_27B = {"gemma2": 46, "gemma3": 62}  # llama.cpp's 27B: attention scale from hidden_size / heads
 LOCAL_ROPE_BASE = 10_000.0
+DEFAULT_WINDOW = {"gemma2": 4096}  # llama.cpp's window for a gemma2 file without the key
 
 
 def is_gemma_norm(hf_name: str) -> bool:
@@ -73,11 +75,12 @@ def gemma_config(meta: dict[str, Any], arch: str, config: dict[str, Any], name: 
     out = dict(config)
     out["hidden_act"] = out["hidden_activation"] = "gelu_pytorch_tanh"
     out["query_pre_attn_scalar"] = query_pre_attn_scalar(meta, arch, config)
-    out["layer_types"] = layer_types(meta, arch, config["num_hidden_layers"], name)
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if not window and "sliding_attention" in out["layer_types"]:
-        raise ModelFormatError(f"{name}: a {arch} GGUF needs {arch}.attention.sliding_window (its local layers' window)")
-    out["sliding_window"] = int(window) if window else None
+    window = int(meta.get(f"{arch}.attention.sliding_window", DEFAULT_WINDOW.get(arch, 0)) or 0)
+    if window > 0:
+        out["layer_types"] = layer_types(meta, arch, config["num_hidden_layers"], name)
+    else:  # llama.cpp: a gemma3 file without a window attends fully on every layer, with one rope base
+        out["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    out["sliding_window"] = window or None
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = meta.get(f"{arch}.{key}")
         out[key] = float(value) if value else None
