@@ -126,7 +126,7 @@ def test_writer_refuses_a_scalar_llama_cpp_would_not_derive(hf_model_dir, tmp_pa
     assert not (tmp_path / "model.gguf").exists()
 
 
-@pytest.mark.parametrize("arch", GEMMAS)
+@pytest.mark.parametrize("arch", [pytest.param("gemma2", marks=pytest.mark.slow), "gemma3"])
 def test_q8_0_file_on_its_own_blocks_matches_transformers_gguf_weights(tmp_path: Path, arch: str) -> None:
     """A Q8_0 file exported with its own blocks (weights "gguf", the default) == transformers' model with
     the state dict transformers' GGUF loader makes of the same file (dequantized, norms minus 1)."""

@@ -28,6 +28,8 @@ from octavo.export.rope import attention_factor, inv_freq
 ATOL = 1e-4
 ORIGINAL = 32
 ARCHS = ["phi3longrope", "phi4mini"]
+# the engine tests run phi4mini by default (partial rotary and longrope both) and phi3longrope with -m slow
+ENGINE_ARCHS = [pytest.param("phi3longrope", marks=pytest.mark.slow), "phi4mini"]
 
 
 def _prompt(n: int, seed: int = 3) -> list[int]:
@@ -79,7 +81,7 @@ def test_short_factors_when_the_context_is_the_original_one(hf_model_dir, tmp_pa
     assert np.abs(prefill_logits(exported(hf_model_dir("phi4mini")), ids) - want).max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_an_engine_context_within_the_original_one_uses_the_short_factors(hf_model_dir, arch: str) -> None:  # noqa: ANN001
     """The long-factor export served with max_model_len 32 (vLLM's rule: long only when max_model_len exceeds
     the original context) rotates with the short factors: logits of 32 tokens and greedy continuations that
@@ -104,7 +106,7 @@ def test_an_engine_context_within_the_original_one_uses_the_short_factors(hf_mod
         assert tokens == hf_reference(src, p, 10)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_greedy_under_batching_and_preemption_matches_transformers(hf_model_dir, arch: str) -> None:  # noqa: ANN001
     """Prompts of 33..48 tokens (past the original 32), 10 new tokens each, 16-token steps in a pool of 14
     blocks of 8 that cannot hold all three at once (preemption, recompute)."""

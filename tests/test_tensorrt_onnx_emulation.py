@@ -98,8 +98,10 @@ def _worker(export_dir: str) -> None:
         print(json.dumps(emulate(export_dir, kv_dtype)), flush=True)
 
 
-ARCHS = ["llama", "qwen3", "gemma3", "phi3", "smollm3", "phi4mini"]  # q/k norms, sandwich norms + GELU + two rope
-# tables, fused weights, layers without rope, partial rotary with longrope's attention factor on cos/sin
+# q/k norms, sandwich norms + GELU + two rope tables, fused weights; -m slow: layers without rope, partial rotary
+# with longrope's attention factor on cos/sin (~20 s each: the interpreted kernel)
+ARCHS = ["llama", "qwen3", "gemma3", "phi3", pytest.param("smollm3", marks=pytest.mark.slow),
+         pytest.param("phi4mini", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
