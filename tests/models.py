@@ -24,12 +24,31 @@ CHAT_TEMPLATE = (
 )
 
 # name -> (transformers config class name, overrides)
+# longrope factors of the tiny Phi models (head_dim 16: 8 frequencies), short near 1, long well above it
+LONGROPE_SHORT = [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0]
+LONGROPE_LONG = [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]
 ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
     "llama3rope": ("LlamaConfig", dict(num_key_value_heads=2, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
+    # SmolLM3: layers 1 and 3 without rope (no_rope_layers 0), the others with it
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, num_key_value_heads=2, no_rope_layers=[1, 0, 1, 0],
+                                      pad_token_id=0, tie_word_embeddings=False)),
+    # Phi-3.5-mini style longrope: original context 32 (prompts go past it), context 1024 (long factors used);
+    # smaller weights than the others: with the attention factor (1.36) the 0.4 init gives logits of 16, whose
+    # float32 rounding alone (transformers float32 vs float64) exceeds 1e-4
+    "phi3longrope": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0, original_max_position_embeddings=32,
+                                        initializer_range=0.25,
+                                        rope_scaling=dict(type="longrope", short_factor=LONGROPE_SHORT,
+                                                          long_factor=LONGROPE_LONG))),
+    # Phi-4-mini style: partial rotary (12 of 16 values per head turn) with longrope
+    "phi4mini": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0, original_max_position_embeddings=32,
+                                    initializer_range=0.25,
+                                    tie_word_embeddings=True, partial_rotary_factor=0.75,
+                                    rope_scaling=dict(type="longrope", short_factor=LONGROPE_SHORT[:6],
+                                                      long_factor=LONGROPE_LONG[:6]))),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=24)),
     "tied": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     # head_dim 24 != hidden 64 / 4 heads (catches a derived head_dim); q_norm / k_norm per head
@@ -57,7 +76,8 @@ ARCHS: dict[str, tuple[str, dict]] = {
 }
 # archs whose RMSNorm weights are randomized (transformers initializes them to ones, which would hide a
 # norm weight that is dropped or swapped, e.g. qwen3's q_norm / k_norm)
-RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window", "phi3", "phi3tied", "gemma3", "gemma2")
+RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window", "phi3", "phi3tied", "gemma3", "gemma2", "smollm3",
+                     "phi3longrope", "phi4mini")
 
 
 def make_tokenizer(vocab_size: int = 384):

@@ -4,7 +4,7 @@ The test models (tests/models.py) have random norm weights (so a missing `1 + w`
 full / sliding layer mix with a window of 8 (shorter than every prompt here), and Gemma 3's local rope
 theta (500) differs from its global one (10000, linear factor 8), so a layer rotated with the wrong table
 shows; query_pre_attn_scalar (20) differs from head_dim (24). Gemma 2 has small attention and final
-logit softcaps (5, 15), so a dropped cap shows.
+logit softcaps (5, 15), so a dropped cap shows. GGUF files: tests/test_gemma_gguf.py.
 """
 from __future__ import annotations
 
@@ -172,21 +172,3 @@ def _config(**changes: object) -> dict:
 def test_unsupported_gemma_configs_are_refused(changes: dict, words: str) -> None:
     with pytest.raises(UnsupportedArchitectureError, match=words):
         spec_from_config(_config(**changes))
-
-
-def test_gemma3_gguf_is_refused(tmp_path: Path) -> None:
-    """octavo's GGUF reader does not know gemma3's tensor and metadata layout: it refuses the file by name."""
-    import gguf
-
-    from octavo.export.gguf_reader import read_gguf
-
-    path = tmp_path / "gemma3.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(UnsupportedArchitectureError, match="gemma3"):
-        read_gguf(path)

@@ -4,8 +4,8 @@ The checkpoint stores q/k/v fused (`self_attn.qkv_proj`) and gate/up fused (`mlp
 Checkpoint presents them as the separate tensors the graph builder reads (row-slice views). transformers
 applies `sliding_window` on every layer (the test model's window, 16, is shorter than the prompts).
 Tied and untied embeddings; GGUF files (llama.cpp arch "phi3": blk.N.attn_qkv, gate+up in blk.N.ffn_up,
-q/k not permuted) through octavo's writer and reader; longrope ("su"/"yarn" are its old names in Phi3Config)
-and partial rotary (Phi-4-mini) refused. The test models randomize their norm weights (tests/models.py).
+q/k not permuted) through octavo's writer and reader. Longrope and partial rotary (Phi-3.5 128k, Phi-4-mini):
+tests/test_longrope.py. The test models randomize their norm weights (tests/models.py).
 """
 from __future__ import annotations
 
@@ -150,39 +150,9 @@ def test_phi3_mini_4k_config_as_transformers_reads_it() -> None:
     assert hf.rope_parameters["rope_theta"] == spec.rope_theta
 
 
-# ----------------------------------------------------------------------------- refused
-LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-            "original_max_position_embeddings": 256}
-
-
+# ----------------------------------------------------------------------------- longrope: tests/test_longrope.py
 def _config(hf_model_dir, **changes: object) -> dict:  # noqa: ANN001
     return json.loads((hf_model_dir("phi3") / "config.json").read_text()) | changes
-
-
-@pytest.mark.parametrize("rope_type", ["longrope", "su", "yarn"])
-@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
-def test_longrope_is_refused(hf_model_dir, rope_type: str, key: str) -> None:  # noqa: ANN001
-    """The 128k variants: transformers switches short/long factors by length. Phi3Config renames "su" and
-    "yarn" to longrope, so a phi3 "yarn" is refused too (octavo's yarn would be another model)."""
-    import transformers
-
-    scaling = LONGROPE | {"rope_type": rope_type, "rope_theta": 10000.0}
-    config = _config(hf_model_dir, **{key: scaling})
-    if key == "rope_scaling":  # Phi-3's released configs
-        config = _v4_layout(config) | {key: scaling}
-    if key == "rope_parameters":  # transformers itself reads it as longrope
-        assert transformers.Phi3Config(**config).rope_parameters["rope_type"] == "longrope"
-    with pytest.raises(UnsupportedArchitectureError, match="'longrope' is not supported.*short and long"):
-        spec_from_config(config)
-
-
-def test_partial_rotary_is_refused_naming_the_value(hf_model_dir) -> None:  # noqa: ANN001
-    """Phi-4-mini (also Phi3ForCausalLM) rotates 0.75 of each head: refused, the message names 0.75."""
-    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
-        spec_from_config(_v4_layout(_config(hf_model_dir, partial_rotary_factor=0.75)))
-    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
-    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
-        spec_from_config(_config(hf_model_dir, rope_parameters=params))
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -217,37 +187,6 @@ def test_gguf_round_trip_logits_match_transformers(hf_model_dir, tmp_path: Path,
     assert _windows(tmp_path / "out") == ([WINDOW, WINDOW] if arch == "phi3" else [0, 0])
     ids = _prompt(manifest.vocab_size)
     np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), hf_prompt_logits(src, ids), atol=ATOL, rtol=0)
-
-
-def test_gguf_writer_refuses_longrope(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
-    src = _copy_with_config(hf_model_dir("phi3"), tmp_path / "hf", rope_scaling=LONGROPE)
-    with pytest.raises(UnsupportedArchitectureError, match="longrope"):
-        write_gguf(src, tmp_path / "long.gguf")
-    assert not (tmp_path / "long.gguf").exists()
-
-
-def test_gguf_longrope_factors_are_refused(tmp_path: Path) -> None:
-    """llama.cpp stores a 128k phi3's longrope as rope_factors_long/short tensors: refused by name."""
-    import gguf
-
-    path = tmp_path / "long.gguf"
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    writer.add_tensor("rope_factors_long.weight", np.ones(2, np.float32))
-    writer.add_tensor("rope_factors_short.weight", np.ones(2, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(UnsupportedArchitectureError, match="rope_factors_long.*longrope.*4k"):
-        read_gguf(path)
-
-
-def test_gguf_partial_rotary_is_refused(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
-    src = _copy_with_config(hf_model_dir("phi3"), tmp_path / "hf", partial_rotary_factor=0.75)
-    with pytest.raises(UnsupportedArchitectureError, match="partial_rotary_factor 0.75"):
-        write_gguf(src, tmp_path / "partial.gguf")
 
 
 @pytest.mark.parametrize("weights,kernel", [("fp32", "block"), ("gguf", "block"), ("gguf", "matmulnbits")])

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
-from octavo.export.rope import complete_yarn
+from octavo.export.rope import complete_longrope, complete_yarn
 
 if TYPE_CHECKING:
     from octavo.export.gguf_blocks import Blocks
@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text); the multimodal model is refused
     "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj / gate_up_proj, presented split by the Checkpoint
+    "SmolLM3ForCausalLM": "smollm3",  # Llama with no rope on the layers no_rope_layers marks 0
 }
 # architectures whose attention RMS-normalizes each q and k head (weights self_attn.q_norm / k_norm, [head_dim])
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
@@ -37,15 +38,14 @@ GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 # architectures whose config gates the sliding window with use_sliding_window / max_window_layers
-GATED_WINDOW_ARCHITECTURES = ("qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+GATED_WINDOW_ARCHITECTURES = ("qwen2", "qwen3", "smollm3")
+# architectures whose attention rotates only int(head_dim * partial_rotary_factor) values of each head (Phi-4-mini)
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # rope types transformers has that octavo refuses, and why
 REFUSED_ROPE_TYPES = {
     "dynamic": "transformers recomputes its frequencies from each batch's longest sequence, which a paged "
                "engine serving many lengths in one step cannot reproduce",
-    "longrope": "transformers switches between its short and long frequency factors by sequence length "
-                "(the 128k Phi-3 / Phi-3.5 variants), which a paged engine serving many lengths in one "
-                "step cannot reproduce exactly; use a 4k-context variant without rope scaling",
 }
 # rope types an architecture's transformers config renames before use (Phi3Config: "su" and "yarn" are
 # old names of longrope, so a phi3 "yarn" is NOT octavo's yarn)
@@ -196,6 +196,13 @@ class ModelSpec:
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
     local_rope_layers: list[int] = field(default_factory=list)
+    rotary_dim: int = 0  # the rotated part of each head (partial_rotary_factor: Phi-4-mini); 0 = head_dim
+    nope_layers: list[int] = field(default_factory=list)  # layers without rotary embedding (SmolLM3)
+
+    @property
+    def rotary_size(self) -> int:
+        """The number of rotated values of each head."""
+        return self.rotary_dim or self.head_dim
 
 
 def _supported_list() -> str:
@@ -233,12 +240,7 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling = dict(config.get("rope_scaling") or {})
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
-    partial = scaling.pop("partial_rotary_factor", None) or config.get("partial_rotary_factor")
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedArchitectureError(
-            f"partial_rotary_factor {partial} (rotary embedding on part of each head) is not supported; "
-            "octavo rotates the whole head_dim"
-        )
+    scaling.pop("partial_rotary_factor", None)  # _rotary_dim reads it
     if rope_type not in SUPPORTED_ROPE_TYPES:
         why = f" ({REFUSED_ROPE_TYPES[rope_type]})" if rope_type in REFUSED_ROPE_TYPES else ""
         raise UnsupportedArchitectureError(
@@ -250,6 +252,13 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         top_level = config.get("original_max_position_embeddings")
         context = int(config.get("max_position_embeddings") or 2048)
         return theta, {"rope_type": rope_type, **complete_yarn(scaling, context, top_level)}
+    if rope_type == "longrope":  # the choice of factors and the attention factor written out
+        try:
+            return theta, {"rope_type": rope_type, **complete_longrope(
+                scaling, int(config.get("max_position_embeddings") or 2048),
+                config.get("original_max_position_embeddings"))}
+        except ValueError as exc:
+            raise ModelFormatError(f"config.json: {exc}") from exc
     needed = ["factor"] + (
         ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"] if rope_type == "llama3" else []
     )
@@ -257,6 +266,52 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if missing:
         raise ModelFormatError(f"config.json: rope scaling {rope_type!r} lacks {missing}")
     return theta, {"rope_type": rope_type, **scaling}
+
+
+def _rotary_dim(config: dict[str, Any], architecture: str, head_dim: int) -> int:
+    """int(head_dim * partial_rotary_factor) as transformers computes it (0 = the whole head), from the top
+    level or (transformers 5) rope_parameters; only architectures whose transformers attention slices the rotated
+    part (PARTIAL_ROTARY_ARCHITECTURES) take one."""
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial in (None, 1, 1.0):
+        return 0
+    if architecture not in PARTIAL_ROTARY_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"partial_rotary_factor {partial} (rotary embedding on part of each head) is supported for "
+            f"{', '.join(PARTIAL_ROTARY_ARCHITECTURES)} only, not {architecture}")
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ModelFormatError(f"config.json: partial_rotary_factor must be in (0, 1], got {partial!r}")
+    dim = int(head_dim * partial)
+    if dim < 2 or dim % 2:
+        raise ModelFormatError(f"config.json: partial_rotary_factor {partial} of head_dim {head_dim} rotates {dim} "
+                               "values; rotary embedding needs an even number")
+    return dim
+
+
+def _nope_layers(config: dict[str, Any], num_layers: int) -> list[int]:
+    """SmolLM3's layers without rope: no_rope_layers[i] == 0, or (no list) every no_rope_layer_interval-th layer."""
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise ModelFormatError(f"config.json: no_rope_layer_interval must be a positive integer, got {interval!r}")
+        return [i for i in range(num_layers) if (i + 1) % interval == 0]
+    if not isinstance(flags, list) or len(flags) < num_layers or any(f not in (0, 1) for f in flags[:num_layers]):
+        raise ModelFormatError(f"config.json: no_rope_layers must list 0 or 1 for each of the {num_layers} layers, "
+                               f"got {flags!r}")
+    return [i for i in range(num_layers) if not flags[i]]
+
+
+def _smollm3_layer_types(config: dict[str, Any], nope: list[int]) -> dict[str, Any]:
+    """CONFIG with transformers' default SmolLM3 layer_types when it has none: sliding on the NoPE layers when
+    use_sliding_window and sliding_window are set, full elsewhere."""
+    if config.get("layer_types") is not None:
+        return config
+    sliding = bool(config.get("use_sliding_window")) and config.get("sliding_window") is not None
+    types = ["sliding_attention" if sliding and i in nope else "full_attention"
+             for i in range(int(config["num_hidden_layers"]))]
+    return {**config, "layer_types": types}
 
 
 def _renamed_rope_type(config: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -390,10 +445,19 @@ def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] 
     if head_dim % 2:
         raise ModelFormatError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
     gemma = _gemma_options(config, architecture, num_layers, hidden) if architecture in GEMMA_ARCHITECTURES else {}
+    nope = _nope_layers(config, num_layers) if architecture == "smollm3" else []
+    if architecture == "smollm3":
+        config = _smollm3_layer_types(config, nope)
     if "rope_theta" in gemma:  # Gemma 3: two rotary tables, read from its per-layer-type rope parameters
         theta, scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
     else:
         theta, scaling = _rope(_renamed_rope_type(config, architecture))
+    rotary_dim = _rotary_dim(config, architecture, head_dim)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(scaling[key]) != (rotary_dim or head_dim) // 2:
+                raise ModelFormatError(f"config.json: longrope {key} has {len(scaling[key])} values; the rotary "
+                                       f"dimension {rotary_dim or head_dim} needs {(rotary_dim or head_dim) // 2}")
     eos = _token_ids(config.get("eos_token_id"))
     for extra in extra_eos_token_ids:
         if extra not in eos:
@@ -417,5 +481,7 @@ def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] 
         eos_token_ids=eos,
         pad_token_id=config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else None,
         qk_norm=architecture in QK_NORM_ARCHITECTURES,
+        rotary_dim=rotary_dim,
+        nope_layers=nope,
         **gemma,
     )

@@ -11,7 +11,9 @@ Metadata keys used (llama.cpp's names): general.architecture, general.name, <arc
 Architectures: llama (and Mistral, told apart by a sliding window), qwen2 (q/k/v biases), qwen3 (per-head
 q/k RMSNorm tensors blk.N.attn_q_norm / attn_k_norm, explicit key_length = head_dim), phi3 (fused
 blk.N.attn_qkv and gate/up in blk.N.ffn_up, named qkv_proj / gate_up_proj; its sliding window applies to
-every layer, as in transformers; the 128k files' rope_factors_long/short tensors (longrope) are refused).
+every layer, as in transformers; the 128k files' rope_factors_long/short tensors are longrope (gguf_rope);
+rope.dimension_count < key_length is Phi-4-mini's partial rotary), smollm3 (llama with q/k permuted; no rope
+on every 4th layer, which llama.cpp fixes and does not store), gemma2 / gemma3 (octavo.export.gguf_gemma).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_config
 from octavo.export.gguf_header import check_header
 from octavo.export.gguf_rope import rope_scaling_from_gguf
 from octavo.export.gguf_tensors import GGUFTensors, index_tensors
@@ -38,10 +41,17 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
     "phi3": ("phi3", "Phi3ForCausalLM", False),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM", True),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
 }
 FUSED_ARCHITECTURES = ("phi3",)  # blk.N.attn_qkv (q, k, v fused) and blk.N.ffn_up = gate and up fused
-LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-QK_NORM_ARCHITECTURES = ("qwen3",)  # blk.N.attn_q_norm / attn_k_norm ([head_dim]) in every layer
+# blk.N.attn_q_norm / attn_k_norm ([head_dim]) in every layer (by HF model_type)
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3_text")
+SMOLLM3_NO_ROPE_LAYER_STEP = 4  # llama.cpp's n_no_rope_layer_step for smollm3 (not in the file)
+# the layer norms each layer has, by HF model_type (Gemma: sandwich norms)
+_GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+LAYER_NORMS = {"gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS}
 GGUF_MAGIC = b"GGUF"
 
 
@@ -71,11 +81,11 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             f"{path.name}: GGUF architecture {arch!r} is not supported; octavo reads "
             f"{', '.join(ARCHITECTURES)} (Llama-family) GGUF files"
         )
-    _refuse_longrope(reader, path)
     config = _config(meta, reader, arch, path)
     tensors: GGUFTensors = index_tensors(
         reader, num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
         permuted_qk=ARCHITECTURES[arch][2], fused_gate_up=arch in FUSED_ARCHITECTURES,
+        gemma=arch in GEMMA_GGUF_ARCHITECTURES,
     )
     config["attention_bias"] = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
     if arch == "qwen2" and not config["attention_bias"]:
@@ -113,18 +123,6 @@ def quantized_linear_types(path: str | Path) -> dict[str, int]:
             kind = GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
             counts[kind] = counts.get(kind, 0) + 1
     return counts
-
-
-def _refuse_longrope(reader: Any, path: Path) -> None:
-    """llama.cpp writes longrope (the 128k Phi-3 / Phi-3.5 models) as rope_factors_long/short tensors."""
-    found = [str(t.name) for t in reader.tensors if str(t.name) in LONGROPE_TENSORS]
-    if found:
-        raise UnsupportedArchitectureError(
-            f"{path.name}: the file has {found[0]!r}, i.e. longrope scaling (the 128k-context Phi-3 / Phi-3.5 "
-            "variants); it is not supported: its frequencies switch between short and long factors by sequence "
-            "length, which a paged engine serving many lengths in one step cannot reproduce exactly. Use a "
-            "4k-context variant"
-        )
 
 
 def _open(path: Path) -> Any:
@@ -211,13 +209,15 @@ def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[st
     }
     eos = _eos_ids(meta)
     config["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
-    rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise ModelFormatError(
-            f"{path.name}: partial rotary embedding ({arch}.rope.dimension_count={rope_dims} < head_dim "
-            f"{head_dim}) is not supported"
-        )
-    scaling = rope_scaling_from_gguf(meta, reader, arch, head_dim, config["rope_theta"], path.name)
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        if arch not in FUSED_ARCHITECTURES or not 0 < rope_dims < head_dim:
+            raise ModelFormatError(
+                f"{path.name}: partial rotary embedding ({arch}.rope.dimension_count={rope_dims}, head_dim "
+                f"{head_dim}) is supported for phi3 files only"
+            )
+        config["partial_rotary_factor"] = rope_dims / head_dim  # int(head_dim * factor) == rope_dims
+    scaling = rope_scaling_from_gguf(meta, reader, arch, rope_dims, config["rope_theta"], path.name)
     if scaling is not None:
         config["rope_scaling"] = scaling
     window = meta.get(f"{arch}.attention.sliding_window")
@@ -228,6 +228,10 @@ def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[st
         if arch == "qwen3":  # one window for every layer, as the metadata states it
             config["use_sliding_window"] = True
             config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    if arch == "smollm3":
+        config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_LAYER_STEP
+    if arch in GEMMA_GGUF_ARCHITECTURES:
+        config = gemma_config(meta, arch, config, path.name)
     return config
 
 
@@ -245,10 +249,8 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
     fused = config["model_type"] in FUSED_ARCHITECTURES
     for i in range(layers):
         p = f"model.layers.{i}."
-        expected |= {
-            p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.down_proj.weight": (h, ffn),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        }
+        expected |= {p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.down_proj.weight": (h, ffn)}
+        expected |= {p + norm + ".weight": (h,) for norm in LAYER_NORMS.get(config["model_type"], _LLAMA_NORMS)}
         if fused and p + "self_attn.q_proj.weight" not in tensors:  # phi3: attn_qkv (llama.cpp's converter)
             expected[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
             if config["attention_bias"]:
@@ -285,6 +287,9 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         )
     if extra:
         log.warning("%s: ignoring GGUF tensors with no use in the model: %s", path.name, extra[:5])
+
+
+_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def _eos_ids(meta: dict[str, Any]) -> list[int]:

@@ -6,6 +6,9 @@ GGUF facts: `<arch>.rope.scaling.type` ("none" | "linear" | "yarn"), `.rope.scal
 Llama 3.1-style scaling is not stored as metadata: llama.cpp's converter writes the per-frequency divisors
 as a tensor `rope_freqs.weight` (head_dim/2 values). We recover the HF "llama3" parameters by finding the
 (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) whose divisors reproduce it.
+LongRoPE (Phi-3.5 / Phi-4-mini 128k) is stored as the tensors `rope_factors_long.weight` /
+`rope_factors_short.weight` (the factors, rotary_dim / 2 each) with `.rope.scaling.original_context_length`
+and `.rope.scaling.attn_factor` (the cos/sin factor llama.cpp applies; absent: transformers' default).
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ def rope_scaling_from_gguf(meta: dict[str, Any], reader: Any, arch: str, head_di
     factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
     original = meta.get(f"{arch}.rope.scaling.original_context_length")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    factors = {str(t.name): t for t in reader.tensors if str(t.name) in LONGROPE_TENSORS}
+    if factors:
+        return _longrope(meta, arch, factors, original, name)
     if freqs is not None:
         return _fit_llama3(np.asarray(freqs.data, dtype=np.float64).reshape(-1), head_dim, theta, name)
     if kind in (None, "none") and factor in (None, 1.0):
@@ -44,6 +50,25 @@ def rope_scaling_from_gguf(meta: dict[str, Any], reader: Any, arch: str, head_di
     if kind == "yarn":
         return _yarn(meta, arch, factor, original, name)
     raise ModelFormatError(f"{name}: rope scaling type {kind!r} is not supported (supported: linear, yarn, llama3)")
+
+
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _longrope(meta: dict[str, Any], arch: str, factors: dict[str, Any], original: Any, name: str) -> dict[str, Any]:
+    """HF "longrope" from llama.cpp's rope_factors tensors and keys."""
+    missing = [t for t in LONGROPE_TENSORS if t not in factors]
+    if missing:
+        raise ModelFormatError(f"{name}: longrope needs both rope factor tensors; {missing[0]!r} is missing")
+    if original is None:
+        raise ModelFormatError(f"{name}: longrope needs {arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": int(original)}
+    for tensor_name, key in zip(LONGROPE_TENSORS, ("long_factor", "short_factor")):
+        scaling[key] = [float(v) for v in np.asarray(factors[tensor_name].data, dtype=np.float64).reshape(-1)]
+    attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    return scaling
 
 
 def _yarn(meta: dict[str, Any], arch: str, factor: Any, original: Any, name: str) -> dict[str, Any]:

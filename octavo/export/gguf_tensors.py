@@ -8,7 +8,9 @@ GGUF facts this module relies on (llama.cpp's converter and the `gguf` package):
   `self_attn.qkv_proj`) and `blk.{i}.ffn_up.weight` holds gate and up fused (HF's `mlp.gate_up_proj`,
   gate rows first; llama.cpp's SwiGLU takes the first half as the gate); there is no ffn_gate. The
   Checkpoint presents both as the separate q/k/v and gate/up tensors. 128k phi3 files add
-  `rope_factors_long/short.weight` (longrope, refused by the reader);
+  `rope_factors_long/short.weight` (longrope: read into the config by gguf_rope);
+- gemma2 / gemma3 files name their sandwich norms differently and store every norm weight plus 1
+  (octavo.export.gguf_gemma): GEMMA_NAMES below, and the 1 is subtracted on lookup;
 - GGUF lists dimensions innermost first, so a HF Linear weight [out, in] is stored with shape (in, out);
   `gguf.GGUFReader` already gives `tensor.data` in numpy order (rows = out), quantised rows as bytes;
 - for llama-arch models llama.cpp permutes the rows of q_proj / k_proj (weight and bias) per head from
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from octavo.errors import ModelFormatError
+from octavo.export.gguf_gemma import BLOCK_NAMES as GEMMA_BLOCK_NAMES
+from octavo.export.gguf_gemma import NORM_OFFSET, is_gemma_norm
 
 if TYPE_CHECKING:
     from octavo.export.gguf_blocks import Blocks
@@ -56,17 +60,18 @@ _BLOCK_NAMES = {
 }
 # phi3: ffn_up is gate and up fused (there is no ffn_gate)
 _FUSED_GATE_UP_NAMES = _BLOCK_NAMES | {"ffn_up": "mlp.gate_up_proj"}
+_GEMMA_NAMES = _BLOCK_NAMES | GEMMA_BLOCK_NAMES
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 # Tensors a GGUF may carry that have no HF tensor (their content goes into the config instead).
-NON_HF_TENSORS = ("rope_freqs.weight",)
+NON_HF_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_name(gguf_name: str, *, fused_gate_up: bool = False) -> str | None:
+def hf_name(gguf_name: str, *, fused_gate_up: bool = False, gemma: bool = False) -> str | None:
     """The HF state-dict name of a GGUF tensor name, or None when it has none. FUSED_GATE_UP: the file's
-    ffn_up holds gate and up (phi3), named mlp.gate_up_proj."""
+    ffn_up holds gate and up (phi3), named mlp.gate_up_proj; GEMMA: a gemma2 / gemma3 file's norm names."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    block_names = _FUSED_GATE_UP_NAMES if fused_gate_up else _BLOCK_NAMES
+    block_names = _GEMMA_NAMES if gemma else _FUSED_GATE_UP_NAMES if fused_gate_up else _BLOCK_NAMES
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in block_names:
         return None
@@ -116,10 +121,13 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     num_heads: int
     num_kv_heads: int
     permuted_qk: bool  # True for llama-arch files (llama.cpp permuted q/k rows)
+    norm_offset: float = 0.0  # subtracted from every RMSNorm weight (Gemma files store w + 1)
 
     def __getitem__(self, key: str) -> np.ndarray:
         tensor = self.by_hf_name[key]  # KeyError for unknown names, as a Mapping should
         values = dequantize(tensor, self.gguf_names[key])
+        if self.norm_offset and is_gemma_norm(key):
+            values -= np.float32(self.norm_offset)
         if self.permuted_qk and ".self_attn.q_proj." in key:
             values = unpermute_qk(values, self.num_heads)
         elif self.permuted_qk and ".self_attn.k_proj." in key:
@@ -156,20 +164,20 @@ class GGUFTensors(Mapping[str, np.ndarray]):
 
 
 def index_tensors(reader: object, *, num_heads: int, num_kv_heads: int, permuted_qk: bool,
-                  fused_gate_up: bool = False) -> GGUFTensors:
+                  fused_gate_up: bool = False, gemma: bool = False) -> GGUFTensors:
     """Map every GGUF tensor of the file to its HF name; refuse unknown names and unreadable types.
-    FUSED_GATE_UP: ffn_up is phi3's fused gate/up tensor."""
+    FUSED_GATE_UP: ffn_up is phi3's fused gate/up tensor; GEMMA: gemma2 / gemma3 names and norms."""
     by_hf: dict[str, object] = {}
     names: dict[str, str] = {}
     for tensor in reader.tensors:  # type: ignore[attr-defined]
         name = str(tensor.name)
         if name in NON_HF_TENSORS:
             continue
-        target = hf_name(name, fused_gate_up=fused_gate_up)
+        target = hf_name(name, fused_gate_up=fused_gate_up, gemma=gemma)
         if target is None:
             raise ModelFormatError(
                 f"GGUF tensor {name!r} has no counterpart in a Llama-family HF checkpoint; "
-                "this file is not a plain llama/mistral/qwen2/qwen3/phi3 model"
+                "this file is not a plain llama/mistral/qwen2/qwen3/phi3/smollm3/gemma2/gemma3 model"
             )
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             raise ModelFormatError(
@@ -178,4 +186,5 @@ def index_tensors(reader: object, *, num_heads: int, num_kv_heads: int, permuted
             )
         by_hf[target] = tensor
         names[target] = name
-    return GGUFTensors(reader, by_hf, names, num_heads, num_kv_heads, permuted_qk)
+    return GGUFTensors(reader, by_hf, names, num_heads, num_kv_heads, permuted_qk,
+                       NORM_OFFSET if gemma else 0.0)

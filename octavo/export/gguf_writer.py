@@ -15,12 +15,17 @@ from typing import Any
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
-from octavo.export.checkpoint import spec_from_config
+from octavo.export.checkpoint import ModelSpec, spec_from_config
+from octavo.export.gguf_gemma import BLOCK_NAMES as GEMMA_BLOCK_NAMES
+from octavo.export.gguf_gemma import DEFAULT_PATTERN, LOCAL_ROPE_BASE, NORM_OFFSET, is_gemma_norm, layer_types
+from octavo.export.gguf_gemma import query_pre_attn_scalar
 from octavo.export.gguf_rope import llama3_divisors
 from octavo.export.gguf_tensors import permute_qk
 from octavo.export.gguf_tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
 
-_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                       "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+_PERMUTED_ARCHS = ("llama", "smollm3")  # llama.cpp's converter permutes their q/k rows
 _BLOCK_PARTS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -30,17 +35,21 @@ _BLOCK_PARTS = {
 }
 
 
-def gguf_tensor_name(hf: str) -> str:
-    """HF state-dict name -> llama.cpp tensor name."""
+_GEMMA_PARTS = _BLOCK_PARTS | {hf: part for part, hf in GEMMA_BLOCK_NAMES.items()}
+
+
+def gguf_tensor_name(hf: str, gemma: bool = False) -> str:
+    """HF state-dict name -> llama.cpp tensor name (GEMMA: a gemma2 / gemma3 file's norm names)."""
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     if hf in fixed:
         return fixed[hf]
     parts = hf.split(".")
     middle = ".".join(parts[3:-1])
-    if parts[:2] != ["model", "layers"] or middle not in _BLOCK_PARTS:
+    names = _GEMMA_PARTS if gemma else _BLOCK_PARTS
+    if parts[:2] != ["model", "layers"] or middle not in names:
         raise ModelFormatError(f"tensor {hf!r} has no GGUF name")
-    return f"blk.{parts[2]}.{_BLOCK_PARTS[middle]}.{parts[-1]}"
+    return f"blk.{parts[2]}.{names[middle]}.{parts[-1]}"
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32", arch: str | None = None,
@@ -50,7 +59,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     tensor_type: F32, F16, Q8_0, Q4_0 or Q4_1 for 2-D weights (norms and biases stay F32, as llama.cpp
     keeps them); arch: the GGUF general.architecture to write (default: llama for llama/mistral configs,
     qwen2 for qwen2, qwen3 for qwen3: q_norm / k_norm become blk.N.attn_q_norm / attn_k_norm; phi3 for
-    phi3: qkv_proj / gate_up_proj become blk.N.attn_qkv / ffn_up, unpermuted, the window on every layer);
+    phi3: qkv_proj / gate_up_proj become blk.N.attn_qkv / ffn_up, unpermuted, the window on every layer,
+    longrope as rope_factors_long/short tensors, partial rotary as rope.dimension_count; smollm3: q/k permuted;
+    gemma2 / gemma3: norms stored plus 1 under llama.cpp's names, the keys of octavo.export.gguf_gemma);
     tokenizer_pre: tokenizer.ggml.pre to write; add_bos_token: overrides
     tokenizer_config.json's add_bos_token."""
     import gguf
@@ -65,11 +76,13 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     qtype = gguf.GGMLQuantizationType[tensor_type]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-
-    qwen3_window = _qwen3_window(config) if arch == "qwen3" else 0  # refuse before writing anything
-    if arch == "phi3":
-        spec_from_config(config)  # refuses longrope / partial rotary before anything is written
+    spec = spec_from_config(config)  # refuses what octavo cannot read back before anything is written
+    theta = spec.rope_theta
+    gemma = arch in DEFAULT_PATTERN
+    qwen3_window = _qwen3_window(config) if arch == "qwen3" else 0
+    if arch == "smollm3" and spec.nope_layers != [i for i in range(spec.num_layers) if (i + 1) % 4 == 0]:
+        raise ModelFormatError("llama.cpp's smollm3 leaves out rope on every 4th layer and stores no layer list; "
+                               f"this model's NoPE layers are {spec.nope_layers}")
 
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name or hf_dir.name)
@@ -81,7 +94,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(spec.rotary_size)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(config["vocab_size"])
@@ -93,17 +106,22 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
         writer.add_sliding_window(int(config.get("sliding_window") or 0))
         if config.get("original_max_position_embeddings"):
             writer.add_rope_scaling_orig_ctx_len(int(config["original_max_position_embeddings"]))
-    _write_rope_scaling(writer, config, head_dim, theta)
+    if gemma:
+        _write_gemma(writer, arch, spec, config)
+    else:
+        _write_rope_scaling(writer, config, spec, theta)
     _write_tokenizer(writer, hf_dir, config, tokenizer_pre, add_bos_token)
 
-    permuted = arch == "llama"
+    permuted = arch in _PERMUTED_ARCHS
     for hf, tensor in weights.items():
         if hf == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         data = np.asarray(tensor, dtype=np.float32)
+        if gemma and is_gemma_norm(hf):
+            data = data + np.float32(NORM_OFFSET)  # llama.cpp's converter stores Gemma's 1 + w
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             data = permute_qk(data, heads if ".q_proj." in hf else kv_heads)
-        _add_tensor(writer, gguf_tensor_name(hf), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        _add_tensor(writer, gguf_tensor_name(hf, gemma), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -126,13 +144,52 @@ def _qwen3_window(config: dict[str, Any]) -> int:
     return windows.pop()
 
 
-def _write_rope_scaling(writer: Any, config: dict[str, Any], head_dim: int, theta: float) -> None:
-    """linear / yarn as metadata; llama3 as the rope_freqs.weight divisors tensor (llama.cpp's way)."""
+def _write_gemma(writer: Any, arch: str, spec: ModelSpec, config: dict[str, Any]) -> None:
+    """Gemma's keys as llama.cpp's converter writes them (octavo.export.gguf_gemma); what llama.cpp fixes
+    instead of storing (the attention scale) must match, the layer pattern and local base are written only
+    where they differ from llama.cpp's defaults (its sliding_window_pattern / rope.freq_base_swa keys)."""
     import gguf
 
+    windows = {w for w in spec.sliding_windows if w}
+    writer.add_sliding_window(windows.pop() if windows else 0)
+    want = query_pre_attn_scalar({}, arch, dict(config, head_dim=spec.head_dim))
+    if spec.query_scale is not None and abs(spec.query_scale - want ** -0.5) > 1e-12:
+        raise ModelFormatError(f"llama.cpp derives a {arch} model's query_pre_attn_scalar ({want:g} here) and stores "
+                               f"none; this model's is {spec.query_scale ** -2:g}")
+    if arch == "gemma2" and spec.attn_softcap:
+        writer.add_attn_logit_softcapping(spec.attn_softcap)
+    if spec.final_softcap:
+        writer.add_final_logit_softcapping(spec.final_softcap)
+    types = ["sliding_attention" if w else "full_attention" for w in spec.sliding_windows]
+    if types != layer_types({}, arch, spec.num_layers, "default"):
+        writer.add_array(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch),
+                         [t == "sliding_attention" for t in types])
+    if arch == "gemma3" and spec.local_rope_theta not in (None, LOCAL_ROPE_BASE):
+        writer.add_float32(gguf.Keys.Rope.FREQ_BASE_SWA.format(arch=arch), float(spec.local_rope_theta))
+    if spec.rope_scaling is not None:  # Gemma 3's global layers: linear only (llama.cpp's converter)
+        if spec.rope_scaling["rope_type"] != "linear" or spec.local_rope_scaling is not None:
+            raise ModelFormatError(f"{arch} rope scaling {spec.rope_scaling} cannot be written to GGUF")
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(spec.rope_scaling["factor"]))
+
+
+def _write_rope_scaling(writer: Any, config: dict[str, Any], spec: ModelSpec, theta: float) -> None:
+    """linear / yarn as metadata; llama3 as the rope_freqs.weight divisors tensor, longrope as the
+    rope_factors_long/short tensors with the attention factor (llama.cpp's way)."""
+    import gguf
+
+    head_dim = spec.rotary_size
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
+        return
+    if spec.rope_scaling is not None and spec.rope_scaling["rope_type"] == "longrope":
+        done = spec.rope_scaling
+        writer.add_rope_scaling_attn_factors(float(done["attention_factor"]))
+        if not config.get("original_max_position_embeddings"):  # the phi3 branch wrote a top-level one
+            writer.add_rope_scaling_orig_ctx_len(int(done["original_max_position_embeddings"]))
+        writer.add_tensor("rope_factors_long.weight", np.asarray(done["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(done["short_factor"], np.float32))
         return
     if kind == "llama3":
         divisors = llama3_divisors(head_dim, theta, scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],

@@ -20,6 +20,9 @@ outputs are normalized before their residual adds, the MLP input by pre_feedforw
 gelu_pytorch_tanh as plain ONNX ops, the attention scale query_pre_attn_scalar^-0.5, the op's softcap
 (Gemma 2) and a final logit softcap c*tanh(logits/c). Gemma 3's sliding layers rotate with a second
 table, `rope.inv_freq.local` (rope_local_base_freq); its global layers with `rope.inv_freq`.
+Partial rotary (Phi-4-mini: ModelSpec.rotary_dim) turns the first rotary_dim values of each head and passes the
+rest; a rope attention factor (longrope, yarn) then scales cos and sin instead of the op's scale, since it must
+not reach the passed values. SmolLM3's NoPE layers (ModelSpec.nope_layers) skip the rotary embedding.
 
 `build_model` calls one small builder per part: `_embed`, `_rotaries`, `_layer` (`_attention`, `_mlp`) per layer,
 `_head`. The families' differences are data, not branches of one function: ModelSpec's fields (norm_offset,
@@ -70,12 +73,18 @@ def _rms_norm(g: Graph, x: str, weight: str, eps: str) -> str:
     return g.op1("Mul", [g.op1("Div", [x, g.op1("Sqrt", [g.op1("Add", [mean, eps])])]), weight])
 
 
-def _rope(g: Graph, x: str, heads: int, head_dim: int, cos: str, sin: str) -> str:
-    """x * cos + rotate_half(x) * sin over [T, heads, head_dim]; rotate_half(x) = [-x2, x1]."""
+def _rope(g: Graph, x: str, heads: int, head_dim: int, cos: str, sin: str, rotary_dim: int = 0) -> str:
+    """x * cos + rotate_half(x) * sin over [T, heads, head_dim]; rotate_half(x) = [-x2, x1]. With ROTARY_DIM
+    (partial rotary, < head_dim) only each head's first rotary_dim values turn, the rest pass unchanged."""
     shaped = g.op1("Reshape", [x, f"const.heads_shape_{heads}"])
-    x1, x2 = g.op("Split", [shaped, "const.half_split"], num_outputs=2, axis=2)
+    turned, passed = shaped, None
+    if rotary_dim and rotary_dim < head_dim:
+        turned, passed = g.op("Split", [shaped, "const.rotary_split"], num_outputs=2, axis=2)
+    x1, x2 = g.op("Split", [turned, "const.half_split"], num_outputs=2, axis=2)
     rotated = g.op1("Concat", [g.op1("Neg", [x2]), x1], axis=2)
-    out = g.op1("Add", [g.op1("Mul", [shaped, cos]), g.op1("Mul", [rotated, sin])])
+    out = g.op1("Add", [g.op1("Mul", [turned, cos]), g.op1("Mul", [rotated, sin])])
+    if passed is not None:
+        out = g.op1("Concat", [out, passed], axis=2)
     return g.op1("Reshape", [out, f"const.flat_shape_{heads}"])
 
 
@@ -140,9 +149,10 @@ _SANDWICH_NORMS = _LayerNorms("input_layernorm", "post_attention_layernorm",  # 
 
 @dataclass(frozen=True, slots=True)
 class _Rotary:
-    """A rotary table of this step's positions, (cos, sin), and the attention scale that goes with it."""
+    """A rotary table of this step's positions, (cos, sin), and the attention scale that goes with it; tables
+    None: a layer without rotary embedding (SmolLM3's NoPE layers)."""
 
-    tables: tuple[str, str]
+    tables: tuple[str, str] | None
     scale: float
 
 
@@ -178,7 +188,10 @@ def _add_constants(d: _Decoder) -> None:
     for name, value in _ACTIVATION_CONSTANTS[spec.hidden_act].items():
         g.const(name, np.array(value, np.float32))
     g.const(d.eps, np.array(spec.rms_norm_eps, np.float32))
-    g.const("const.half_split", np.array([D // 2, D // 2], np.int64))
+    R = spec.rotary_size  # noqa: N806 - the rotated part of a head
+    g.const("const.half_split", np.array([R // 2, R // 2], np.int64))
+    if R < D:
+        g.const("const.rotary_split", np.array([R, D - R], np.int64))
     for heads in sorted({spec.num_heads, spec.num_kv_heads}):
         g.const(f"const.heads_shape_{heads}", np.array([-1, heads, D], np.int64))
         g.const(f"const.flat_shape_{heads}", np.array([-1, heads * D], np.int64))
@@ -195,20 +208,29 @@ def _embed(d: _Decoder) -> tuple[str, str]:
     return x, embed
 
 
+def _rotary(d: _Decoder, positions: str, name: str, theta: float, scaling: dict | None) -> _Rotary:
+    """The rotary table NAME and its attention scale. Rope's attention factor (yarn, longrope) goes into the scale
+    (squared: q and k both carry it), except with partial rotary, where it scales cos and sin, so that the values
+    that do not turn stay unscaled, as in transformers."""
+    g, spec = d.g, d.spec
+    cos, sin = _rope_tables(g, positions, name, theta, spec.rotary_size, scaling)
+    factor = attention_factor(scaling)
+    if spec.rotary_size == spec.head_dim or factor == 1.0:
+        return _Rotary((cos, sin), _attention_scale(spec, scaling))
+    f = g.const(name + ".attention_factor", np.array(factor, np.float32))
+    return _Rotary((g.op1("Mul", [cos, f]), g.op1("Mul", [sin, f])), _attention_scale(spec, None))
+
+
 def _rotaries(d: _Decoder) -> tuple[_Rotary, _Rotary]:
     """(the global rotary, the local one) of this step's positions: Gemma 3's sliding layers rotate with their
     own table, rope.inv_freq.local (rope_local_base_freq); any other model's local rotary is its global one."""
     g, spec = d.g, d.spec
     positions = g.op1("Unsqueeze", [g.op1("Cast", ["position_ids"], to=TensorProto.FLOAT),
                                     g.const("const.axis1", np.array([1], np.int64))])
-    rotary = _Rotary(_rope_tables(g, positions, "rope.inv_freq", spec.rope_theta, spec.head_dim, spec.rope_scaling),
-                     _attention_scale(spec, spec.rope_scaling))
+    rotary = _rotary(d, positions, "rope.inv_freq", spec.rope_theta, spec.rope_scaling)
     if spec.local_rope_theta is None or not spec.local_rope_layers:
         return rotary, rotary
-    local = _Rotary(_rope_tables(g, positions, "rope.inv_freq.local", spec.local_rope_theta, spec.head_dim,
-                                 spec.local_rope_scaling),
-                    _attention_scale(spec, spec.local_rope_scaling))
-    return rotary, local
+    return rotary, _rotary(d, positions, "rope.inv_freq.local", spec.local_rope_theta, spec.local_rope_scaling)
 
 
 def _stacked_bias(w: CheckpointTensors, name: str, parts: list[tuple[str, int]]) -> Bias | None:
@@ -261,8 +283,9 @@ def _attention(d: _Decoder, h: str, layer: int, rotary: _Rotary) -> str:
     if spec.qk_norm:  # over head_dim of every q and k head, before RoPE
         q = _head_rms_norm(g, q, nq, d.norm_weight(a + "q_norm.weight", D), d.eps)
         k = _head_rms_norm(g, k, nkv, d.norm_weight(a + "k_norm.weight", D), d.eps)
-    cos, sin = rotary.tables
-    q, k = _rope(g, q, nq, D, cos, sin), _rope(g, k, nkv, D, cos, sin)
+    if rotary.tables is not None:  # None: a NoPE layer (SmolLM3)
+        cos, sin = rotary.tables
+        q, k = _rope(g, q, nq, D, cos, sin, spec.rotary_dim), _rope(g, k, nkv, D, cos, sin, spec.rotary_dim)
     return _linear(d, _paged_attention(d, q, k, v, layer, rotary.scale), a + "o_proj", (spec.hidden_size, nq * D))
 
 
@@ -348,9 +371,11 @@ def build_model(
     _add_constants(d)
     x, embed = _embed(d)
     global_rotary, local_rotary = _rotaries(d)
+    no_rotary = _Rotary(None, _attention_scale(spec, None))  # rope's attention factor comes with cos and sin
     on_layer(-1)
     for layer in range(spec.num_layers):
-        x = _layer(d, x, layer, local_rotary if layer in spec.local_rope_layers else global_rotary)
+        rotary = local_rotary if layer in spec.local_rope_layers else global_rotary
+        x = _layer(d, x, layer, no_rotary if layer in spec.nope_layers else rotary)
         on_layer(layer)
     _head(d, x, embed)
     on_layer(spec.num_layers)

@@ -1,4 +1,5 @@
-"""Rotary embedding inverse frequencies, computed at export time (default, linear, llama3 and yarn scaling).
+"""Rotary embedding inverse frequencies, computed at export time (default, linear, llama3, yarn and longrope
+scaling).
 
 The graph multiplies these by the position ids and takes cos/sin (rotate_half layout, as HF does),
 so only `inv_freq` [head_dim / 2] float32 goes into the ONNX file.
@@ -7,6 +8,16 @@ YaRN (https://arxiv.org/abs/2309.00071, transformers' "yarn" rope type) also sca
 attention factor f. Since q and k are both rotated, that multiplies every q·k by f^2: the exporter folds
 it into the attention node's `scale` (`attention_scale`) and leaves the rope subgraph untouched, so the
 ONNX Runtime backend's rotary fusion still matches it.
+
+LongRoPE (Phi-3.5 / Phi-4-mini, transformers' "longrope") divides each frequency by a per-dimension factor:
+transformers picks `long_factor` when the sequence is longer than `original_max_position_embeddings`,
+`short_factor` otherwise, for every position of the batch. A paged KV cache keeps keys rotated once, so
+the set is fixed per engine, by vLLM's rule: long when the context exceeds the original one. The export
+writes the set of the model's full context (max_position_embeddings; `complete_longrope` records it as
+`factors`); an ONNX Runtime engine with a smaller max_model_len swaps the table
+(octavo.runtime.backends.longrope_table). Its attention factor multiplies cos and sin like YaRN's.
+Partial rotary (`rotary_dim` < head_dim: the first rotary_dim values of each head turn, the rest pass) takes
+tables of rotary_dim / 2 frequencies.
 """
 from __future__ import annotations
 
@@ -76,6 +87,42 @@ def complete_yarn(scaling: dict[str, Any], max_position_embeddings: int,
     return out
 
 
+def complete_longrope(scaling: dict[str, Any], max_position_embeddings: int,
+                      top_level_original: int | None = None) -> dict[str, Any]:
+    """SCALING (a "longrope" dict) with transformers' defaults written out and octavo's choice of factors:
+    original_max_position_embeddings (the top-level config entry wins, as in transformers), factor (missing:
+    max_position_embeddings / original), attention_factor (missing: sqrt(1 + ln factor / ln original), 1 when
+    factor <= 1) and factors = "long" when max_position_embeddings > original, else "short"."""
+    out = dict(scaling)
+    original = top_level_original or out.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("longrope scaling needs original_max_position_embeddings")
+    out["original_max_position_embeddings"] = int(original)
+    for key in ("short_factor", "long_factor"):
+        values = out.get(key)
+        if not isinstance(values, list) or not values or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+            raise ValueError(f"longrope {key} must be a list of positive numbers, got {values!r}")
+        out[key] = [float(v) for v in values]
+    if out.get("factor") is None:
+        out["factor"] = max_position_embeddings / int(original)
+    factor = float(out["factor"])
+    if out.get("attention_factor") is None:
+        out["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(int(original)))
+    out["factors"] = "long" if max_position_embeddings > int(original) else "short"
+    return out
+
+
+def _longrope(theta: float, dim: int, scaling: dict[str, Any]) -> np.ndarray:
+    """1 / (factor_i * theta^(2i/d)) with the chosen factor set, float32 in transformers' order."""
+    factors = np.asarray(scaling["long_factor" if scaling.get("factors") == "long" else "short_factor"], np.float32)
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"longrope factors have {factors.size} values, the rotary dimension {dim} needs {dim // 2}")
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    pos_freqs = (theta ** exponents.astype(np.float64)).astype(np.float32)
+    return (np.float32(1.0) / (factors * pos_freqs)).astype(np.float32)
+
+
 def _completed(scaling: dict[str, Any]) -> dict[str, Any]:
     """A yarn dict with its defaults filled in; factor and original context must be there already
     (spec_from_config completes the config's dict with complete_yarn, which knows the model's context)."""
@@ -114,7 +161,8 @@ def _yarn(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
 
 
 def inv_freq(theta: float, head_dim: int, scaling: dict[str, Any] | None) -> np.ndarray:
-    """Inverse frequencies [head_dim / 2] float32 for the given rope scaling (None = default)."""
+    """Inverse frequencies [head_dim / 2] float32 for the given rope scaling (None = default); HEAD_DIM is the
+    rotary dimension (partial rotary: the rotated part of a head)."""
     if scaling is None:
         return default_inv_freq(theta, head_dim)
     rope_type = scaling["rope_type"]
@@ -124,13 +172,17 @@ def inv_freq(theta: float, head_dim: int, scaling: dict[str, Any] | None) -> np.
         return _llama3(default_inv_freq(theta, head_dim), scaling)
     if rope_type == "yarn":
         return _yarn(theta, head_dim, scaling)
+    if rope_type == "longrope":
+        return _longrope(theta, head_dim, scaling)
     raise ValueError(f"unsupported rope type {rope_type!r}")  # spec_from_config refuses these first
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor transformers multiplies cos and sin by (1 except for yarn)."""
-    if scaling is None or scaling["rope_type"] != "yarn":
+    """The factor transformers multiplies cos and sin by (1 except for yarn and longrope)."""
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
+    if scaling["rope_type"] == "longrope":
+        return float(scaling["attention_factor"])  # complete_longrope wrote it
     return float(_completed(scaling)["attention_factor"])
 
 

@@ -13,6 +13,7 @@ from octavo.errors import InvalidRequestError
 from octavo.export.manifest import MANIFEST_NAME, Manifest
 from octavo.export.quant_options import methods_of, not_on_tensorrt
 from octavo.runtime.backends.base import Backend
+from octavo.runtime.backends.longrope_table import wanted_factors
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 from octavo.runtime.tokenizer import Tokenizer
@@ -138,6 +139,11 @@ def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_mode
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len)
         explicit = args.num_blocks is not None or args.kv_cache_memory is not None
         num_blocks = default_num_blocks(args, manifest, max_model_len, pool_dtype) if explicit else None
+        want = wanted_factors(manifest.rope_scaling, max_model_len)
+        if want is not None and want != manifest.rope_scaling.get("factors"):  # type: ignore[union-attr]
+            logger.warning("this TensorRT engine rotates with the export's %s longrope factors; max_model_len %d "
+                        "calls for the %s ones (the ONNX Runtime backend switches them)",
+                        manifest.rope_scaling.get("factors"), max_model_len, want)  # type: ignore[union-attr]
         return TensorRTBackend(model_dir, manifest, num_blocks, args.block_size)
     from octavo.runtime.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -146,4 +152,4 @@ def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_mode
     return OnnxRuntimeBackend(model_dir, manifest, default_num_blocks(args, manifest, max_model_len, kv_dtype),
                               args.block_size, num_threads=args.num_threads, kv_cache_dtype=kv_dtype,
                               ort_fusions=bool(args.ort_fusions), ort_spinning=str(args.ort_spinning),
-                              amx=bool(args.amx))
+                              amx=bool(args.amx), max_model_len=max_model_len)

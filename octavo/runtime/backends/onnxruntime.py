@@ -36,6 +36,7 @@ from octavo.errors import InvalidRequestError, ModelFormatError, OpLibraryError
 from octavo.export.graph import STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
+from octavo.runtime.backends.longrope_table import select_longrope_factors
 from octavo.runtime.backends.oplib import library_path
 from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention
 from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, set_cache_dtype
@@ -66,11 +67,13 @@ class OnnxRuntimeBackend:
         ort_fusions: bool = True,
         ort_spinning: str = "run",
         amx: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
         kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32" or "float16" pools.
         ort_fusions, ort_spinning, amx: EngineArgs' fields of those names (the graph rewrites at load, how the
-        threads wait: module docstring, the op library's AMX switch for the process: oplib.set_amx)."""
+        threads wait: module docstring, the op library's AMX switch for the process: oplib.set_amx).
+        max_model_len: the engine's context; a longrope model gets the factor set it calls for (longrope_table)."""
         from octavo.runtime.backends.oplib import set_amx
         from octavo.runtime.engine_args import ORT_SPINNING_MODES
 
@@ -83,6 +86,7 @@ class OnnxRuntimeBackend:
         self.vocab_size = manifest.vocab_size
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, manifest)
         self.ort_fusions = ort_fusions
+        self.max_model_len = max_model_len or manifest.max_context
         pool_type = pool_dtype(self.kv_cache_dtype)  # fails early for a dtype these pools cannot hold
 
         options = ort.SessionOptions()
@@ -152,6 +156,7 @@ class OnnxRuntimeBackend:
             model = onnx.load(str(onnx_path), load_external_data=False)
         except Exception as exc:  # protobuf / onnx raise assorted types
             raise ModelFormatError(f"cannot read {onnx_path}: {exc}; re-export the model") from exc
+        select_longrope_factors(model, self.manifest.rope_scaling, self.manifest.rope_theta, self.max_model_len)
         if self.kv_cache_dtype != self.manifest.dtype:
             if set_cache_dtype(model, self.kv_cache_dtype) == 0 and self.manifest.num_layers > 0:
                 raise ModelFormatError(f"{onnx_path} declares no octavo.PagedAttention pools to switch to "
