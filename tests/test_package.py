@@ -249,7 +249,8 @@ def test_missing_extra_names_the_pip_command_in_one_line(install: Install, hf_mo
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [
             f"octavo {command}: error: this needs the optional dependency 'aiohttp': pip install 'octavo[serve]'"]
-    assert "not installed" in install.octavo("--help").stdout  # every other command still runs
+    listing = install.octavo("--help").stdout  # every command is listed; the others still run
+    assert "serve" in listing and "triton" in listing
 
 
 def test_triton_from_the_installed_package(install: Install, hf_model_dir) -> None:  # noqa: ANN001
