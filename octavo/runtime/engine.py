@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from octavo.errors import InvalidRequestError, StepFailedError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
 from octavo.runtime.beam_search import BeamSearchManager
@@ -21,6 +23,9 @@ from octavo.runtime.input_processor import InputProcessor, Prompt
 from octavo.runtime.model_setup import load_model
 from octavo.runtime.output_processor import OutputProcessor, RequestGroup
 from octavo.runtime.outputs import RequestOutput
+from octavo.export.pooling_config import PoolingConfig
+from octavo.runtime.pooling import EmbeddingModel, accept_rows, finished_embeddings, pooling_rows, run_step
+from octavo.runtime.request import Request
 from octavo.runtime.prompt_logprobs import max_prompt_logprob_rows, prompt_rows
 from octavo.runtime.runner import ModelRunner
 from octavo.runtime.sampler import Sampler
@@ -57,7 +62,10 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks,
                                      self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal,
                                      prompt_logprob_rows=prompt_logprob_rows,
-                                     max_prompt_logprob_entries=args.max_prompt_logprob_entries)
+                                     max_prompt_logprob_entries=args.max_prompt_logprob_entries,
+                                     embedding_model=EmbeddingModel(
+                                         PoolingConfig.from_json(self.manifest.pooling) if self.manifest.pooling else None,
+                                         self.manifest.hidden_size, hasattr(self.backend, "run_with_hidden")))
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []
@@ -119,12 +127,13 @@ class LLMEngine:
         self.step_count += 1
         rec.lap("schedule")
         scored = prompt_rows(sched.scheduled)  # prompt-logprob rows, returned after the rows to sample
-        inputs, to_sample = self.runner.prepare(sched.scheduled, scored)
+        pooled = pooling_rows(sched.scheduled)  # embedding requests' hidden-state rows
+        inputs, to_sample = self.runner.prepare(sched.scheduled, scored, pooled)
         rec.capture(sched.scheduled)
         rec.lap("pack")
         try:  # the masks depend on committed tokens only: computed while the backend runs (if any row has a grammar)
             self.structured.start_bitmask(to_sample)
-            logits = self.backend.run(inputs)
+            logits, hidden = run_step(self.backend, inputs)
             if logits.shape[0] != len(inputs.logits_indices):
                 raise StepFailedError(f"backend returned {logits.shape[0]} logits rows, expected "
                                       f"{len(inputs.logits_indices)}")
@@ -145,6 +154,7 @@ class LLMEngine:
             to_sample, token_ids, logprobs, beam_rows = self.beams.split(to_sample, sampled.token_ids,
                                                                          sampled.logprobs)
             self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
+            embedded = self._embed(sched.scheduled, pooled, hidden)
             outputs += self.beams.advance(beam_rows)
             rec.lap("commit")
             failed = self.outputs.score_prompts(scored, logits[len(sampled.token_ids):])
@@ -153,13 +163,33 @@ class LLMEngine:
                 self.scheduler.finish(req, "stop", stop_reason=stop)
             for req, error in failed + failed_text:  # only these requests end: a prompt not scored, a token not decoded
                 self.scheduler.finish(req, "error", error=error)
-            touched = to_sample
+            touched = to_sample + embedded
         outputs += self.outputs.make_outputs(touched)
         rec.lap("detokenize")
         rec.end(sched, self._arrived, self.scheduler.take_finished(), len(self.scheduler.waiting), self.block_manager)
         self._arrived = []
         notify(self._listeners, rec)
         return outputs
+
+    def _embed(self, scheduled: dict[Request, int], pooled: dict[Request, tuple[int, int]],
+               hidden: np.ndarray | None) -> list[Request]:
+        """Pool this step's hidden-state rows; finish the embedding requests whose prompt is complete (their
+        vector goes on their final output). Returns the requests it finished."""
+        if not pooled and not any(req.pool is not None for req in scheduled):
+            return []
+        try:
+            accept_rows(pooled, hidden)
+            done = finished_embeddings(scheduled)
+        except Exception as exc:  # noqa: BLE001 - end this step's embedding requests only
+            logger.exception("pooling failed in step %d", self.step_count)
+            ended = [req for req in scheduled if req.pool is not None and not req.finished]
+            for req in ended:
+                self.scheduler.finish(req, "error", error=f"{type(exc).__name__}: {exc}")
+            return ended
+        for req, vector in done:
+            self.outputs.set_embedding(req, vector)
+            self.scheduler.finish(req, "stop")
+        return [req for req, _ in done]
 
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.block_manager, self.step_count)

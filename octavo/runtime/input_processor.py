@@ -19,6 +19,7 @@ from octavo.errors import InvalidRequestError, PromptTooLongError
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.output_processor import RequestGroup
 from octavo.runtime.outputs import RequestMetrics
+from octavo.runtime.pooling import EmbeddingModel, pool_state
 from octavo.runtime.request import Request
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.tokenizer import Tokenizer
@@ -42,9 +43,11 @@ class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int,
                  block_size: int, seed: int, structured: StructuredOutputManager | None = None,
                  beam_search_refusal: str | None = None, prompt_logprob_rows: int = 1,
-                 max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES) -> None:
+                 max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
+                 embedding_model: EmbeddingModel | None = None) -> None:
         """beam_search_refusal: why this engine cannot run beam search (None: it can). prompt_logprob_rows:
-        the logits rows a step can return beyond one per sequence (0: prompt_logprobs is refused)."""
+        the logits rows a step can return beyond one per sequence (0: prompt_logprobs is refused).
+        embedding_model: what embedding requests (SamplingParams.pooling) can have (None: they are refused)."""
         self.tokenizer = tokenizer
         self.structured = structured  # compiles output constraints (None: a request with one is refused)
         self.beam_search_refusal = beam_search_refusal
@@ -55,6 +58,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.seed = seed
+        self.embedding_model = embedding_model or EmbeddingModel(None, 0)
         self._arrival_counter = itertools.count(1)
 
     def make_group(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -66,6 +70,10 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a private, normalised and validated copy
         text, ids = self._prompt_ids(prompt)
+        pool = None
+        if params.pooling is not None:  # computes the prompt only: fits as a one-token request
+            pool = pool_state(self.embedding_model, params.pooling, params.max_tokens, params.n)
+            params.max_tokens, params.min_tokens = 1, 0
         max_tokens = self._check_fits(len(ids), params)
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size})")
@@ -93,7 +101,7 @@ class InputProcessor:
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids=ids,
                 params=params, generator=self._generator(params, i, order), max_tokens=max_tokens,
                 arrival_order=order, priority=priority, parent_id=request_id, index=i,
-                metrics=RequestMetrics(arrival_time=now)))
+                metrics=RequestMetrics(arrival_time=now), pool=pool))
         if params.structured_outputs is not None:  # compiled here, off the engine loop; each child its own matcher
             if self.structured is None:
                 raise InvalidRequestError("structured outputs need an engine with a grammar compiler")

@@ -16,6 +16,7 @@ from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from octavo.runtime.pooling import PoolState
     from octavo.structured.matcher import GrammarMatcher
 
 
@@ -53,6 +54,7 @@ class Request:
     # children of an n > 1 request, which then find the prompt's full blocks in the prefix cache
     followers: list[Request] = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
+    pool: PoolState | None = None  # an embedding request (SamplingParams.pooling): what it pooled so far
 
     @property
     def num_prompt_tokens(self) -> int:

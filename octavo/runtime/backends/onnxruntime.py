@@ -33,7 +33,7 @@ import numpy as np
 import onnxruntime as ort
 
 from octavo.errors import InvalidRequestError, ModelFormatError, OpLibraryError
-from octavo.export.graph import STEP_INPUTS, cache_input_names
+from octavo.export.graph import HIDDEN_INPUT, HIDDEN_OUTPUT, STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.oplib import library_path
@@ -105,6 +105,7 @@ class OnnxRuntimeBackend:
         if not onnx_path.is_file():
             raise ModelFormatError(f"{onnx_path} is missing; re-export the model with `octavo export`")
         self._pool_output_aliases: dict[str, str] = {}  # float16 pools: pool output -> its pool input
+        self._pooled = manifest.pooling is not None  # an embedding export: hidden_indices in, hidden_states out
         try:
             self.session = ort.InferenceSession(self._model_source(onnx_path, options), options,
                                                 providers=["CPUExecutionProvider"])
@@ -169,6 +170,7 @@ class OnnxRuntimeBackend:
         m = self.manifest
         inputs = {i.name: i for i in self.session.get_inputs()}
         expected = [name for name, _, _ in STEP_INPUTS] + cache_input_names(m.num_layers)
+        expected += [HIDDEN_INPUT[0]] if self._pooled else []
         names = [i.name for i in self.session.get_inputs()]
         if names != expected:
             raise ModelFormatError(
@@ -188,20 +190,40 @@ class OnnxRuntimeBackend:
                     f"octavo.json says dtype {m.dtype}; re-export the model"
                 )
         outputs = self.session.get_outputs()
-        if [o.name for o in outputs] != ["logits", *self._pool_output_aliases] or outputs[0].shape[-1] != m.vocab_size:
+        hidden = [HIDDEN_OUTPUT] if self._pooled else []
+        if [o.name for o in outputs] != ["logits", *hidden, *self._pool_output_aliases] \
+                or outputs[0].shape[-1] != m.vocab_size:
             raise ModelFormatError(
-                f"{self.model_dir}: model.onnx must have one output logits [N, {m.vocab_size}], "
+                f"{self.model_dir}: model.onnx must have the output logits [N, {m.vocab_size}]"
+                f"{' and hidden_states (octavo.json has pooling)' if hidden else ''}, "
                 f"found {[(o.name, o.shape) for o in outputs]}; re-export the model"
             )
         return {name: _NUMPY_DTYPE[inputs[name].type] for name, _, _ in STEP_INPUTS}
 
-    def run(self, inputs: StepInputs) -> np.ndarray:
-        """One step: writes the new tokens' K/V into the pools, returns float32 logits [N, vocab]."""
+    def run_with_hidden(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+        """An embedding export's step: (logits [N, vocab], hidden states [H, hidden_size] of inputs.hidden_indices)."""
+        if not self._pooled:
+            raise ModelFormatError(f"{self.model_dir} has no hidden_states output (octavo.json has no pooling): "
+                                   "export it with `octavo export --pooling last` (or mean, cls)")
+        rows = 0 if inputs.hidden_indices is None else len(inputs.hidden_indices)
+        hidden = np.empty((rows, self.manifest.hidden_size), np.float32)
+        return self.run(inputs, hidden), hidden
+
+    def run(self, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
+        """One step: writes the new tokens' K/V into the pools, returns float32 logits [N, vocab]. An embedding
+        export also writes the hidden states of inputs.hidden_indices into HIDDEN (none asked: an empty array)."""
         keep = []  # the bound arrays must outlive run_with_iobinding
         for name, dtype in self._input_dtypes.items():
             array = np.ascontiguousarray(getattr(inputs, name), dtype=dtype)
             keep.append(array)
             self._binding.bind_cpu_input(name, array)
+        if self._pooled:
+            indices = inputs.hidden_indices if inputs.hidden_indices is not None else np.zeros(0, np.int64)
+            keep.append(indices := np.ascontiguousarray(indices, dtype=np.int64))
+            self._binding.bind_cpu_input(HIDDEN_INPUT[0], indices)
+            out = hidden if hidden is not None else np.empty((0, self.manifest.hidden_size), np.float32)
+            keep.append(out)
+            self._binding.bind_ortvalue_output(HIDDEN_OUTPUT, ort.OrtValue.ortvalue_from_numpy(out))
         rows = len(inputs.logits_indices)
         if rows <= _LOGITS_BUFFER_ROWS:  # into our own buffer: get_outputs() wraps every output (61 with float16 pools)
             view = self._logits_buffer[:rows]

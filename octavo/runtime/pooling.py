@@ -1,0 +1,170 @@
+"""Embeddings in the engine: a request with SamplingParams.pooling computes its prompt, pools the final-normed hidden
+states of its rows and finishes with the vector (RequestOutput.embedding) instead of sampling.
+
+An embedding export's graph (export.pooling_config) has an input `hidden_indices` and an output `hidden_states`
+[rows, hidden_size]: the rows the step asks for, after the final norm, beside the logits of the rows that sample.
+So embedding requests share steps with generation, chunked prefill and the token budget like any prompt:
+
+- `pooling_rows(scheduled)` picks, per scheduled chunk, the positions whose hidden states a request still needs:
+  "last" the prompt's last position, "cls" position 0, "mean" every position of the chunk not pooled yet;
+  ModelRunner.prepare puts them into hidden_indices.
+- `accept_rows` folds them into the request's PoolState right after the step (a running sum for "mean", so
+  what a request holds is one hidden-size vector whatever its length), and `finished_embeddings` gives the
+  vectors of the requests whose prompt is complete: truncated to `dimensions` (Matryoshka), then L2-normalized
+  when asked. The engine then finishes them ("stop"); their blocks are freed at once.
+- `usable_pooled_blocks` keeps the prefix cache from skipping positions a "mean" / "cls" request still needs
+  (their blocks still go into the cache for others); "last" takes every cached block, as its last position
+  is always computed. PoolState.next makes a preempted and recomputed request pool each position once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from octavo.errors import InvalidRequestError
+from octavo.export.pooling_config import POOLING_TYPES, PoolingConfig
+
+if TYPE_CHECKING:
+    from octavo.runtime.backends.base import StepInputs
+    from octavo.runtime.request import Request
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """What an embedding request asks (vLLM's PoolingParams): None fields take the model's pooling config."""
+
+    pooling_type: str | None = None  # "last" | "mean" | "cls"
+    normalize: bool | None = None  # L2-normalize the vector
+    dimensions: int | None = None  # keep the first DIMENSIONS values (Matryoshka), before normalizing
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise InvalidRequestError(f"normalize must be a boolean, got {self.normalize!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise InvalidRequestError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+
+@dataclass(slots=True)
+class EmbeddingModel:
+    """What the engine's model offers embedding requests: its pooling config (None: a generative export, which
+    has no hidden states) and its hidden size."""
+
+    config: PoolingConfig | None
+    hidden_size: int
+    backend_can_pool: bool = True
+
+
+@dataclass(slots=True)
+class PoolState:
+    """One embedding request's pooling: what it asked, resolved, and what it has pooled so far."""
+
+    type: str
+    normalize: bool
+    dimensions: int | None
+    next: int = 0  # first prompt position not pooled yet
+    total: np.ndarray | None = None  # "mean": the sum of the pooled rows (float64); "last"/"cls": the row
+
+    def rows(self, start: int, n: int, prompt_len: int) -> tuple[int, int] | None:
+        """(first position, count) of the rows a chunk [START, START + N) must return, or None."""
+        end = min(start + n, prompt_len)
+        if self.type == "last":
+            return (prompt_len - 1, 1) if end == prompt_len and self.next < prompt_len else None
+        if self.type == "cls":
+            return (0, 1) if start == 0 and self.next == 0 else None
+        first = max(start, self.next)
+        return (first, end - first) if end > first else None
+
+
+def pool_state(model: EmbeddingModel, params: PoolingParams, max_tokens: int | None, n: int) -> PoolState:
+    """The PoolState of a request asking PARAMS on MODEL, or InvalidRequestError saying why it cannot embed."""
+    if model.config is None:
+        raise InvalidRequestError("this model was exported without hidden states, so it cannot make embeddings: "
+                                  "export it with `octavo export --pooling last` (or mean, cls), or export a "
+                                  "sentence-transformers folder")
+    if not model.backend_can_pool:
+        raise InvalidRequestError("this backend does not return hidden states (embeddings run on onnxruntime)")
+    if n != 1:
+        raise InvalidRequestError(f"an embedding request makes one vector: n must be 1, got {n}")
+    if params.dimensions is not None and params.dimensions > model.hidden_size:
+        raise InvalidRequestError(f"dimensions ({params.dimensions}) must be at most the model's hidden size "
+                                  f"({model.hidden_size})", param="dimensions")
+    return PoolState(params.pooling_type or model.config.type,
+                     model.config.normalize if params.normalize is None else params.normalize, params.dimensions)
+
+
+def pooling_rows(scheduled: dict[Request, int]) -> dict[Request, tuple[int, int]]:
+    """Per scheduled embedding request whose chunk has positions it needs: (first position, count)."""
+    rows: dict[Request, tuple[int, int]] = {}
+    for req, n in scheduled.items():
+        if req.pool is not None:
+            found = req.pool.rows(req.num_computed_tokens, n, req.num_prompt_tokens)
+            if found is not None:
+                rows[req] = found
+    return rows
+
+
+def usable_pooled_blocks(req: Request, cached: list[int], block_size: int) -> list[int]:
+    """The leading CACHED blocks REQ may take: none that skip a position it still pools."""
+    if req.pool is None or req.pool.type == "last":
+        return cached
+    return cached[: req.pool.next // block_size]
+
+
+def run_step(backend: Any, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray | None]:
+    """(logits, hidden states of inputs.hidden_indices or None when the step asks for none)."""
+    if inputs.hidden_indices is None or len(inputs.hidden_indices) == 0:
+        return backend.run(inputs), None
+    logits, hidden = backend.run_with_hidden(inputs)
+    if hidden.shape[0] != len(inputs.hidden_indices):
+        raise RuntimeError(f"backend returned {hidden.shape[0]} hidden-state rows, expected {len(inputs.hidden_indices)}")
+    return logits, hidden
+
+
+def accept_rows(rows: dict[Request, tuple[int, int]], hidden: np.ndarray | None) -> None:
+    """Fold this step's HIDDEN rows (in the order of ROWS) into the requests' PoolStates."""
+    at = 0
+    for req, (first, count) in rows.items():
+        chunk, at = hidden[at:at + count], at + count  # type: ignore[index]
+        state = req.pool
+        if state is None or first != max(state.next, first) or req.finished:
+            continue
+        if state.type == "mean":
+            part = chunk.sum(axis=0, dtype=np.float64)
+            state.total = part if state.total is None else state.total + part
+            state.next = first + count
+        else:
+            state.total = chunk[0].astype(np.float64)
+            state.next = req.num_prompt_tokens if state.type == "cls" else first + 1
+
+
+def finished_embeddings(scheduled: dict[Request, int]) -> list[tuple[Request, np.ndarray]]:
+    """The embedding requests of this step whose prompt is complete (after the commit), with their vectors."""
+    done = []
+    for req in scheduled:
+        state = req.pool
+        if state is None or req.finished or req.num_computed_tokens < req.num_prompt_tokens:
+            continue
+        if state.total is None:
+            raise RuntimeError(f"embedding request {req.request_id} has no pooled hidden states")
+        done.append((req, embedding(state, req.num_prompt_tokens)))
+    return done
+
+
+def embedding(state: PoolState, num_tokens: int) -> np.ndarray:
+    """The request's vector: the pooled rows (a mean over NUM_TOKENS), truncated, normalized; float32."""
+    assert state.total is not None
+    vec = state.total / num_tokens if state.type == "mean" else state.total
+    if state.dimensions is not None:
+        vec = vec[: state.dimensions]
+    if state.normalize:
+        vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+    return vec.astype(np.float32)
+
+
+__all__ = ["EmbeddingModel", "PoolState", "PoolingParams", "accept_rows", "embedding", "finished_embeddings",
+           "pool_state", "pooling_rows", "run_step", "usable_pooled_blocks"]
