@@ -36,6 +36,7 @@ from octavo.runtime.input_processor import Prompt
 from octavo.runtime.output_mailbox import DEFAULT_MAX_ENTRIES, OutputMailbox
 from octavo.runtime.output_processor import RequestGroup
 from octavo.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.runtime.pooling import EmbeddingModel
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
 from octavo.runtime.step_record import StepListener
@@ -71,6 +72,11 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    @property
+    def embedding_model(self) -> EmbeddingModel:
+        """What embedding requests get on this model: its pooling config (None: none) and hidden size."""
+        return self.engine.inputs.embedding_model
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start_thread(self) -> None:

@@ -91,8 +91,10 @@ def pool_state(model: EmbeddingModel, params: PoolingParams, max_tokens: int | N
     if n != 1:
         raise InvalidRequestError(f"an embedding request makes one vector: n must be 1, got {n}")
     if params.dimensions is not None and params.dimensions > model.hidden_size:
-        raise InvalidRequestError(f"dimensions ({params.dimensions}) must be at most the model's hidden size "
-                                  f"({model.hidden_size})", param="dimensions")
+        exc = InvalidRequestError(f"dimensions ({params.dimensions}) must be at most the model's hidden size "
+                                  f"({model.hidden_size})")
+        exc.param = "dimensions"  # type: ignore[attr-defined] - the server's error body names the field
+        raise exc
     return PoolState(params.pooling_type or model.config.type,
                      model.config.normalize if params.normalize is None else params.normalize, params.dimensions)
 

@@ -232,4 +232,8 @@ async def _stream(request: web.Request, shape: Shape, first: list[ChoiceUpdate] 
     return resp
 
 
-__all__ = ["chat_completions", "completions", "invocations"]
+# for the other API modules (embeddings, responses, messages): a body read and an engine error mapped the same way
+read_request = _generation_body
+engine_error = _engine_error
+
+__all__ = ["chat_completions", "completions", "engine_error", "invocations", "read_request"]
