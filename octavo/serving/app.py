@@ -22,6 +22,7 @@ from octavo.serving.api_error import ApiError
 from octavo.serving.metrics import CONTENT_TYPE
 from octavo.serving.openapi import add_openapi_route, server_schema
 from octavo.serving.embeddings import embeddings
+from octavo.serving.openai_responses import create_response
 from octavo.serving.routes import chat_completions, completions, invocations
 from octavo.serving.state import CLOSE_AFTER, STATE, ServerState
 from octavo.serving.tokenize_routes import add_tokenize_routes
@@ -40,6 +41,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/invocations", invocations)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", create_response)
     add_tokenize_routes(app, STATE)  # /tokenize, /detokenize, /tokenizer_info (vLLM's)
     add_openapi_route(app, lambda: server_schema(state))
     return app
