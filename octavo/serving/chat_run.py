@@ -42,6 +42,7 @@ class ChatRun:
         self.st, self.engine, self.req, self.rid = st, engine, req, rid
         self.gen: Generation | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop string or token id that ended it, if one did
         self._tools = ToolStream(req.tool_choice, st.config.tool_call_parser, req.parallel_tool_calls) \
             if req.tools is not None and req.tool_choice.mode != "none" else None
         self._updates: AsyncIterator[list[ChoiceUpdate]] | Any = None
@@ -97,6 +98,8 @@ class ChatRun:
         await self.close()
 
     def _feed(self, u: ChoiceUpdate) -> list[Piece]:
+        if u.finish_reason is not None:
+            self.stop_reason = u.stop_reason
         if self._tools is None or not self._tools.active:
             if u.finish_reason is not None:
                 self.finish_reason = u.finish_reason

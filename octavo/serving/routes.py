@@ -234,9 +234,10 @@ async def _stream(request: web.Request, shape: Shape, first: list[ChoiceUpdate] 
 
 # for the other API modules (embeddings, responses, messages): a body read and an engine error mapped the same way
 read_request = _generation_body
+read_json = _read_json
 engine_error = _engine_error
 prepare_constraint = _prepare_constraint
 step_failed = _step_failed
 
-__all__ = ["chat_completions", "completions", "engine_error", "invocations", "prepare_constraint", "read_request",
+__all__ = ["chat_completions", "completions", "engine_error", "invocations", "prepare_constraint", "read_json", "read_request",
            "step_failed"]
