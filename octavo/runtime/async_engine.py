@@ -36,7 +36,7 @@ from octavo.runtime.input_processor import Prompt
 from octavo.runtime.output_mailbox import DEFAULT_MAX_ENTRIES, OutputMailbox
 from octavo.runtime.output_processor import RequestGroup
 from octavo.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from octavo.runtime.pooling import EmbeddingModel
+from octavo.runtime.pooling_params import EmbeddingModel
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
 from octavo.runtime.step_record import StepListener

@@ -24,7 +24,8 @@ from octavo.runtime.model_setup import load_model
 from octavo.runtime.output_processor import OutputProcessor, RequestGroup
 from octavo.runtime.outputs import RequestOutput
 from octavo.export.pooling_config import PoolingConfig
-from octavo.runtime.pooling import EmbeddingModel, accept_rows, finished_embeddings, pooling_rows, run_step
+from octavo.runtime.pooling import accept_rows, finished_embeddings, pooling_rows, run_step
+from octavo.runtime.pooling_params import EmbeddingModel
 from octavo.runtime.request import Request
 from octavo.runtime.prompt_logprobs import max_prompt_logprob_rows, prompt_rows
 from octavo.runtime.runner import ModelRunner

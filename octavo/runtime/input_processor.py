@@ -19,7 +19,7 @@ from octavo.errors import InvalidRequestError, PromptTooLongError
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.output_processor import RequestGroup
 from octavo.runtime.outputs import RequestMetrics
-from octavo.runtime.pooling import EmbeddingModel, pool_state
+from octavo.runtime.pooling_params import EmbeddingModel, pool_state
 from octavo.runtime.request import Request
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.tokenizer import Tokenizer

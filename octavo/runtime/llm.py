@@ -15,7 +15,7 @@ from octavo.runtime.engine import LLMEngine
 from octavo.runtime.input_processor import Prompt
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import RequestOutput
-from octavo.runtime.pooling import PoolingParams
+from octavo.runtime.pooling_params import PoolingParams
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from octavo.runtime.pooling import PoolState
+    from octavo.runtime.pooling_params import PoolState
     from octavo.structured.matcher import GrammarMatcher
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from octavo.errors import InvalidRequestError
-from octavo.runtime.pooling import PoolingParams
+from octavo.runtime.pooling_params import PoolingParams
 from octavo.structured.params import StructuredOutputsParams
 
 

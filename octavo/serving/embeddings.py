@@ -22,7 +22,7 @@ import numpy as np
 from aiohttp import web
 
 from octavo.runtime.async_engine import AsyncEngine
-from octavo.runtime.pooling import PoolingParams
+from octavo.runtime.pooling_params import PoolingParams
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serving import responses as R
 from octavo.serving.api_error import ApiError, bad_request
