@@ -199,3 +199,33 @@ def test_generative_model_answers_400(hf_model_dir) -> None:  # noqa: ANN001
     with serve_in_thread(args, served_model_names=("gen",)) as s:
         r = httpx.post(s.base_url + "/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_embedding"
+
+
+def test_preempted_embedding_requests_pool_each_position_once(emb_export, st_dirs) -> None:  # noqa: ANN001
+    """A pool too small for everything at once: embedding requests are preempted mid-prompt and recomputed
+    (with the prefix cache offering their earlier blocks); mean and last pooling still equal the reference."""
+    llm = LLM(str(emb_export), num_blocks=7, block_size=16, max_num_batched_tokens=48, num_threads=1)
+    try:
+        engine = llm.engine
+        engine.add_request("gen", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True,
+                                                                     output_kind="final_only"))
+        sentences = ["Paris is the capital. ", "Solve: if x + 3 = 7 then x = 4. ", "Héllo wörld, naïve café. ",
+                     "Write an essay about memory and paging. "]
+        long = [" ".join(sentences[(i + j) % 4] for j in range(6)) for i in range(4)]  # ~75 tokens, distinct
+        for i, text in enumerate(long):
+            pooling = "last" if i == 3 else "mean"
+            engine.add_request(f"{pooling}{i}", text, SamplingParams(
+                max_tokens=1, pooling=PoolingParams(pooling_type=pooling), output_kind="final_only"))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert engine.stats().num_preemptions > 0  # the case this test is about
+        for i, text in enumerate(long):
+            pooling = "last" if i == 3 else "mean"
+            ref = st_embeddings(st_dirs[pooling], [text])[0]
+            assert cosine(done[f"{pooling}{i}"].embedding, ref) >= 0.99999, (pooling, i)
+        assert engine.stats().num_free_blocks == engine.num_blocks
+    finally:
+        llm.close()

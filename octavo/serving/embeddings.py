@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from octavo.errors import EngineDeadError, InvalidRequestError, OverloadedError
 from octavo.runtime.async_engine import AsyncEngine
 from octavo.runtime.pooling_params import PoolingParams
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.serving import responses as R
 from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.body import Body
+from octavo.serving.metrics import RequestTimer, ServerMetrics
 from octavo.serving.protocol import check_model
 from octavo.serving.routes import engine_error, read_request
 from octavo.serving.state import ServerState
@@ -60,7 +62,7 @@ async def embeddings(request: web.Request) -> web.Response:
     b.string("user", None)
     priority = b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1) or 0
     inputs = await _token_ids(b, st)
-    vectors = await _run(engine, inputs, params, priority)
+    vectors = await _run(engine, st.metrics, inputs, params, priority)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
     used = sum(len(ids) for ids in inputs)
     return web.json_response({
@@ -99,20 +101,33 @@ async def _token_ids(b: Body, st: ServerState) -> list[list[int]]:
     return items
 
 
-async def _run(engine: AsyncEngine, inputs: list[list[int]], pooling: PoolingParams, priority: int) -> list[np.ndarray]:
+async def _run(engine: AsyncEngine, metrics: ServerMetrics, inputs: list[list[int]], pooling: PoolingParams,
+               priority: int) -> list[np.ndarray]:
     """One engine request per input, all submitted at once; their vectors in input order. Leaving early (an
-    error, the client gone) aborts those still running."""
+    error, the client gone) aborts those still running. Each counts in the request metrics (latency, queue
+    time, finished reason) like a generation."""
     params = SamplingParams(max_tokens=1, pooling=pooling, output_kind="final_only")
     rid = R.new_id("embd")
 
     async def one(i: int, ids: list[int]) -> np.ndarray:
-        vector = None
-        async for out in engine.generate({"prompt_token_ids": ids}, params, f"{rid}-{i}", priority=priority):
-            if out.finished:
-                if out.embedding is None:
-                    error = next((o.error for o in out.outputs if o.error), None)
-                    raise ApiError(500, f"embedding failed: {error or 'the engine step failed'}", code="step_failed")
-                vector = out.embedding
+        vector, timer, reason = None, RequestTimer(metrics, time.monotonic()), "abort"
+        try:
+            async for out in engine.generate({"prompt_token_ids": ids}, params, f"{rid}-{i}", priority=priority):
+                if out.finished:
+                    if out.embedding is None:
+                        reason = "error"
+                        error = next((o.error for o in out.outputs if o.error), None)
+                        raise ApiError(500, f"embedding failed: {error or 'the engine step failed'}",
+                                       code="step_failed")
+                    vector, m = out.embedding, out.metrics
+                    queued = m.first_scheduled_time - m.arrival_time if m.first_scheduled_time is not None else None
+                    timer.finish(time.monotonic(), "stop", queued)
+        except (InvalidRequestError, EngineDeadError, OverloadedError):
+            reason = "rejected"  # never ran: not an abort
+            raise
+        finally:
+            if vector is None and reason != "rejected":
+                timer.finish(time.monotonic(), reason, None)
         if vector is None:
             raise ApiError(500, "embedding failed: the request ended without a vector", code="step_failed")
         return vector
