@@ -36,6 +36,7 @@ from octavo.runtime.input_processor import Prompt
 from octavo.runtime.output_mailbox import DEFAULT_MAX_ENTRIES, OutputMailbox
 from octavo.runtime.output_processor import RequestGroup
 from octavo.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.runtime.lora import LoRARegistry
 from octavo.runtime.pooling_params import EmbeddingModel
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
@@ -72,6 +73,11 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    @property
+    def loras(self) -> LoRARegistry:
+        """The LoRA adapters this engine serves (name -> slot, and each one's folder)."""
+        return self.engine.loras
 
     @property
     def embedding_model(self) -> EmbeddingModel:

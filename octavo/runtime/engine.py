@@ -24,6 +24,7 @@ from octavo.runtime.model_setup import load_model
 from octavo.runtime.output_processor import OutputProcessor, RequestGroup
 from octavo.runtime.outputs import RequestOutput
 from octavo.export.pooling_config import PoolingConfig
+from octavo.runtime.lora import load_lora_modules
 from octavo.runtime.pooling import accept_rows, finished_embeddings, pooling_rows, run_step
 from octavo.runtime.pooling_params import EmbeddingModel
 from octavo.runtime.request import Request
@@ -67,6 +68,8 @@ class LLMEngine:
                                      embedding_model=EmbeddingModel(
                                          PoolingConfig.from_json(self.manifest.pooling) if self.manifest.pooling else None,
                                          self.manifest.hidden_size, hasattr(self.backend, "run_with_hidden")))
+        self.loras = load_lora_modules(args.lora_modules, args.max_loras, args.max_lora_rank, self.backend)
+        self.inputs.loras = self.loras
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []
@@ -193,7 +196,8 @@ class LLMEngine:
         return [req for req, _ in done]
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.block_manager, self.step_count)
+        return engine_stats(self.scheduler, self.block_manager, self.step_count,
+                            self.loras.max_loras if self.loras.slots else 0)
 
     def close(self) -> None:
         self.structured.close()

@@ -18,6 +18,7 @@ import numpy as np
 from octavo.errors import InvalidRequestError, PromptTooLongError
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.output_processor import RequestGroup
+from octavo.runtime.lora import LoRARegistry
 from octavo.runtime.outputs import RequestMetrics
 from octavo.runtime.pooling_params import EmbeddingModel, pool_state
 from octavo.runtime.request import Request
@@ -59,6 +60,7 @@ class InputProcessor:
         self.block_size = block_size
         self.seed = seed
         self.embedding_model = embedding_model or EmbeddingModel(None, 0)
+        self.loras = LoRARegistry()  # the engine's adapters (runtime/lora.py); none until it sets them
         self._arrival_counter = itertools.count(1)
 
     def make_group(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -75,6 +77,11 @@ class InputProcessor:
             pool = pool_state(self.embedding_model, params.pooling, params.max_tokens, params.n)
             params.max_tokens, params.min_tokens = 1, 0
         max_tokens = self._check_fits(len(ids), params)
+        lora_slot, salt = 0, b""
+        if params.lora_name is not None:
+            lora_slot, salt = self.loras.slot(params.lora_name), LoRARegistry.cache_salt(params.lora_name)
+            if params.use_beam_search:
+                raise InvalidRequestError("beam search with a LoRA adapter is not supported")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if not isinstance(priority, int):
@@ -101,7 +108,7 @@ class InputProcessor:
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids=ids,
                 params=params, generator=self._generator(params, i, order), max_tokens=max_tokens,
                 arrival_order=order, priority=priority, parent_id=request_id, index=i,
-                metrics=RequestMetrics(arrival_time=now), pool=pool))
+                metrics=RequestMetrics(arrival_time=now), pool=pool, lora_slot=lora_slot, cache_salt=salt))
         if params.structured_outputs is not None:  # compiled here, off the engine loop; each child its own matcher
             if self.structured is None:
                 raise InvalidRequestError("structured outputs need an engine with a grammar compiler")

@@ -55,9 +55,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: str | Any | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs in input order. A bad prompt raises before any runs.
-        priority: per prompt, lower is scheduled first (default: first come, first served)."""
+        priority: per prompt, lower is scheduled first (default: first come, first served). lora_request: the
+        name of a loaded LoRA adapter (EngineArgs.lora_modules), or an object with `lora_name` (vLLM's LoRARequest)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: a string, a dict or a list of token ids
         prompts = list(prompts)
@@ -71,6 +73,11 @@ class LLM:
         finals = {id(p): dataclasses.replace(p, output_kind="final_only")  # one copy per distinct params object
                   for p in params if isinstance(p, SamplingParams)}
         params = [finals.get(id(p), p) for p in params]
+        if lora_request is not None:
+            name = lora_request if isinstance(lora_request, str) else getattr(lora_request, "lora_name", None)
+            if not isinstance(name, str):
+                raise InvalidRequestError(f"lora_request must be an adapter name or a LoRARequest, got {lora_request!r}")
+            params = [dataclasses.replace(p, lora_name=name) if isinstance(p, SamplingParams) else p for p in params]
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
         prios = priority or [0] * len(prompts)

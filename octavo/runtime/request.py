@@ -55,6 +55,8 @@ class Request:
     followers: list[Request] = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
     pool: PoolState | None = None  # an embedding request (SamplingParams.pooling): what it pooled so far
+    lora_slot: int = 0  # the backend's LoRA slot of its adapter (0: the base model)
+    cache_salt: bytes = b""  # seeds its prefix-cache hash chain: requests of different adapters never share KV
 
     @property
     def num_prompt_tokens(self) -> int:

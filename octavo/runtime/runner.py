@@ -25,6 +25,7 @@ class ModelRunner:
         self._past = np.zeros(b, np.int32)
         self._logits_indices = np.zeros(b + t, np.int64)  # a row to sample per sequence, prompt-logprob rows
         self._hidden_indices = np.zeros(t, np.int64)  # embedding requests' rows (runtime/pooling.py)
+        self._lora_slots = np.zeros(t, np.int64)  # each token's LoRA slot (runtime/lora.py)
         self.block_tables = BlockTables(max_num_seqs, max_blocks_per_seq)
 
     def prepare(self, scheduled: dict[Request, int], prompt_rows: dict[Request, tuple[int, int]] | None = None,
@@ -46,7 +47,10 @@ class ModelRunner:
         t = 0
         extra: list[int] = []
         hidden: list[int] = []
+        lora = any(req.lora_slot for req in scheduled)
         for req, n in scheduled.items():
+            if lora:
+                self._lora_slots[t:t + n] = req.lora_slot
             start = req.num_computed_tokens
             if prompt_rows and req in prompt_rows:
                 first, count = prompt_rows[req]
@@ -84,5 +88,6 @@ class ModelRunner:
             block_table=self.block_tables.pack(scheduled), slot_mapping=self._slots[:t],
             logits_indices=self._logits_indices[: len(logit_rows)],
             hidden_indices=self._hidden_indices[: len(hidden)] if pooled_rows else None,
+            lora_slots=self._lora_slots[:t] if lora else None,
         )
         return inputs, sampled

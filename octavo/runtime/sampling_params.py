@@ -46,6 +46,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     # an embedding request (runtime/pooling.py): the prompt is computed and pooled, nothing is sampled
     pooling: PoolingParams | None = None
+    # the LoRA adapter this request runs with (a name of EngineArgs.lora_modules; None: the base model). The server
+    # sets it from the request's `model`, LLM.generate from its lora_request (runtime/lora.py)
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -122,6 +125,8 @@ class SamplingParams:
         if self.use_beam_search and self.structured_outputs is not None:
             raise bad("structured outputs are not supported with use_beam_search (each beam would need its own "
                       "grammar state)")
+        if self.lora_name is not None and not isinstance(self.lora_name, str):
+            raise bad(f"lora_name must be a string, got {self.lora_name!r}")
         if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
             raise bad(f"pooling must be a PoolingParams, got {type(self.pooling).__name__}")
         if self.pooling is not None and (self.use_beam_search or self.structured_outputs is not None

@@ -28,7 +28,8 @@ from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.body import Body, show
 from octavo.serving.chat_run import ChatRun, Piece
-from octavo.serving.protocol import ChatRequest, check_model, parse_chat
+from octavo.serving.lora_models import resolve_model
+from octavo.serving.protocol import ChatRequest, parse_chat
 from octavo.serving.routes import read_json, read_request
 from octavo.serving.state import STATE
 from octavo.serving.tools import template_messages
@@ -62,11 +63,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     st, engine, body = await read_request(request)
     b = Body(body)
     req = parse_chat(to_chat(b, with_generation=True), st.limits)  # type: ignore[arg-type]
-    check_model(req.model, st.config.served_model_names)
+    model = resolve_model(st, engine, req.model, req.params)
     mid = f"msg_{secrets.token_hex(12)}"
     run = ChatRun(st, engine, req, mid)
     await run.start()
-    out = _Message(mid, st.model_name)
+    out = _Message(mid, model)
     try:
         if b.boolean("stream", False):
             return await _stream(request, run, out)
@@ -81,10 +82,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
 @anthropic_errors
 async def count_tokens(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    st.ready_engine()
+    engine = st.ready_engine()
     b = Body(await read_json(request))  # within the server's size and time limits
     req = parse_chat(to_chat(b, with_generation=False), st.limits)
-    check_model(req.model, st.config.served_model_names)
+    resolve_model(st, engine, req.model, req.params)
     ids = await asyncio.to_thread(_render, st, req)
     return web.json_response({"input_tokens": len(ids)})
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from octavo.version import __version__
 from octavo.serving import responses as R
 from octavo.serving.api_error import ApiError
+from octavo.serving.lora_models import adapter_models
 from octavo.serving.metrics import CONTENT_TYPE
 from octavo.serving.openapi import add_openapi_route, server_schema
 from octavo.serving.anthropic_messages import count_tokens, messages
@@ -127,7 +128,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    return web.json_response(R.model_list(st.config.served_model_names, st.created, st.max_model_len))
+    out = R.model_list(st.config.served_model_names, st.created, st.max_model_len)
+    out["data"] += adapter_models(st, st.created)  # LoRA adapters, with their base as parent
+    return web.json_response(out)
 
 
 __all__ = ["build_app"]

@@ -27,7 +27,8 @@ from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.body import Body, show
 from octavo.serving.chat_run import ChatRun, Piece
-from octavo.serving.protocol import check_model, parse_chat
+from octavo.serving.lora_models import resolve_model
+from octavo.serving.protocol import parse_chat
 from octavo.serving.routes import read_request
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     _check_fields(b, st)
     chat_body = to_chat(b)
     req = parse_chat(chat_body, st.limits)  # type: ignore[arg-type]
-    check_model(req.model, st.config.served_model_names)
+    model = resolve_model(st, engine, req.model, req.params)
     rid = f"resp_{secrets.token_hex(24)}"
     run = ChatRun(st, engine, req, rid)
     echo = _echo(b)
     await run.start()
-    out = _Output(rid, int(time.time()), st.model_name, echo)
+    out = _Output(rid, int(time.time()), model, echo)
     try:
         if b.boolean("stream", False):
             return await _stream(request, run, out)

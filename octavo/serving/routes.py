@@ -21,7 +21,8 @@ from octavo.serving import sse
 from octavo.serving.api_error import ApiError, bad_request, from_exception
 from octavo.serving.body import parse_json_body
 from octavo.serving.generation import ChoiceUpdate, Generation
-from octavo.serving.protocol import ChatRequest, CompletionRequest, check_model, parse_chat, parse_completion
+from octavo.serving.lora_models import resolve_model
+from octavo.serving.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from octavo.serving.shapes import ChatShape, CompletionShape, Shape
 from octavo.serving.state import CLOSE_AFTER, STATE, ServerState
 from octavo.serving.tools import template_messages
@@ -87,7 +88,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request, st: ServerState, engine: AsyncEngine,
                        req: CompletionRequest) -> web.StreamResponse:
-    check_model(req.model, st.config.served_model_names)
+    resolve_model(st, engine, req.model, req.params)  # a LoRA adapter's name: runs with it
     await _prepare_constraint(engine, req)
     rid = R.new_id("cmpl")
     gen = Generation(engine, st.metrics, req.prompts, req.params, rid, req.options.priority)
@@ -100,7 +101,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req: ChatRequest) -> web.StreamResponse:
-    check_model(req.model, st.config.served_model_names)
+    resolve_model(st, engine, req.model, req.params)
     await _prepare_constraint(engine, req)
     c = req.chat
     try:  # off the event loop: a long conversation takes a while to render and tokenize

@@ -39,6 +39,8 @@ from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.oplib import library_path
 from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention
 from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, set_cache_dtype
+from octavo.runtime.backends.ort_lora import SLOTS_INPUT, LoraPools, LoraSite, add_lora_branches
+from octavo.runtime.lora import LoRAAdapter
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 
 log = logging.getLogger(__name__)
@@ -66,11 +68,13 @@ class OnnxRuntimeBackend:
         ort_fusions: bool = True,
         ort_spinning: str = "run",
         amx: bool = True,
+        lora: tuple[int, int] | None = None,
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
         kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32" or "float16" pools.
         ort_fusions, ort_spinning, amx: EngineArgs' fields of those names (the graph rewrites at load, how the
-        threads wait: module docstring, the op library's AMX switch for the process: oplib.set_amx)."""
+        threads wait: module docstring, the op library's AMX switch for the process: oplib.set_amx).
+        lora: (max_loras, max_lora_rank): the graph gets LoRA branches (ort_lora.py) and `load_lora` fills slots."""
         from octavo.runtime.backends.oplib import set_amx
         from octavo.runtime.engine_args import ORT_SPINNING_MODES
 
@@ -106,6 +110,8 @@ class OnnxRuntimeBackend:
             raise ModelFormatError(f"{onnx_path} is missing; re-export the model with `octavo export`")
         self._pool_output_aliases: dict[str, str] = {}  # float16 pools: pool output -> its pool input
         self._pooled = manifest.pooling is not None  # an embedding export: hidden_indices in, hidden_states out
+        self._lora_config = lora
+        self._lora_sites: list[LoraSite] = []
         try:
             self.session = ort.InferenceSession(self._model_source(onnx_path, options), options,
                                                 providers=["CPUExecutionProvider"])
@@ -137,6 +143,15 @@ class OnnxRuntimeBackend:
         self._logits_buffer = np.empty((_LOGITS_BUFFER_ROWS, manifest.vocab_size), np.float32)
         for name, pool in self._pool_outputs:  # bound once (they were rebound every step: 60 calls)
             self._binding.bind_ortvalue_output(name, pool)
+        self.lora: LoraPools | None = None
+        if self._lora_config is not None:  # the adapters' A/B arrays, bound once like the pools
+            self.lora = LoraPools.zeros(self._lora_sites, *self._lora_config)
+            for s in self._lora_sites:
+                for name, array in ((f"lora_a.{s.weight}", self.lora.a[s.weight]),
+                                    (f"lora_b.{s.weight}", self.lora.b[s.weight])):
+                    value = ort.OrtValue.ortvalue_from_numpy(array)
+                    self._binding.bind_ortvalue_input(name, value)
+                    self._pool_values.append(value)
         log.info(
             "onnxruntime backend: %s, %d blocks x %d slots, %.1f MiB KV (%s)", onnx_path, num_blocks, block_size,
             2 * manifest.num_layers * self.key_caches[0].nbytes / 2**20, self.kv_cache_dtype,
@@ -161,6 +176,8 @@ class OnnxRuntimeBackend:
         if self.ort_fusions:
             if fuse_rotary(model, self.manifest.max_context):
                 fuse_rotary_into_attention(model)
+        if self._lora_config is not None:  # after the fusions, which match the export's own pattern
+            self._lora_sites = add_lora_branches(model, *self._lora_config)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(onnx_path.parent))
         return model.SerializeToString()
@@ -171,6 +188,8 @@ class OnnxRuntimeBackend:
         inputs = {i.name: i for i in self.session.get_inputs()}
         expected = [name for name, _, _ in STEP_INPUTS] + cache_input_names(m.num_layers)
         expected += [HIDDEN_INPUT[0]] if self._pooled else []
+        expected += [f"lora_{ab}.{s.weight}" for s in self._lora_sites for ab in "ab"]
+        expected += [SLOTS_INPUT] if self._lora_sites else []
         names = [i.name for i in self.session.get_inputs()]
         if names != expected:
             raise ModelFormatError(
@@ -217,6 +236,10 @@ class OnnxRuntimeBackend:
             array = np.ascontiguousarray(getattr(inputs, name), dtype=dtype)
             keep.append(array)
             self._binding.bind_cpu_input(name, array)
+        if self.lora is not None:  # per token: its adapter's slot (0: the base model)
+            slots = inputs.lora_slots if inputs.lora_slots is not None else np.zeros(len(inputs.input_ids), np.int64)
+            keep.append(slots := np.ascontiguousarray(slots, dtype=np.int64))
+            self._binding.bind_cpu_input(SLOTS_INPUT, slots)
         if self._pooled:
             indices = inputs.hidden_indices if inputs.hidden_indices is not None else np.zeros(0, np.int64)
             keep.append(indices := np.ascontiguousarray(indices, dtype=np.int64))
@@ -237,6 +260,12 @@ class OnnxRuntimeBackend:
         self._binding.bind_output("logits", "cpu")  # the binding would hold ORT's array until the next step
         del keep
         return logits
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put ADAPTER's weights into SLOT (None clears it). Call between steps: the next step sees them."""
+        if self.lora is None:
+            raise InvalidRequestError("this backend was made without LoRA (engine argument lora_modules)")
+        self.lora.load(slot, adapter)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer's pools (beam search's copy on write). The pools are
