@@ -150,3 +150,31 @@ def test_served_adapters(setup) -> None:  # noqa: ANN001
             client.completions.create(model="three", prompt="x", max_tokens=2)
         metrics = httpx.get(s.base_url + "/metrics").text
         assert "vllm:lora_requests_info" in metrics and 'max_lora="4"' in metrics
+
+
+def test_runtime_load_and_unload(setup, tmp_path) -> None:  # noqa: ANN001
+    """vLLM's load/unload routes (behind their flag): an adapter loaded at run time serves exactly as PEFT's; one
+    loaded again under a name from another folder never reuses the first one's cached blocks."""
+    model, one, two, refs = setup
+    args = EngineArgs(model=str(model), enable_lora=True, max_loras=1, max_lora_rank=8, num_blocks=64, num_threads=1)
+    with serve_in_thread(args, served_model_names=("tiny",), allow_runtime_lora_updating=True) as s:
+        post = lambda path, body: httpx.post(s.base_url + path, json=body)  # noqa: E731
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="x", max_retries=0)
+
+        def tokens(name: str) -> list[int]:
+            c = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            return c.choices[0].token_ids
+
+        assert post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(one)}).status_code == 200
+        assert tokens("a") == refs["one"][0][1]
+        r = post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(two)})
+        assert r.status_code == 400 and "slots" in r.json()["error"]["message"]  # max_loras 1
+        assert post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}).status_code == 400
+        assert post("/v1/unload_lora_adapter", {"lora_name": "a"}).status_code == 200
+        assert post("/v1/unload_lora_adapter", {"lora_name": "a"}).status_code == 404
+        assert post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(two)}).status_code == 200
+        assert tokens("a") == refs["two"][0][1]  # same name, other weights: the old blocks are not reused
+        assert {m["id"] for m in httpx.get(s.base_url + "/v1/models").json()["data"]} == {"tiny", "a"}
+    with serve_in_thread(args, served_model_names=("tiny",)) as s:  # without the flag: no such routes
+        assert httpx.post(s.base_url + "/v1/load_lora_adapter", json={}).status_code == 404

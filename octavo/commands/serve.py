@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="read tool calls out of the model's text (enables tool_choice 'auto'): hermes = "
                         "<tool_call>{...}</tool_call>, llama3_json = Llama 3's JSON calls")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; they read a folder "
+                        "the client names: keep --api-key on); needs --enable-lora or --lora-modules")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility (--tool-call-parser alone enables 'auto')")
     add_engine_arguments(p)
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         per_request_metrics=args.enable_per_request_metrics,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, max_connections=args.max_connections,
         special_tokens_in_content=args.special_tokens_in_content, tool_call_parser=args.tool_call_parser,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     raise_open_file_limit()
     server = OpenAIServer(config, lambda: AsyncEngine(ea), shutdown_timeout=args.shutdown_timeout)

@@ -24,7 +24,7 @@ from octavo.runtime.model_setup import load_model
 from octavo.runtime.output_processor import OutputProcessor, RequestGroup
 from octavo.runtime.outputs import RequestOutput
 from octavo.export.pooling_config import PoolingConfig
-from octavo.runtime.lora import load_lora_modules
+from octavo.runtime.lora import LoRAAdapter, load_lora_modules
 from octavo.runtime.pooling import accept_rows, finished_embeddings, pooling_rows, run_step
 from octavo.runtime.pooling_params import EmbeddingModel
 from octavo.runtime.request import Request
@@ -91,8 +91,29 @@ class LLMEngine:
             self._arrived.append(group.children[0].request_id)
             return
         self.outputs.add(group)
+        if not self._lora_current(group.children[0]):  # its adapter was unloaded since it was made: end it
+            self.abort_request(group.request_id, "error", error=f"the LoRA adapter "
+                               f"{group.children[0].params.lora_name!r} was unloaded")
+            return
         self.scheduler.add(group.children[0])  # its followers (n > 1) join once it has computed the prompt
         self._arrived.extend(c.request_id for c in group.children)  # sequence ids, as in the trace's "requests"
+
+    def _lora_current(self, req: Request) -> bool:
+        name = req.params.lora_name
+        return name is None or (self.loras.slots.get(name) == req.lora_slot
+                                and self.loras.salts.get(name) == req.cache_salt)
+
+    def add_lora(self, adapter: LoRAAdapter) -> int:
+        """Load ADAPTER into a free LoRA slot (between steps); returns the slot."""
+        return self.loras.add(adapter, self.backend)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter NAME (between steps); refused while a request runs or waits with it."""
+        users = [g.request_id for g in self.outputs.groups.values() if g.children[0].params.lora_name == name]
+        if users:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} is in use by {len(users)} request(s); unload it "
+                                      "once they finish")
+        self.loras.remove(name, self.backend)
 
     def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
         """End a request now (its blocks are freed); its final output comes with the next step()."""
@@ -197,7 +218,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.block_manager, self.step_count,
-                            self.loras.max_loras if self.loras.slots else 0)
+                            self.loras.max_loras if self.loras.enabled else 0)
 
     def close(self) -> None:
         self.structured.close()

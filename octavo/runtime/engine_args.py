@@ -67,6 +67,7 @@ class EngineArgs:
     # LoRA adapters (runtime/lora.py, docs/serving.md "LoRA"): "name=PEFT_DIR,name2=DIR2", served beside the base
     # model; max_loras adapters at once (slots), each of rank <= max_lora_rank; onnxruntime, float32 exports
     lora_modules: str | None = None
+    enable_lora: bool = False  # LoRA slots even without lora_modules (adapters loaded later: load_lora_adapter)
     max_loras: int = 4
     max_lora_rank: int = 16
 
@@ -117,8 +118,8 @@ class EngineArgs:
         if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) \
                 or not 1 <= self.max_lora_rank <= 512:
             raise InvalidRequestError(f"max_lora_rank must be an integer between 1 and 512, got {self.max_lora_rank!r}")
-        if self.lora_modules and self.backend != "onnxruntime":
-            raise InvalidRequestError("lora_modules needs the onnxruntime backend")
+        if (self.lora_modules or self.enable_lora) and self.backend != "onnxruntime":
+            raise InvalidRequestError("LoRA adapters (lora_modules, enable_lora) need the onnxruntime backend")
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):

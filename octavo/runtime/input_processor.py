@@ -79,7 +79,7 @@ class InputProcessor:
         max_tokens = self._check_fits(len(ids), params)
         lora_slot, salt = 0, b""
         if params.lora_name is not None:
-            lora_slot, salt = self.loras.slot(params.lora_name), LoRARegistry.cache_salt(params.lora_name)
+            lora_slot, salt = self.loras.slot(params.lora_name), self.loras.cache_salt(params.lora_name)
             if params.use_beam_search:
                 raise InvalidRequestError("beam search with a LoRA adapter is not supported")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):

@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,10 @@ class LoRARegistry:
     max_loras: int = 0
     slots: dict[str, int] = field(default_factory=dict)
     adapters: dict[str, LoRAAdapter] = field(default_factory=dict)
+    salts: dict[str, bytes] = field(default_factory=dict)  # per adapter: its prefix-cache salt (name + load number)
+    loads: int = 0  # adapters loaded so far: an adapter loaded again under the same name gets a new salt
+    enabled: bool = False  # the backend has LoRA slots
+    max_rank: int = 0
 
     def slot(self, name: str) -> int:
         """NAME's slot, or InvalidRequestError listing the adapters served."""
@@ -50,26 +55,38 @@ class LoRARegistry:
             raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded (served: {served})")
         return self.slots[name]
 
-    @staticmethod
-    def cache_salt(name: str) -> bytes:
-        return b"lora:" + name.encode("utf-8", "surrogateescape")
+    def cache_salt(self, name: str) -> bytes:
+        return self.salts[name]
+
+    def add(self, adapter: LoRAAdapter, backend: Any) -> int:
+        """Load ADAPTER into a free slot of BACKEND; returns the slot."""
+        if not self.enabled:
+            raise InvalidRequestError("this engine has no LoRA slots: start it with lora_modules or enable_lora")
+        if adapter.name in self.slots:
+            raise InvalidRequestError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        free = [s for s in range(1, self.max_loras + 1) if s not in self.slots.values()]
+        if not free:
+            raise InvalidRequestError(f"all {self.max_loras} LoRA slots are in use (max_loras): unload one first")
+        backend.load_lora(free[0], adapter)
+        self.loads += 1
+        self.slots[adapter.name], self.adapters[adapter.name] = free[0], adapter
+        self.salts[adapter.name] = f"lora:{adapter.name}#{self.loads}".encode("utf-8", "surrogateescape")
+        return free[0]
+
+    def remove(self, name: str, backend: Any) -> None:
+        slot = self.slot(name)
+        backend.load_lora(slot, None)
+        del self.slots[name], self.adapters[name], self.salts[name]
 
 
 def load_lora_modules(text: str | None, max_loras: int, max_rank: int, backend: object) -> LoRARegistry:
     """Read the adapters of TEXT (EngineArgs.lora_modules) and load them into BACKEND's slots 1, 2, ..."""
-    registry = LoRARegistry(max_loras)
+    registry = LoRARegistry(max_loras, max_rank=max_rank, enabled=getattr(backend, "lora", None) is not None)
     modules = parse_lora_modules(text)
-    if not modules:
-        return registry
     if len(modules) > max_loras:
         raise InvalidRequestError(f"{len(modules)} LoRA adapters but max_loras is {max_loras}")
-    load = getattr(backend, "load_lora", None)
-    if load is None:
-        raise InvalidRequestError("this backend cannot run LoRA adapters (the onnxruntime backend can)")
-    for slot, (name, path) in enumerate(modules, start=1):
-        adapter = read_peft_adapter(name, path, max_rank)
-        load(slot, adapter)
-        registry.slots[name], registry.adapters[name] = slot, adapter
+    for name, path in modules:
+        registry.add(read_peft_adapter(name, path, max_rank), backend)
     return registry
 
 

@@ -20,6 +20,7 @@ from octavo.version import __version__
 from octavo.serving import responses as R
 from octavo.serving.api_error import ApiError
 from octavo.serving.lora_models import adapter_models
+from octavo.serving.lora_routes import add_lora_routes
 from octavo.serving.metrics import CONTENT_TYPE
 from octavo.serving.openapi import add_openapi_route, server_schema
 from octavo.serving.anthropic_messages import count_tokens, messages
@@ -47,6 +48,8 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     add_tokenize_routes(app, STATE)  # /tokenize, /detokenize, /tokenizer_info (vLLM's)
+    if state.config.allow_runtime_lora_updating:
+        add_lora_routes(app)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_openapi_route(app, lambda: server_schema(state))
     return app
 

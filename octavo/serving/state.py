@@ -32,6 +32,7 @@ class ServerConfig:
     max_connections: int = 1024  # open connections; more get 503 too_many_connections at once
     special_tokens_in_content: bool = False  # parse special-token strings in chat messages as control tokens
     tool_call_parser: str | None = None  # --tool-call-parser (hermes, llama3_json): enables tool_choice "auto"
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes)
 
 
 @dataclass(slots=True)
