@@ -13,6 +13,7 @@ says (or as "normalize" asks). A model exported without pooling answers 400 (`mo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import base64
 import logging
 import time
@@ -29,7 +30,7 @@ from octavo.serving import responses as R
 from octavo.serving.api_error import ApiError, bad_request
 from octavo.serving.body import Body
 from octavo.serving.metrics import RequestTimer, ServerMetrics
-from octavo.serving.protocol import check_model
+from octavo.serving.lora_models import resolve_model
 from octavo.serving.routes import engine_error, read_request
 from octavo.serving.state import ServerState
 
@@ -48,7 +49,8 @@ async def embeddings(request: web.Request) -> web.Response:
         if name not in _FIELDS and name not in st.limits.warned_fields:  # type: ignore[union-attr]
             st.limits.warned_fields.add(name)  # type: ignore[union-attr]
             log.warning("ignoring unknown request field %r (logged once)", name[:80])
-    check_model(b.string("model", None), st.config.served_model_names)
+    base = SamplingParams(max_tokens=1, output_kind="final_only")
+    model_name = resolve_model(st, engine, b.string("model", None), base)  # a LoRA adapter's name: with it
     model = engine.embedding_model
     if model.config is None:
         raise ApiError(400, f"the model {st.model_name!r} was exported without pooling, so it makes no embeddings: "
@@ -62,11 +64,11 @@ async def embeddings(request: web.Request) -> web.Response:
     b.string("user", None)
     priority = b.integer("priority", 0, lo=-_INT64, hi=_INT64 - 1) or 0
     inputs = await _token_ids(b, st)
-    vectors = await _run(engine, st.metrics, inputs, params, priority)
+    vectors = await _run(engine, st.metrics, inputs, dataclasses.replace(base, pooling=params), priority)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
     used = sum(len(ids) for ids in inputs)
     return web.json_response({
-        "id": R.new_id("embd"), "object": "list", "created": int(time.time()), "model": st.model_name, "data": data,
+        "id": R.new_id("embd"), "object": "list", "created": int(time.time()), "model": model_name, "data": data,
         "usage": {"prompt_tokens": used, "total_tokens": used, "completion_tokens": 0, "prompt_tokens_details": None},
     })
 
@@ -101,12 +103,11 @@ async def _token_ids(b: Body, st: ServerState) -> list[list[int]]:
     return items
 
 
-async def _run(engine: AsyncEngine, metrics: ServerMetrics, inputs: list[list[int]], pooling: PoolingParams,
+async def _run(engine: AsyncEngine, metrics: ServerMetrics, inputs: list[list[int]], params: SamplingParams,
                priority: int) -> list[np.ndarray]:
     """One engine request per input, all submitted at once; their vectors in input order. Leaving early (an
     error, the client gone) aborts those still running. Each counts in the request metrics (latency, queue
     time, finished reason) like a generation."""
-    params = SamplingParams(max_tokens=1, pooling=pooling, output_kind="final_only")
     rid = R.new_id("embd")
 
     async def one(i: int, ids: list[int]) -> np.ndarray:
