@@ -148,6 +148,7 @@ def test_served_adapters(setup) -> None:  # noqa: ANN001
         assert r.model == "one"
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="three", prompt="x", max_tokens=2)
+        assert httpx.post(s.base_url + "/tokenize", json={"model": "one", "prompt": "hi"}).status_code == 200
         metrics = httpx.get(s.base_url + "/metrics").text
         assert "vllm:lora_requests_info" in metrics and 'max_lora="4"' in metrics
 
