@@ -12,6 +12,7 @@ _LAZY = {
     "SamplingParams": "octavo.runtime.sampling_params",
     "StructuredOutputsParams": "octavo.structured.params",
     "BeamSearchParams": "octavo.runtime.beam_search",
+    "PoolingParams": "octavo.runtime.pooling_params",
     "EngineArgs": "octavo.runtime.engine_args",
     "RequestOutput": "octavo.runtime.outputs",
     "CompletionOutput": "octavo.runtime.outputs",
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from octavo.runtime.engine_args import EngineArgs
     from octavo.runtime.llm import LLM
     from octavo.runtime.outputs import CompletionOutput, RequestOutput
+    from octavo.runtime.pooling_params import PoolingParams
     from octavo.runtime.sampling_params import SamplingParams
     from octavo.structured.params import StructuredOutputsParams
 

@@ -34,7 +34,8 @@ BODY_LIMIT = 64 << 10
 ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/chat/completions/batch"),
           ("GET", "/v1/models"),
           ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", OPENAPI_PATH),
-          ("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info")]
+          ("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+          ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")]
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -71,7 +72,9 @@ def metrics_idle(server, timeout: float = 15.0) -> dict[str, float]:  # noqa: AN
 def assert_not_500(r: httpx.Response, what: object) -> None:
     assert r.status_code < 500, (r.status_code, r.text[:500], str(what)[:300])
     if r.status_code >= 400:
-        assert set(r.json()["error"]) == ERROR_KEYS, r.text[:300]
+        body = r.json()
+        keys = {"type", "message"} if body.get("type") == "error" else ERROR_KEYS  # Anthropic's shape: /v1/messages
+        assert set(body["error"]) == keys, r.text[:300]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output folder (created; must be empty or missing unless --force)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it is an earlier octavo export")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--pooling", choices=("none", "last", "mean", "cls"), default=None,
+                        help="export an embedding model (docs/serving.md, Embeddings): its graph also returns hidden "
+                             "states, pooled this way by default (default: what a sentence-transformers folder's "
+                             "modules.json says, else none)")
     q = parser.add_argument_group("quantized weights (docs/quantization.md)")
     q.add_argument("--weights", choices=("fp32", "int8", "int4", "gguf"), default=None,
                    help="linear layers' weights: gguf (a quantized .gguf's own blocks, exactly as the file holds them; "
@@ -59,13 +63,14 @@ def run(args: argparse.Namespace) -> int:
     given = {"quant_block_size": args.quant_block_size, "accuracy_level": args.accuracy_level,
              "quant_kernel": args.quant_kernel, "residual_rows": args.residual_rows}
     manifest = export_model(src, args.out, progress=not args.no_progress, overwrite=args.force, weights=args.weights,
-                            quantize_lm_head=args.quantize_lm_head,
+                            quantize_lm_head=args.quantize_lm_head, pooling=args.pooling,
                             **{name: value for name, value in given.items() if value is not None})
     out = Path(args.out)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(
         f"exported {manifest.architecture} ({manifest.num_layers} layers, hidden {manifest.hidden_size}, "
-        f"{manifest.num_heads}/{manifest.num_kv_heads} heads, vocab {manifest.vocab_size}, weights {manifest.weights}) "
+        f"{manifest.num_heads}/{manifest.num_kv_heads} heads, vocab {manifest.vocab_size}, weights {manifest.weights}"
+        f"{', pooling ' + manifest.pooling['type'] if manifest.pooling else ''}) "
         f"to {out} ({size / 2**20:.1f} MiB) in {time.perf_counter() - started:.1f} s"
     )
     return 0

@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metric-names", choices=("both", "vllm", "octavo"), default="both",
                    help="what /metrics shows: octavo:* and vLLM's vllm:* names and labels (what llm-d, production-stack "
                         "and KServe read), or one set (default: %(default)s)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; they read a folder "
+                        "the client names: keep --api-key on); needs --enable-lora or --lora-modules")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility (--tool-call-parser alone enables 'auto')")
     add_engine_arguments(p)
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, max_connections=args.max_connections,
         special_tokens_in_content=args.special_tokens_in_content, tool_call_parser=args.tool_call_parser,
         metric_names=args.metric_names,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     raise_open_file_limit()
     server = OpenAIServer(config, lambda: AsyncEngine(ea), shutdown_timeout=args.shutdown_timeout)

@@ -22,6 +22,7 @@ from octavo.export.checkpoint import Checkpoint, ModelSpec, spec_from_config
 from octavo.export.graph import build_model
 from octavo.export.hf_reader import PICKLE_SUFFIXES, read_hf_folder
 from octavo.export.manifest import MANIFEST_NAME, Manifest
+from octavo.export.pooling_config import POOLING_TYPES, PoolingConfig, read_pooling_config
 from octavo.export.quantize import RESIDUAL_ROWS, QuantConfig
 from octavo.export.source_weights import default_weights
 from octavo.export.weights_file import WeightsFile
@@ -72,7 +73,7 @@ def read_checkpoint(src: str | Path) -> Checkpoint:
 
 
 def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConfig,
-              fallback_layers: list[str]) -> Manifest:
+              fallback_layers: list[str], pooling: PoolingConfig | None = None) -> Manifest:
     windows = {w for w in spec.sliding_windows if w}
     return Manifest(
         architecture=spec.architecture,
@@ -98,19 +99,22 @@ def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConf
         source=source,
         weights=quant.weights,
         quantization=quant.describe(fallback_layers),
+        pooling=pooling.to_json() if pooling is not None else None,
     )
 
 
 def _write_folder(checkpoint: Checkpoint, spec: ModelSpec, folder: Path, progress: bool,
-                  quant: QuantConfig) -> Manifest:
+                  quant: QuantConfig, pooling: PoolingConfig | None = None) -> Manifest:
     with tqdm(total=spec.num_layers + 2, desc="export", unit="layer", disable=not progress) as bar:
         with WeightsFile(folder / WEIGHTS_NAME) as weights:
-            model = build_model(spec, checkpoint, weights, on_layer=lambda layer: bar.update(1), quant=quant)
+            model = build_model(spec, checkpoint, weights, on_layer=lambda layer: bar.update(1), quant=quant,
+                                hidden_states=pooling is not None)
         (folder / ONNX_NAME).write_bytes(model.SerializeToString())
     (folder / TOKENIZER_NAME).write_text(checkpoint.tokenizer_json, encoding="utf-8")
     if checkpoint.chat_template:
         (folder / CHAT_TEMPLATE_NAME).write_text(checkpoint.chat_template, encoding="utf-8")
-    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant, _fallback_layers(model, quant))
+    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant, _fallback_layers(model, quant),
+                         pooling)
     manifest.save(folder)
     return manifest
 
@@ -147,10 +151,22 @@ def _place(tmp: Path, out: Path, overwrite: bool) -> None:
     os.replace(tmp, out)
 
 
+def _pooling(src: Path, pooling: str | None) -> PoolingConfig | None:
+    """The export's pooling: POOLING ("none", a type) or, when None, the sentence-transformers config of SRC."""
+    if pooling is None:
+        return read_pooling_config(src) if src.is_dir() else None
+    if pooling == "none":
+        return None
+    if pooling not in POOLING_TYPES:
+        raise ModelFormatError(f"pooling must be none, {', '.join(POOLING_TYPES)}; got {pooling!r}")
+    found = read_pooling_config(src) if src.is_dir() else None
+    return PoolingConfig(pooling, normalize=found.normalize if found is not None else True)
+
+
 def export_model(src: str | Path, out: str | Path, *, progress: bool = True, overwrite: bool = False,
                  weights: str | None = None, quant_block_size: int = 32, accuracy_level: int = 4,
                  quantize_lm_head: bool = False, residual_rows: int = RESIDUAL_ROWS,
-                 quant_kernel: str = "block") -> Manifest:
+                 quant_kernel: str = "block", pooling: str | None = None) -> Manifest:
     """Export SRC (HF folder or .gguf file) into the folder OUT; returns the written Manifest.
 
     weights: None (default: a GGUF with quantized layers runs its own blocks, "gguf"; anything else
@@ -160,7 +176,10 @@ def export_model(src: str | Path, out: str | Path, *, progress: bool = True, ove
     compute in ONNX Runtime's CPU kernel. quant_kernel: "block" (default) multiplies quantized weights (int8,
     int4, a GGUF's blocks) with octavo.BlockMatMul; "matmulnbits" with MatMulNBits at accuracy_level, where for
     "gguf" residual_rows > 0 corrects its int8 rounding of the activations in steps of at most that many rows
-    (0 = off). See docs/quantization.md."""
+    (0 = off). See docs/quantization.md.
+    pooling: None (default: an embedding export when SRC is a sentence-transformers folder, by its modules.json),
+    "last" / "mean" / "cls" (an embedding export pooling that way, normalized, whatever SRC says) or "none" (a
+    generative export only). An embedding export's graph also returns hidden states (docs/serving.md)."""
     started = time.perf_counter()
     weights = default_weights(Path(src), weights) or "fp32"
     lm_head = True if weights == "gguf" else quantize_lm_head
@@ -168,12 +187,13 @@ def export_model(src: str | Path, out: str | Path, *, progress: bool = True, ove
     out = Path(out)
     checkpoint = read_checkpoint(src)
     spec = spec_from_config(checkpoint.config, checkpoint.extra_eos_token_ids)
+    pool = _pooling(Path(src), pooling)
     _check_out(out, overwrite)  # fail before any work
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        manifest = _write_folder(checkpoint, spec, tmp, progress, quant)
+        manifest = _write_folder(checkpoint, spec, tmp, progress, quant, pool)
         _place(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -62,6 +62,11 @@ STEP_INPUTS: list[tuple[str, int, list[str | int]]] = [
 ]
 
 
+# an embedding export's extra input (after the pools) and output (after the logits): docs/architecture.md
+HIDDEN_INPUT: tuple[str, int, list[str | int]] = ("hidden_indices", TensorProto.INT64, ["num_hidden"])
+HIDDEN_OUTPUT = "hidden_states"
+
+
 def cache_input_names(num_layers: int) -> list[str]:
     """key_cache.0, value_cache.0, key_cache.1, ... (the order of the graph inputs)."""
     return [f"{kind}.{layer}" for layer in range(num_layers) for kind in ("key_cache", "value_cache")]
@@ -168,7 +173,10 @@ class _Decoder:
     eps: str = "const.eps"
 
     def norm_weight(self, name: str, size: int) -> str:
-        """The RMSNorm weight NAME; Gemma stores w, applied as (spec.norm_offset + w), summed in float32."""
+        """The RMSNorm weight NAME; Gemma stores w, applied as (spec.norm_offset + w), summed in float32. Added
+        once (the final norm serves both the logits and the hidden states)."""
+        if not self.g.first_use("norm:" + name):
+            return name
         array = self.w.get(name, (size,))
         if self.spec.norm_offset:
             array = np.float32(self.spec.norm_offset) + array.astype(np.float32)
@@ -340,12 +348,24 @@ def _head(d: _Decoder, x: str, embed: str) -> None:
         g.nodes.append(helper.make_node("Mul", [capped, c], ["logits"], name="final_softcap"))
 
 
-def _model_proto(g: Graph, spec: ModelSpec, quant: QuantConfig | None) -> onnx.ModelProto:
-    """The collected nodes and initializers as a model with the contract's inputs and output."""
+def _hidden_states(d: _Decoder, x: str) -> None:
+    """An embedding export's second output: the final-normed hidden states of the rows in hidden_indices (the
+    engine pools them: runtime/pooling.py)."""
+    rows = d.g.op1("Gather", [x, HIDDEN_INPUT[0]], axis=0)
+    normed = d.norm(rows, "model.norm.weight")
+    d.g.nodes.append(helper.make_node("Identity", [normed], [HIDDEN_OUTPUT], name=HIDDEN_OUTPUT))
+
+
+def _model_proto(g: Graph, spec: ModelSpec, quant: QuantConfig | None, hidden: bool = False) -> onnx.ModelProto:
+    """The collected nodes and initializers as a model with the contract's inputs and output (HIDDEN: and an
+    embedding export's hidden_indices input, after the pools, and hidden_states output, after the logits)."""
     cache_shape: list[str | int] = ["num_blocks", "block_size", spec.num_kv_heads, spec.head_dim]
     inputs = [helper.make_tensor_value_info(n, t, s) for n, t, s in STEP_INPUTS]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, cache_shape) for n in cache_input_names(spec.num_layers)]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", spec.vocab_size])]
+    if hidden:
+        inputs.append(helper.make_tensor_value_info(*HIDDEN_INPUT))
+        outputs.append(helper.make_tensor_value_info(HIDDEN_OUTPUT, TensorProto.FLOAT, ["num_hidden", spec.hidden_size]))
     graph = helper.make_graph(g.nodes, "octavo_decoder", inputs, outputs, initializer=g.initializers)
     model = helper.make_model(
         graph,
@@ -363,9 +383,11 @@ def build_model(
     weights: WeightsFile,
     on_layer: Callable[[int], None] = lambda layer: None,
     quant: QuantConfig | None = None,
+    hidden_states: bool = False,
 ) -> onnx.ModelProto:
     """The ONNX model; weights are appended to WEIGHTS as they are visited (one layer at a time).
     QUANT (int8/int4/gguf) stores the linear layers' weights quantized (BlockMatMul or MatMulNBits).
+    HIDDEN_STATES (an embedding export): also the hidden_indices input and the hidden_states output.
     ON_LAYER is called after the embedding (-1), each layer, and the head (num_layers)."""
     d = _Decoder(Graph(weights), CheckpointTensors(checkpoint), spec, quant)
     _add_constants(d)
@@ -377,6 +399,8 @@ def build_model(
         rotary = local_rotary if layer in spec.local_rope_layers else global_rotary
         x = _layer(d, x, layer, no_rotary if layer in spec.nope_layers else rotary)
         on_layer(layer)
+    if hidden_states:
+        _hidden_states(d, x)
     _head(d, x, embed)
     on_layer(spec.num_layers)
-    return _model_proto(d.g, spec, quant)
+    return _model_proto(d.g, spec, quant, hidden_states)

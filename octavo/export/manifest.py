@@ -44,6 +44,9 @@ class Manifest:
     # method, bits, block_size, accuracy_level, lm_head, and fallback_* when the block kernel leaves layers to
     # MatMulNBits (QuantConfig.describe; free-form keys, so new ones need no format version); None for fp32
     quantization: dict[str, Any] | None = None
+    # an embedding export (export.pooling_config.PoolingConfig.to_json): {"type": "last"|"mean"|"cls", "normalize":
+    # bool}; the graph then has the hidden_indices input and the hidden_states output. None: a generative export
+    pooling: dict[str, Any] | None = None
     magic: str = MAGIC
     format_version: int = FORMAT_VERSION
 
@@ -60,6 +63,8 @@ class Manifest:
         data = asdict(self)
         if self.weights == "fp32" and self.quantization is None:  # an fp32 manifest stays readable by older octavo
             del data["weights"], data["quantization"]
+        if self.pooling is None:  # likewise a model without pooling
+            del data["pooling"]
         path.write_text(json.dumps(data, indent=2) + "\n")
         return path
 

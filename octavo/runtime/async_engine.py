@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from octavo.errors import EngineDeadError, InvalidRequestError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
@@ -36,6 +37,8 @@ from octavo.runtime.input_processor import Prompt
 from octavo.runtime.output_mailbox import DEFAULT_MAX_ENTRIES, OutputMailbox
 from octavo.runtime.output_processor import RequestGroup
 from octavo.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.runtime.lora import LoRARegistry
+from octavo.runtime.pooling_params import EmbeddingModel
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.stats import EngineStats
 from octavo.runtime.step_record import StepListener
@@ -54,7 +57,8 @@ class AsyncEngine:
         self.max_unread_entries = max_unread_entries
         self._lock = threading.Lock()  # guards the inbox, the callbacks and the flags (never held during a step)
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple[str, RequestGroup | str]] = []  # ("add", group) | ("abort", request_id)
+        # ("add", group) | ("abort", request_id) | ("call", (fn, done)): see between_steps
+        self._inbox: list[tuple[str, Any]] = []
         self._callbacks: dict[str, Callback] = {}  # the requests submitted and not finished yet
         try:
             self._stats = self.engine.stats()
@@ -71,6 +75,16 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    @property
+    def loras(self) -> LoRARegistry:
+        """The LoRA adapters this engine serves (name -> slot, and each one's folder)."""
+        return self.engine.loras
+
+    @property
+    def embedding_model(self) -> EmbeddingModel:
+        """What embedding requests get on this model: its pooling config (None: none) and hidden size."""
+        return self.engine.inputs.embedding_model
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start_thread(self) -> None:
@@ -205,6 +219,26 @@ class AsyncEngine:
                 if left is not None and left <= 0:
                     raise compiler.timeout_error(params) from None
 
+    async def between_steps(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the engine thread between two steps (what must not change while a step runs: the
+        backend's LoRA slots); its result, or its exception raised here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, exc: BaseException | None) -> None:
+            if not future.done():
+                future.set_exception(exc) if exc is not None else future.set_result(result)
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            loop.call_soon_threadsafe(settle, result, exc)
+
+        with self._lock:
+            self._check_alive()
+            self._inbox.append(("call", (fn, done)))
+            self._wake.notify_all()
+        self.start_thread()
+        return await future
+
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
@@ -237,6 +271,12 @@ class AsyncEngine:
                 for op, arg in inbox:
                     if op == "add":
                         engine.add_group(arg)  # type: ignore[arg-type]
+                    elif op == "call":  # a function that must run between steps (loading a LoRA adapter)
+                        fn, done = arg  # type: ignore[misc]
+                        try:
+                            done(fn(engine), None)
+                        except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's
+                            done(None, exc)
                     else:
                         try:
                             engine.abort_request(arg)  # type: ignore[arg-type]

@@ -21,7 +21,8 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
 
 
 def extend_block_hashes(req: Request, num_tokens: int, block_size: int) -> None:
-    """Extend req.block_hashes to cover the full blocks among its first num_tokens tokens (each hashed once)."""
+    """Extend req.block_hashes to cover the full blocks among its first num_tokens tokens (each hashed once). The
+    chain starts from req.cache_salt (a LoRA adapter's name: its K/V differ from the base model's)."""
     for i in range(len(req.block_hashes), num_tokens // block_size):
-        parent = req.block_hashes[i - 1] if i else b""
+        parent = req.block_hashes[i - 1] if i else req.cache_salt
         req.block_hashes.append(block_hash(parent, req.tokens(i * block_size, (i + 1) * block_size)))

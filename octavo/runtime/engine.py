@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from octavo.errors import InvalidRequestError, StepFailedError, UnknownRequestError
 from octavo.runtime.backends.base import Backend
 from octavo.runtime.beam_search import BeamSearchManager
@@ -23,6 +25,11 @@ from octavo.runtime.kv_events import KVEventLog, KVEventsConfig
 from octavo.runtime.model_setup import load_model
 from octavo.runtime.output_processor import OutputProcessor, RequestGroup
 from octavo.runtime.outputs import RequestOutput
+from octavo.export.pooling_config import PoolingConfig
+from octavo.runtime.lora import LoRAAdapter, load_lora_modules
+from octavo.runtime.pooling import accept_rows, finished_embeddings, pooling_rows, run_step
+from octavo.runtime.pooling_params import EmbeddingModel
+from octavo.runtime.request import Request
 from octavo.runtime.prompt_logprobs import max_prompt_logprob_rows, prompt_rows
 from octavo.runtime.runner import ModelRunner
 from octavo.runtime.sampler import Sampler
@@ -76,7 +83,12 @@ class LLMEngine:
                                      self.block_size, args.seed, self.structured, beam_search_refusal=self.beams.refusal,
                                      prompt_logprob_rows=prompt_logprob_rows,
                                      max_prompt_logprob_entries=args.max_prompt_logprob_entries,
-                                     max_logprobs=args.max_logprobs)
+                                     max_logprobs=args.max_logprobs,
+                                     embedding_model=EmbeddingModel(
+                                         PoolingConfig.from_json(self.manifest.pooling) if self.manifest.pooling else None,
+                                         self.manifest.hidden_size, hasattr(self.backend, "run_with_hidden")))
+        self.loras = load_lora_modules(args.lora_modules, args.max_loras, args.max_lora_rank, self.backend)
+        self.inputs.loras = self.loras
         self.outputs = OutputProcessor(self.tokenizer)
         self._trace = JsonlTraceWriter(args.trace_path) if args.trace_path else None
         self._listeners: list[StepListener] = [self._trace] if self._trace is not None else []
@@ -105,8 +117,29 @@ class LLMEngine:
             self._arrived.append(group.children[0].request_id)
             return
         self.outputs.add(group)
+        if not self._lora_current(group.children[0]):  # its adapter was unloaded since it was made: end it
+            self.abort_request(group.request_id, "error", error=f"the LoRA adapter "
+                               f"{group.children[0].params.lora_name!r} was unloaded")
+            return
         self.scheduler.add(group.children[0])  # its followers (n > 1) join once it has computed the prompt
         self._arrived.extend(c.request_id for c in group.children)  # sequence ids, as in the trace's "requests"
+
+    def _lora_current(self, req: Request) -> bool:
+        name = req.params.lora_name
+        return name is None or (self.loras.slots.get(name) == req.lora_slot
+                                and self.loras.salts.get(name) == req.cache_salt)
+
+    def add_lora(self, adapter: LoRAAdapter) -> int:
+        """Load ADAPTER into a free LoRA slot (between steps); returns the slot."""
+        return self.loras.add(adapter, self.backend)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload the adapter NAME (between steps); refused while a request runs or waits with it."""
+        users = [g.request_id for g in self.outputs.groups.values() if g.children[0].params.lora_name == name]
+        if users:
+            raise InvalidRequestError(f"the LoRA adapter {name!r} is in use by {len(users)} request(s); unload it "
+                                      "once they finish")
+        self.loras.remove(name, self.backend)
 
     def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
         """End a request now (its blocks are freed); its final output comes with the next step()."""
@@ -146,12 +179,13 @@ class LLMEngine:
         self.step_count += 1
         rec.lap("schedule")
         scored = prompt_rows(sched.scheduled)  # prompt-logprob rows, returned after the rows to sample
-        inputs, to_sample = self.runner.prepare(sched.scheduled, scored)
+        pooled = pooling_rows(sched.scheduled)  # embedding requests' hidden-state rows
+        inputs, to_sample = self.runner.prepare(sched.scheduled, scored, pooled)
         rec.capture(sched.scheduled)
         rec.lap("pack")
         try:  # the masks depend on committed tokens only: computed while the backend runs (if any row has a grammar)
             self.structured.start_bitmask(to_sample)
-            logits = self.backend.run(inputs)
+            logits, hidden = run_step(self.backend, inputs)
             if logits.shape[0] != len(inputs.logits_indices):
                 raise StepFailedError(f"backend returned {logits.shape[0]} logits rows, expected "
                                       f"{len(inputs.logits_indices)}")
@@ -172,6 +206,7 @@ class LLMEngine:
             to_sample, token_ids, logprobs, beam_rows = self.beams.split(to_sample, sampled.token_ids,
                                                                          sampled.logprobs)
             self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
+            embedded = self._embed(sched.scheduled, pooled, hidden)
             outputs += self.beams.advance(beam_rows)
             rec.lap("commit")
             failed = self.outputs.score_prompts(scored, logits[len(sampled.token_ids):])
@@ -180,7 +215,7 @@ class LLMEngine:
                 self.scheduler.finish(req, "stop", stop_reason=stop)
             for req, error in failed + failed_text:  # only these requests end: a prompt not scored, a token not decoded
                 self.scheduler.finish(req, "error", error=error)
-            touched = to_sample
+            touched = to_sample + embedded
         outputs += self.outputs.make_outputs(touched)
         rec.lap("detokenize")
         rec.end(sched, self._arrived, self.scheduler.take_finished(), len(self.scheduler.waiting), self.block_manager)
@@ -200,8 +235,29 @@ class LLMEngine:
         self._publish_kv_events()
         return done
 
+    def _embed(self, scheduled: dict[Request, int], pooled: dict[Request, tuple[int, int]],
+               hidden: np.ndarray | None) -> list[Request]:
+        """Pool this step's hidden-state rows; finish the embedding requests whose prompt is complete (their
+        vector goes on their final output). Returns the requests it finished."""
+        if not pooled and not any(req.pool is not None for req in scheduled):
+            return []
+        try:
+            accept_rows(pooled, hidden)
+            done = finished_embeddings(scheduled)
+        except Exception as exc:  # noqa: BLE001 - end this step's embedding requests only
+            logger.exception("pooling failed in step %d", self.step_count)
+            ended = [req for req in scheduled if req.pool is not None and not req.finished]
+            for req in ended:
+                self.scheduler.finish(req, "error", error=f"{type(exc).__name__}: {exc}")
+            return ended
+        for req, vector in done:
+            self.outputs.set_embedding(req, vector)
+            self.scheduler.finish(req, "stop")
+        return [req for req, _ in done]
+
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.block_manager, self.step_count)
+        return engine_stats(self.scheduler, self.block_manager, self.step_count,
+                            self.loras.max_loras if self.loras.enabled else 0)
 
     def close(self) -> None:
         if self.kv_event_publisher is not None:

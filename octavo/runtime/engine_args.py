@@ -75,6 +75,12 @@ class EngineArgs:
     # vLLM's --kv-events-config (JSON): publish the prefix cache's stored / removed / cleared blocks over ZeroMQ for
     # KV-aware routers (runtime/kv_events.py, docs/serving.md); None = off
     kv_events_config: str | None = None
+    # LoRA adapters (runtime/lora.py, docs/serving.md "LoRA"): "name=PEFT_DIR,name2=DIR2", served beside the base
+    # model; max_loras adapters at once (slots), each of rank <= max_lora_rank; onnxruntime, float32 exports
+    lora_modules: str | None = None
+    enable_lora: bool = False  # LoRA slots even without lora_modules (adapters loaded later: load_lora_adapter)
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
     # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
@@ -129,6 +135,13 @@ class EngineArgs:
         if self.ort_spinning is not None and self.ort_spinning not in ORT_SPINNING_MODES:
             raise InvalidRequestError(f"ort_spinning must be one of {', '.join(ORT_SPINNING_MODES)}, got "
                                       f"{self.ort_spinning!r}")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or not 1 <= self.max_loras <= 64:
+            raise InvalidRequestError(f"max_loras must be an integer between 1 and 64, got {self.max_loras!r}")
+        if isinstance(self.max_lora_rank, bool) or not isinstance(self.max_lora_rank, int) \
+                or not 1 <= self.max_lora_rank <= 512:
+            raise InvalidRequestError(f"max_lora_rank must be an integer between 1 and 512, got {self.max_lora_rank!r}")
+        if (self.lora_modules or self.enable_lora) and self.backend != "onnxruntime":
+            raise InvalidRequestError("LoRA adapters (lora_modules, enable_lora) need the onnxruntime backend")
         if self.backend not in ("onnxruntime", "tensorrt"):
             raise InvalidRequestError(f"backend must be 'onnxruntime' or 'tensorrt', got {self.backend!r}")
         if self.backend == "tensorrt" and self.weights in ("int8", "int4", "gguf"):

@@ -18,7 +18,9 @@ import numpy as np
 from octavo.errors import InvalidRequestError, PromptTooLongError
 from octavo.runtime.detokenizer import IncrementalDetokenizer
 from octavo.runtime.output_processor import RequestGroup
+from octavo.runtime.lora import LoRARegistry
 from octavo.runtime.outputs import RequestMetrics
+from octavo.runtime.pooling_params import EmbeddingModel, pool_state
 from octavo.runtime.request import Request
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.tokenizer import Tokenizer
@@ -44,9 +46,11 @@ class InputProcessor:
                  block_size: int, seed: int, structured: StructuredOutputManager | None = None,
                  beam_search_refusal: str | None = None, prompt_logprob_rows: int = 1,
                  max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 embedding_model: EmbeddingModel | None = None) -> None:
         """beam_search_refusal: why this engine cannot run beam search (None: it can). prompt_logprob_rows:
-        the logits rows a step can return beyond one per sequence (0: prompt_logprobs is refused)."""
+        the logits rows a step can return beyond one per sequence (0: prompt_logprobs is refused).
+        embedding_model: what embedding requests (SamplingParams.pooling) can have (None: they are refused)."""
         self.tokenizer = tokenizer
         self.structured = structured  # compiles output constraints (None: a request with one is refused)
         self.beam_search_refusal = beam_search_refusal
@@ -58,6 +62,8 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.seed = seed
+        self.embedding_model = embedding_model or EmbeddingModel(None, 0)
+        self.loras = LoRARegistry()  # the engine's adapters (runtime/lora.py); none until it sets them
         self._arrival_counter = itertools.count(1)
 
     def make_group(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
@@ -69,7 +75,16 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)  # a private, normalised and validated copy
         text, ids = self._prompt_ids(prompt)
+        pool = None
+        if params.pooling is not None:  # computes the prompt only: fits as a one-token request
+            pool = pool_state(self.embedding_model, params.pooling, params.max_tokens, params.n)
+            params.max_tokens, params.min_tokens = 1, 0
         max_tokens = self._check_fits(len(ids), params)
+        lora_slot, salt = 0, b""
+        if params.lora_name is not None:
+            lora_slot, salt = self.loras.slot(params.lora_name), self.loras.cache_salt(params.lora_name)
+            if params.use_beam_search:
+                raise InvalidRequestError("beam search with a LoRA adapter is not supported")
         if params.logit_bias and any(not 0 <= t < self.vocab_size for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         self._check_logprobs(params, max_tokens)
@@ -97,7 +112,7 @@ class InputProcessor:
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}", prompt_token_ids=ids,
                 params=params, generator=self._generator(params, i, order), max_tokens=max_tokens,
                 arrival_order=order, priority=priority, parent_id=request_id, index=i,
-                metrics=RequestMetrics(arrival_time=now)))
+                metrics=RequestMetrics(arrival_time=now), pool=pool, lora_slot=lora_slot, cache_salt=salt))
         if params.structured_outputs is not None:  # compiled here, off the engine loop; each child its own matcher
             if self.structured is None:
                 raise InvalidRequestError("structured outputs need an engine with a grammar compiler")

@@ -8,17 +8,34 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from octavo.errors import InvalidRequestError
+from octavo.errors import InvalidRequestError, StepFailedError
 from octavo.runtime.backends.base import Backend
 from octavo.runtime.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from octavo.runtime.engine import LLMEngine
 from octavo.runtime.input_processor import Prompt
 from octavo.runtime.engine_args import EngineArgs
 from octavo.runtime.outputs import RequestOutput
+from octavo.runtime.pooling_params import PoolingParams
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.tokenizer import Tokenizer
 
 Message = dict[str, Any]
+
+
+@dataclasses.dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled vector (vLLM's EmbeddingOutput)
+
+
+@dataclasses.dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
 
 
 class LLM:
@@ -38,9 +55,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: str | Any | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs in input order. A bad prompt raises before any runs.
-        priority: per prompt, lower is scheduled first (default: first come, first served)."""
+        priority: per prompt, lower is scheduled first (default: first come, first served). lora_request: the
+        name of a loaded LoRA adapter (EngineArgs.lora_modules), or an object with `lora_name` (vLLM's LoRARequest)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: a string, a dict or a list of token ids
         prompts = list(prompts)
@@ -54,6 +73,11 @@ class LLM:
         finals = {id(p): dataclasses.replace(p, output_kind="final_only")  # one copy per distinct params object
                   for p in params if isinstance(p, SamplingParams)}
         params = [finals.get(id(p), p) for p in params]
+        if lora_request is not None:
+            name = lora_request if isinstance(lora_request, str) else getattr(lora_request, "lora_name", None)
+            if not isinstance(name, str):
+                raise InvalidRequestError(f"lora_request must be an adapter name or a LoRARequest, got {lora_request!r}")
+            params = [dataclasses.replace(p, lora_name=name) if isinstance(p, SamplingParams) else p for p in params]
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError(f"{len(priority)} priorities for {len(prompts)} prompts")
         prios = priority or [0] * len(prompts)
@@ -91,6 +115,22 @@ class LLM:
             c, add_generation_prompt, chat_template=chat_template, continue_final_message=continue_final_message,
             special_tokens_in_content=special_tokens_in_content, **extra)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's LLM.embed), in input order: the model's pooling of its final hidden
+        states (an embedding export: `octavo export --pooling`, or a sentence-transformers folder), unless
+        POOLING_PARAMS asks another type, normalization or a truncation to fewer dimensions. The prompts run
+        batched through the engine (runtime/pooling.py)."""
+        params = SamplingParams(max_tokens=1, pooling=pooling_params or PoolingParams(), output_kind="final_only")
+        results = []
+        for out in self.generate(prompts, params, use_tqdm):
+            if out.embedding is None:
+                error = out.outputs[0].error if out.outputs else None
+                raise StepFailedError(f"the embedding of request {out.request_id} failed: {error or 'no vector'}")
+            results.append(EmbeddingRequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
+                                                  EmbeddingOutput(out.embedding.tolist()), out.finished))
+        return results
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

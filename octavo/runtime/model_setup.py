@@ -152,4 +152,6 @@ def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_mode
     return OnnxRuntimeBackend(model_dir, manifest, default_num_blocks(args, manifest, max_model_len, kv_dtype),
                               args.block_size, num_threads=args.num_threads, kv_cache_dtype=kv_dtype,
                               ort_fusions=bool(args.ort_fusions), ort_spinning=str(args.ort_spinning),
-                              amx=bool(args.amx), max_model_len=max_model_len)
+                              amx=bool(args.amx), max_model_len=max_model_len,
+                              lora=(args.max_loras, args.max_lora_rank) if args.lora_modules or args.enable_lora
+                              else None)

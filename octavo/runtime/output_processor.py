@@ -47,6 +47,7 @@ class RequestGroup:
     # SamplingParams.prompt_logprobs: None first, then one entry per scored prompt token (child 0 scores them)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False
+    embedding: np.ndarray | None = None  # an embedding request's vector, once pooled (runtime/pooling.py)
 
     def __post_init__(self) -> None:
         n = len(self.children)
@@ -115,6 +116,12 @@ class OutputProcessor:
                 failed.append((req, f"{type(exc).__name__}: {exc}"))
         return failed
 
+    def set_embedding(self, req: Request, vector: np.ndarray) -> None:
+        """REQ's pooled vector, reported on its final output."""
+        group = self.groups.get(req.parent_id)
+        if group is not None:
+            group.embedding = vector
+
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -182,7 +189,7 @@ class OutputProcessor:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                              outputs=comps, finished=finished, metrics=_merged_metrics(group, finished),
                              num_cached_tokens=group.children[0].metrics.num_cached_tokens,
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, embedding=group.embedding if finished else None)
 
     def _completion(self, group: RequestGroup, c: Request, end_error: str | None) -> CompletionOutput | None:
         i, detok = c.index, group.detokenizers[c.index]

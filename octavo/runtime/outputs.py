@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -56,3 +58,5 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt position, None first (no context), then {token_id: Logprob}
     # holding the top-k and the prompt's own token (vLLM's shape); None when not asked for
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # an embedding request (SamplingParams.pooling): its vector, float32, on the final output; None otherwise
+    embedding: np.ndarray | None = None

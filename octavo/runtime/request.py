@@ -17,6 +17,7 @@ from octavo.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from octavo.runtime.reasoning import ThinkingGate
+    from octavo.runtime.pooling_params import PoolState
     from octavo.structured.matcher import GrammarMatcher
 
 
@@ -56,6 +57,9 @@ class Request:
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
     # with a reasoning parser: whether the thinking has ended (the grammar waits for it; runtime/reasoning.py)
     thinking: ThinkingGate | None = None
+    pool: PoolState | None = None  # an embedding request (SamplingParams.pooling): what it pooled so far
+    lora_slot: int = 0  # the backend's LoRA slot of its adapter (0: the base model)
+    cache_salt: bytes = b""  # seeds its prefix-cache hash chain: requests of different adapters never share KV
 
     @property
     def num_prompt_tokens(self) -> int:

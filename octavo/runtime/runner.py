@@ -24,14 +24,17 @@ class ModelRunner:
         self._cu = np.zeros(b + 1, np.int32)
         self._past = np.zeros(b, np.int32)
         self._logits_indices = np.zeros(b + t, np.int64)  # a row to sample per sequence, prompt-logprob rows
+        self._hidden_indices = np.zeros(t, np.int64)  # embedding requests' rows (runtime/pooling.py)
+        self._lora_slots = np.zeros(t, np.int64)  # each token's LoRA slot (runtime/lora.py)
         self.block_tables = BlockTables(max_num_seqs, max_blocks_per_seq)
 
-    def prepare(self, scheduled: dict[Request, int], prompt_rows: dict[Request, tuple[int, int]] | None = None
-                ) -> tuple[StepInputs, list[Request]]:
+    def prepare(self, scheduled: dict[Request, int], prompt_rows: dict[Request, tuple[int, int]] | None = None,
+                pooled_rows: dict[Request, tuple[int, int]] | None = None) -> tuple[StepInputs, list[Request]]:
         """Pack the step; return the inputs and the requests that get a logits row (in row order). Values go
         into Python lists (a decode row is a few ints), then one numpy assignment per array.
         PROMPT_ROWS (prompt logprobs): per request, (first position, count) of more rows to return, after
-        the rows to sample, in the order given."""
+        the rows to sample, in the order given. POOLED_ROWS (embeddings): likewise, the rows of hidden_indices;
+        an embedding request never samples."""
         bs = self.block_size
         b = len(scheduled)
         sampled: list[Request] = []
@@ -43,11 +46,18 @@ class ModelRunner:
         cu: list[int] = []
         t = 0
         extra: list[int] = []
+        hidden: list[int] = []
+        lora = any(req.lora_slot for req in scheduled)
         for req, n in scheduled.items():
+            if lora:
+                self._lora_slots[t:t + n] = req.lora_slot
             start = req.num_computed_tokens
             if prompt_rows and req in prompt_rows:
                 first, count = prompt_rows[req]
                 extra.extend(range(t + first - start, t + first - start + count))
+            if pooled_rows and req in pooled_rows:
+                first, count = pooled_rows[req]
+                hidden.extend(range(t + first - start, t + first - start + count))
             blocks = req.block_table
             past.append(start)
             cu.append(t)
@@ -60,7 +70,7 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             t += n
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens and req.pool is None:
                 logit_rows.append(t - 1)
                 sampled.append(req)
         cu.append(t)
@@ -71,10 +81,13 @@ class ModelRunner:
         self._cu[: b + 1] = cu
         logit_rows += extra
         self._logits_indices[: len(logit_rows)] = logit_rows
+        self._hidden_indices[: len(hidden)] = hidden
         inputs = StepInputs(
             input_ids=self._input_ids[:t], position_ids=self._positions[:t],
             cumulative_sequence_length=self._cu[: b + 1], past_seqlens=self._past[:b],
             block_table=self.block_tables.pack(scheduled), slot_mapping=self._slots[:t],
             logits_indices=self._logits_indices[: len(logit_rows)],
+            hidden_indices=self._hidden_indices[: len(hidden)] if pooled_rows else None,
+            lora_slots=self._lora_slots[:t] if lora else None,
         )
         return inputs, sampled

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from octavo.errors import InvalidRequestError
+from octavo.runtime.pooling_params import PoolingParams
 from octavo.structured.params import StructuredOutputsParams
 
 
@@ -51,6 +52,11 @@ class SamplingParams:
     use_beam_search: bool = False
     best_of: int | None = None
     length_penalty: float = 1.0
+    # an embedding request (runtime/pooling.py): the prompt is computed and pooled, nothing is sampled
+    pooling: PoolingParams | None = None
+    # the LoRA adapter this request runs with (a name of EngineArgs.lora_modules; None: the base model). The server
+    # sets it from the request's `model`, LLM.generate from its lora_request (runtime/lora.py)
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -128,6 +134,14 @@ class SamplingParams:
         if self.use_beam_search and self.structured_outputs is not None:
             raise bad("structured outputs are not supported with use_beam_search (each beam would need its own "
                       "grammar state)")
+        if self.lora_name is not None and not isinstance(self.lora_name, str):
+            raise bad(f"lora_name must be a string, got {self.lora_name!r}")
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise bad(f"pooling must be a PoolingParams, got {type(self.pooling).__name__}")
+        if self.pooling is not None and (self.use_beam_search or self.structured_outputs is not None
+                                         or self.logprobs is not None or self.prompt_logprobs is not None):
+            raise bad("an embedding request (pooling) samples nothing: beam search, structured outputs, logprobs "
+                      "and prompt_logprobs do not apply")
         if self.logit_bias is not None:
             for k, v in self.logit_bias.items():
                 if not isinstance(k, int) or not _finite(v) or not -100 <= v <= 100:

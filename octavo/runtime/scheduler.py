@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.runtime.block_manager import BlockManager
+from octavo.runtime.pooling import usable_pooled_blocks
 from octavo.runtime.prompt_logprobs import capped_chunk, rows_needed, usable_cached_blocks
 from octavo.runtime.request import Request, RequestStatus
 from octavo.runtime.stop_check import check_stop
@@ -97,6 +98,7 @@ class Scheduler:
             req = self.waiting[i]
             found = self.block_manager.find_cached(req)
             cached = usable_cached_blocks(req, found, self.block_manager.block_size)  # prompt logprobs: compute
+            cached = usable_pooled_blocks(req, cached, self.block_manager.block_size)  # mean / cls pooling: too
             if len(cached) == len(found) and self.block_manager.producer_of_next(req, len(cached)) is not None:
                 out.held.append(req)
                 i += 1

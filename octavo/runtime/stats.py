@@ -22,10 +22,16 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded, recomputes included)
     generation_tokens_total: int  # tokens sampled
     step_count: int
+    max_loras: int = 0  # LoRA slots (0: the engine serves no adapters)
+    running_loras: tuple[str, ...] = ()  # adapters of the running requests (sorted, once each)
+    waiting_loras: tuple[str, ...] = ()  # adapters of the waiting ones
 
 
-def engine_stats(s: Scheduler, bm: BlockManager, step_count: int) -> EngineStats:
-    """The counters of an engine's scheduler and block manager now."""
+def engine_stats(s: Scheduler, bm: BlockManager, step_count: int, max_loras: int = 0) -> EngineStats:
+    """The counters of an engine's scheduler and block manager now (MAX_LORAS: with the adapters in use)."""
+    def loras(reqs: list) -> tuple[str, ...]:
+        return tuple(sorted({r.params.lora_name for r in reqs if r.params.lora_name is not None})) if max_loras else ()
+
     return EngineStats(
         num_running=len(s.running), num_waiting=len(s.waiting),
         num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
@@ -33,6 +39,7 @@ def engine_stats(s: Scheduler, bm: BlockManager, step_count: int) -> EngineStats
         prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
         num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
         generation_tokens_total=s.generation_tokens_total, step_count=step_count,
+        max_loras=max_loras, running_loras=loras(s.running), waiting_loras=loras(s.waiting),
     )
 
 

@@ -19,8 +19,13 @@ from aiohttp import web
 from octavo.version import __version__
 from octavo.serving import responses as R
 from octavo.serving.api_error import ApiError
+from octavo.serving.lora_models import adapter_models
+from octavo.serving.lora_routes import add_lora_routes
 from octavo.serving.metrics import CONTENT_TYPE
 from octavo.serving.openapi import add_openapi_route, server_schema
+from octavo.serving.anthropic_messages import count_tokens, messages
+from octavo.serving.embeddings import embeddings
+from octavo.serving.openai_responses import create_response
 from octavo.serving.routes import batch_chat_completions, chat_completions, completions, invocations
 from octavo.serving.state import CLOSE_AFTER, STATE, ServerState
 from octavo.serving.tokenize_routes import add_tokenize_routes
@@ -39,7 +44,13 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/chat/completions/batch", batch_chat_completions)
     app.router.add_post("/invocations", invocations)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     add_tokenize_routes(app, STATE)  # /tokenize, /detokenize, /tokenizer_info (vLLM's)
+    if state.config.allow_runtime_lora_updating:
+        add_lora_routes(app)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     add_openapi_route(app, lambda: server_schema(state))
     return app
 
@@ -90,11 +101,14 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     if key is not None and request.path != "/health":
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
+        x_api_key = request.headers.get("x-api-key")  # Anthropic's header (the anthropic SDK sends it)
+        if x_api_key is not None and not given:
+            scheme, token = "bearer", x_api_key
         # bytes compared: a header with bytes that are not UTF-8 reaches us with surrogate escapes
         given_key = token.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, key.encode()):
-            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                                "<key>')", code="invalid_api_key")
     return await handler(request)
 
 
@@ -118,7 +132,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    return web.json_response(R.model_list(st.config.served_model_names, st.created, st.max_model_len))
+    out = R.model_list(st.config.served_model_names, st.created, st.max_model_len)
+    out["data"] += adapter_models(st, st.created)  # LoRA adapters, with their base as parent
+    return web.json_response(out)
 
 
 __all__ = ["build_app"]

@@ -35,6 +35,7 @@ class ChoiceUpdate:
     logprobs: list[dict[int, Logprob]] | None  # their logprob entries (when asked for)
     finish_reason: str | None  # set on the choice's last update
     error: str | None = None  # message when finish_reason == "error"
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (with finish_reason "stop")
 
 
 @dataclass(slots=True)
@@ -190,7 +191,7 @@ class Generation:
             if o.text or o.token_ids or st.finished:
                 updates.append(ChoiceUpdate(i * self._params.n + o.index, o.text, list(o.token_ids),
                                             list(o.logprobs) if o.logprobs is not None else None,
-                                            o.finish_reason, o.error))
+                                            o.finish_reason, o.error, o.stop_reason))
         sub.timer.output(now, max((c.num_tokens for c in sub.choices.values()), default=0))
         if out.finished:
             sub.finished = True

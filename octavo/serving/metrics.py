@@ -8,6 +8,7 @@ the server as outputs stream through it.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,11 @@ class _EngineCollector(Collector):
                               labels=labels)
         g.add_metric([self._model], float(in_flight))
         yield g
+        if s is not None and getattr(s, "max_loras", 0):  # vLLM's: which adapters run and wait, as labels
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(s.max_loras), ",".join(s.running_loras), ",".join(s.waiting_loras)], time.time())
+            yield info
         for m in ENGINE_METRICS:
             if m.prometheus is None:
                 continue

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from octavo.runtime.sampling_params import MAX_LOGPROB_TOKEN_IDS
+from octavo.serving.openapi_apis import api_paths, api_schemas
 from octavo.serving.protocol import MAX_LOGPROBS
 
 OPENAPI_PATH = "/openapi.json"
@@ -359,9 +360,11 @@ def _tokenizer_op(summary: str, request: str, response: str) -> dict[str, Any]:
 
 def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int | None = None, max_n: int = 16,
                    vocab_size: int | None = None, version: str = "0", max_logprobs: int = MAX_LOGPROBS,
-                   max_prompts: int = 64) -> dict[str, Any]:
-    """The OpenAPI 3.0.3 document of this server, with its limits filled in."""
+                   max_prompts: int = 64, hidden_size: int | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.0.3 document of this server, with its limits filled in (HIDDEN_SIZE: an embedding export's,
+    which adds /v1/embeddings; the other APIs' part: serving/openapi_apis.py)."""
     schemas = _responses_schemas()
+    schemas.update(api_schemas(max_tokens_cap, vocab_size, hidden_size))
     schemas["CompletionRequest"] = _completion_request(max_tokens_cap, max_n, vocab_size, max_logprobs)
     schemas["ChatCompletionRequest"] = _chat_request(max_tokens_cap, max_n, vocab_size, max_logprobs)
     schemas["BatchChatCompletionRequest"] = _batch_chat_request(max_tokens_cap, max_n, vocab_size, max_logprobs,
@@ -399,6 +402,7 @@ def openapi_schema(served_model_names: tuple[str, ...], *, max_tokens_cap: int |
                 "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}})},
             "/metrics": {"get": _get_op("Prometheus metrics", text)},
             OPENAPI_PATH: {"get": _get_op("this document", {_JSON: {"schema": {"type": "object"}}})},
+            **api_paths(hidden_size),
         },
     }
 
@@ -409,10 +413,12 @@ def server_schema(state: Any) -> dict[str, Any]:
 
     cfg = state.config
     lim = state.limits
+    model = state.engine.embedding_model if state.engine is not None else None
+    hidden = model.hidden_size if model is not None and model.config is not None else None
     return openapi_schema(cfg.served_model_names, max_tokens_cap=cfg.max_tokens_cap, max_n=cfg.max_n,
                           vocab_size=lim.vocab_size if lim is not None else None, version=__version__,
                           max_logprobs=lim.max_logprobs if lim is not None else MAX_LOGPROBS,
-                          max_prompts=lim.max_prompts if lim is not None else 64)
+                          max_prompts=lim.max_prompts if lim is not None else 64, hidden_size=hidden)
 
 
 def add_openapi_route(app: web.Application, schema: Any) -> None:

@@ -24,7 +24,8 @@ from octavo.serving.api_error import ApiError, bad_request, from_exception
 from octavo.serving.body import parse_json_body
 from octavo.serving.generation import ChoiceUpdate, Generation
 from octavo.serving.batch_chat import parse_batch_chat
-from octavo.serving.protocol import ChatRequest, CompletionRequest, check_model, parse_chat, parse_completion
+from octavo.serving.lora_models import resolve_model
+from octavo.serving.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from octavo.serving.shapes import BatchChatShape, ChatShape, CompletionShape, Shape
 from octavo.serving.state import CLOSE_AFTER, STATE, ServerState
 from octavo.serving.tools import template_messages
@@ -90,7 +91,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request, st: ServerState, engine: AsyncEngine,
                        req: CompletionRequest) -> web.StreamResponse:
-    check_model(req.model, st.config.served_model_names)
+    resolve_model(st, engine, req.model, req.params)  # a LoRA adapter's name: runs with it
     await _prepare_constraint(engine, req)
     if req.truncation is not None:  # vLLM's truncate_prompt_tokens: the kept token ids are the prompt
         req.prompts = await asyncio.to_thread(_truncated, st, req)
@@ -111,7 +112,7 @@ def _truncated(st: ServerState, req: CompletionRequest) -> list[str | list[int]]
 
 
 async def _chat(request: web.Request, st: ServerState, engine: AsyncEngine, req: ChatRequest) -> web.StreamResponse:
-    check_model(req.model, st.config.served_model_names)
+    resolve_model(st, engine, req.model, req.params)
     await _prepare_constraint(engine, req)
     ids = await _chat_ids(st, req, req.messages)
     answering = False  # with a reasoning parser: the prompt closed the thinking (all of the output is answer)
@@ -146,7 +147,7 @@ async def batch_chat_completions(request: web.Request) -> web.StreamResponse:
     choice (index = its position), with the body's other fields for all; never streamed."""
     st, engine, body = await _generation_body(request)
     req, conversations = parse_batch_chat(body, st.limits)
-    check_model(req.model, st.config.served_model_names)
+    resolve_model(st, engine, req.model, req.params)  # a LoRA adapter's name: runs with it
     await _prepare_constraint(engine, req)
     prompts = [{"prompt_token_ids": await _chat_ids(st, req, conv)} for conv in conversations]
     rid = R.new_id("chatcmpl")
@@ -268,4 +269,12 @@ async def _stream(request: web.Request, shape: Shape, first: list[ChoiceUpdate] 
     return resp
 
 
-__all__ = ["batch_chat_completions", "chat_completions", "completions", "invocations"]
+# for the other API modules (embeddings, responses, messages): a body read and an engine error mapped the same way
+read_request = _generation_body
+read_json = _read_json
+engine_error = _engine_error
+prepare_constraint = _prepare_constraint
+step_failed = _step_failed
+
+__all__ = ["batch_chat_completions", "chat_completions", "completions", "engine_error", "invocations", "prepare_constraint", "read_json", "read_request",
+           "step_failed"]

@@ -27,6 +27,7 @@ class Shape:
     def __init__(self, st: ServerState, req: Any, gen: Generation, rid: str) -> None:
         self.st, self.req, self.gen, self.rid = st, req, gen, rid
         self.created = int(time.time())
+        self.model_name = req.params.lora_name or st.model_name  # a LoRA adapter answers under its own name
         self.opts = req.options
         self.streamed_tokens = 0  # completion tokens the stream has carried so far (continuous usage)
         self.prompt_ids_sent: set[int] = set()  # choices whose chunk carried prompt_token_ids
@@ -46,13 +47,13 @@ class Shape:
         use = None
         if self.opts.continuous_usage:  # usage so far on every chunk (vLLM's continuous_usage_stats)
             use = R.usage(self.gen.prompt_tokens, self.streamed_tokens, self.gen.cached_tokens)
-        return self.envelope(self.rid, self.created, self.st.model_name, choices, use, chunk=True,
+        return self.envelope(self.rid, self.created, self.model_name, choices, use, chunk=True,
                              with_usage_field=self.req.include_usage)
 
     def usage_chunk(self) -> dict[str, Any] | None:
         if not self.req.include_usage:
             return None
-        out = self.envelope(self.rid, self.created, self.st.model_name, [], self._usage(), chunk=True,
+        out = self.envelope(self.rid, self.created, self.model_name, [], self._usage(), chunk=True,
                             with_usage_field=True)
         if self._with_metrics:  # as vLLM: the metrics of a stream ride on its final usage chunk
             out["metrics"] = self.gen.timing()
@@ -62,7 +63,7 @@ class Shape:
         return R.usage(self.gen.prompt_tokens, self.gen.completion_tokens, self.gen.cached_tokens)
 
     def _response(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        out = self.envelope(self.rid, self.created, self.st.model_name, choices, self._usage())
+        out = self.envelope(self.rid, self.created, self.model_name, choices, self._usage())
         if self._with_metrics:
             out["metrics"] = self.gen.timing()
         return out

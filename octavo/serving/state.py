@@ -34,6 +34,7 @@ class ServerConfig:
     special_tokens_in_content: bool = False  # parse special-token strings in chat messages as control tokens
     tool_call_parser: str | None = None  # --tool-call-parser (hermes, llama3_json): enables tool_choice "auto"
     metric_names: str = "both"  # --metric-names: /metrics under octavo:*, vLLM's vllm:* (serving/vllm_metrics.py) or both
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes)
 
 
 @dataclass(slots=True)

@@ -47,7 +47,7 @@ def add_tokenize_routes(app: web.Application, state_key: web.AppKey) -> None:
         st = request.app[state_key]
         st.ready_engine()
         b = _body(await request.read())
-        check_model(b.string("model", None), st.config.served_model_names)
+        check_model(b.string("model", None), _models(st))
         if b.d.get("tokens") is None:
             raise bad_request("'tokens' is required: a list of token ids", "tokens")
         tokens = b.int_list("tokens")
@@ -78,12 +78,17 @@ def add_tokenize_routes(app: web.Application, state_key: web.AppKey) -> None:
     app.router.add_get("/tokenizer_info", tokenizer_info)
 
 
+def _models(st: Any) -> tuple[str, ...]:
+    """The names a request may give: the served ones and the LoRA adapters' (same tokenizer)."""
+    return (*st.config.served_model_names, *(st.engine.loras.slots if st.engine is not None else ()))
+
+
 def _body(raw: bytes) -> Body:
     return Body(parse_json_body(raw))
 
 
 async def _tokenize(b: Body, st: Any) -> tuple[Body, list[int]]:
-    check_model(b.string("model", None), st.config.served_model_names)
+    check_model(b.string("model", None), _models(st))
     has_prompt, has_messages = b.d.get("prompt") is not None, b.d.get("messages") is not None
     if has_prompt == has_messages:
         raise bad_request("send exactly one of 'prompt' (a string) and 'messages' (a chat)",

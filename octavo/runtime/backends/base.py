@@ -18,6 +18,8 @@ class StepInputs:
     block_table: np.ndarray  # int32 [B, max_blocks]
     slot_mapping: np.ndarray  # int64 [T]
     logits_indices: np.ndarray  # int64 [N]
+    hidden_indices: np.ndarray | None = None  # int64 [H]: rows whose hidden states an embedding export returns
+    lora_slots: np.ndarray | None = None  # int64 [T]: each token's LoRA slot (0 = base); None: all base
 
 
 class Backend(Protocol):

@@ -33,13 +33,15 @@ import numpy as np
 import onnxruntime as ort
 
 from octavo.errors import InvalidRequestError, ModelFormatError, OpLibraryError
-from octavo.export.graph import STEP_INPUTS, cache_input_names
+from octavo.export.graph import HIDDEN_INPUT, HIDDEN_OUTPUT, STEP_INPUTS, cache_input_names
 from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.longrope_table import select_longrope_factors
 from octavo.runtime.backends.oplib import library_path
 from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention
 from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, set_cache_dtype
+from octavo.runtime.backends.ort_lora import SLOTS_INPUT, LoraPools, LoraSite, add_lora_branches
+from octavo.runtime.lora import LoRAAdapter
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
 
 log = logging.getLogger(__name__)
@@ -68,12 +70,14 @@ class OnnxRuntimeBackend:
         ort_spinning: str = "run",
         amx: bool = True,
         max_model_len: int | None = None,
+        lora: tuple[int, int] | None = None,
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
         kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32" or "float16" pools.
         ort_fusions, ort_spinning, amx: EngineArgs' fields of those names (the graph rewrites at load, how the
         threads wait: module docstring, the op library's AMX switch for the process: oplib.set_amx).
-        max_model_len: the engine's context; a longrope model gets the factor set it calls for (longrope_table)."""
+        max_model_len: the engine's context; a longrope model gets the factor set it calls for (longrope_table).
+        lora: (max_loras, max_lora_rank): the graph gets LoRA branches (ort_lora.py) and `load_lora` fills slots."""
         from octavo.runtime.backends.oplib import set_amx
         from octavo.runtime.engine_args import ORT_SPINNING_MODES
 
@@ -109,6 +113,9 @@ class OnnxRuntimeBackend:
         if not onnx_path.is_file():
             raise ModelFormatError(f"{onnx_path} is missing; re-export the model with `octavo export`")
         self._pool_output_aliases: dict[str, str] = {}  # float16 pools: pool output -> its pool input
+        self._pooled = manifest.pooling is not None  # an embedding export: hidden_indices in, hidden_states out
+        self._lora_config = lora
+        self._lora_sites: list[LoraSite] = []
         try:
             self.session = ort.InferenceSession(self._model_source(onnx_path, options), options,
                                                 providers=["CPUExecutionProvider"])
@@ -140,6 +147,15 @@ class OnnxRuntimeBackend:
         self._logits_buffer = np.empty((_LOGITS_BUFFER_ROWS, manifest.vocab_size), np.float32)
         for name, pool in self._pool_outputs:  # bound once (they were rebound every step: 60 calls)
             self._binding.bind_ortvalue_output(name, pool)
+        self.lora: LoraPools | None = None
+        if self._lora_config is not None:  # the adapters' A/B arrays, bound once like the pools
+            self.lora = LoraPools.zeros(self._lora_sites, *self._lora_config)
+            for s in self._lora_sites:
+                for name, array in ((f"lora_a.{s.weight}", self.lora.a[s.weight]),
+                                    (f"lora_b.{s.weight}", self.lora.b[s.weight])):
+                    value = ort.OrtValue.ortvalue_from_numpy(array)
+                    self._binding.bind_ortvalue_input(name, value)
+                    self._pool_values.append(value)
         log.info(
             "onnxruntime backend: %s, %d blocks x %d slots, %.1f MiB KV (%s)", onnx_path, num_blocks, block_size,
             2 * manifest.num_layers * self.key_caches[0].nbytes / 2**20, self.kv_cache_dtype,
@@ -165,6 +181,8 @@ class OnnxRuntimeBackend:
         if self.ort_fusions:
             if fuse_rotary(model, self.manifest.max_context):
                 fuse_rotary_into_attention(model)
+        if self._lora_config is not None:  # after the fusions, which match the export's own pattern
+            self._lora_sites = add_lora_branches(model, *self._lora_config)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(onnx_path.parent))
         return model.SerializeToString()
@@ -174,6 +192,9 @@ class OnnxRuntimeBackend:
         m = self.manifest
         inputs = {i.name: i for i in self.session.get_inputs()}
         expected = [name for name, _, _ in STEP_INPUTS] + cache_input_names(m.num_layers)
+        expected += [HIDDEN_INPUT[0]] if self._pooled else []
+        expected += [f"lora_{ab}.{s.weight}" for s in self._lora_sites for ab in "ab"]
+        expected += [SLOTS_INPUT] if self._lora_sites else []
         names = [i.name for i in self.session.get_inputs()]
         if names != expected:
             raise ModelFormatError(
@@ -193,20 +214,44 @@ class OnnxRuntimeBackend:
                     f"octavo.json says dtype {m.dtype}; re-export the model"
                 )
         outputs = self.session.get_outputs()
-        if [o.name for o in outputs] != ["logits", *self._pool_output_aliases] or outputs[0].shape[-1] != m.vocab_size:
+        hidden = [HIDDEN_OUTPUT] if self._pooled else []
+        if [o.name for o in outputs] != ["logits", *hidden, *self._pool_output_aliases] \
+                or outputs[0].shape[-1] != m.vocab_size:
             raise ModelFormatError(
-                f"{self.model_dir}: model.onnx must have one output logits [N, {m.vocab_size}], "
+                f"{self.model_dir}: model.onnx must have the output logits [N, {m.vocab_size}]"
+                f"{' and hidden_states (octavo.json has pooling)' if hidden else ''}, "
                 f"found {[(o.name, o.shape) for o in outputs]}; re-export the model"
             )
         return {name: _NUMPY_DTYPE[inputs[name].type] for name, _, _ in STEP_INPUTS}
 
-    def run(self, inputs: StepInputs) -> np.ndarray:
-        """One step: writes the new tokens' K/V into the pools, returns float32 logits [N, vocab]."""
+    def run_with_hidden(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+        """An embedding export's step: (logits [N, vocab], hidden states [H, hidden_size] of inputs.hidden_indices)."""
+        if not self._pooled:
+            raise ModelFormatError(f"{self.model_dir} has no hidden_states output (octavo.json has no pooling): "
+                                   "export it with `octavo export --pooling last` (or mean, cls)")
+        rows = 0 if inputs.hidden_indices is None else len(inputs.hidden_indices)
+        hidden = np.empty((rows, self.manifest.hidden_size), np.float32)
+        return self.run(inputs, hidden), hidden
+
+    def run(self, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
+        """One step: writes the new tokens' K/V into the pools, returns float32 logits [N, vocab]. An embedding
+        export also writes the hidden states of inputs.hidden_indices into HIDDEN (none asked: an empty array)."""
         keep = []  # the bound arrays must outlive run_with_iobinding
         for name, dtype in self._input_dtypes.items():
             array = np.ascontiguousarray(getattr(inputs, name), dtype=dtype)
             keep.append(array)
             self._binding.bind_cpu_input(name, array)
+        if self.lora is not None:  # per token: its adapter's slot (0: the base model)
+            slots = inputs.lora_slots if inputs.lora_slots is not None else np.zeros(len(inputs.input_ids), np.int64)
+            keep.append(slots := np.ascontiguousarray(slots, dtype=np.int64))
+            self._binding.bind_cpu_input(SLOTS_INPUT, slots)
+        if self._pooled:
+            indices = inputs.hidden_indices if inputs.hidden_indices is not None else np.zeros(0, np.int64)
+            keep.append(indices := np.ascontiguousarray(indices, dtype=np.int64))
+            self._binding.bind_cpu_input(HIDDEN_INPUT[0], indices)
+            out = hidden if hidden is not None else np.empty((0, self.manifest.hidden_size), np.float32)
+            keep.append(out)
+            self._binding.bind_ortvalue_output(HIDDEN_OUTPUT, ort.OrtValue.ortvalue_from_numpy(out))
         rows = len(inputs.logits_indices)
         if rows <= _LOGITS_BUFFER_ROWS:  # into our own buffer: get_outputs() wraps every output (61 with float16 pools)
             view = self._logits_buffer[:rows]
@@ -220,6 +265,12 @@ class OnnxRuntimeBackend:
         self._binding.bind_output("logits", "cpu")  # the binding would hold ORT's array until the next step
         del keep
         return logits
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put ADAPTER's weights into SLOT (None clears it). Call between steps: the next step sees them."""
+        if self.lora is None:
+            raise InvalidRequestError("this backend was made without LoRA (engine argument lora_modules)")
+        self.lora.load(slot, adapter)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer's pools (beam search's copy on write). The pools are
