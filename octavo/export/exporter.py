@@ -98,6 +98,7 @@ def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConf
         source=source,
         weights=quant.weights,
         quantization=quant.describe(fallback_layers),
+        moe=spec.moe.describe() if spec.moe is not None else None,
     )
 
 
