@@ -191,3 +191,19 @@ def test_dense_manifests_are_unchanged(hf_model_dir) -> None:  # noqa: ANN001
     folder = exported(hf_model_dir("llama"))
     assert "moe" not in json.loads((folder / "octavo.json").read_text())
     assert Manifest.load(folder).moe is None
+
+
+def test_tensorrt_refuses_moe_before_touching_tensorrt(hf_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """No GPU claim that did not run: the engine arguments, the builder and the ONNX rewrite each say why."""
+    from octavo import LLM
+    from octavo.errors import InvalidRequestError
+    from octavo.tensorrt.builder import build_engine
+    from octavo.tensorrt.onnx_rewrite import prepare_onnx_for_tensorrt
+
+    folder = exported(hf_model_dir("qwen3_moe"))
+    with pytest.raises(InvalidRequestError, match="Mixture-of-Experts model: its octavo.MoE nodes run on ONNX Runtime"):
+        LLM(str(folder), backend="tensorrt")
+    with pytest.raises(ModelFormatError, match="Mixture-of-Experts model"):
+        build_engine(folder)
+    with pytest.raises(ModelFormatError, match=r"octavo.MoE\): the export is a Mixture-of-Experts model"):
+        prepare_onnx_for_tensorrt(folder / "model.onnx", tmp_path / "trt.onnx")

@@ -113,3 +113,9 @@ def moe_sliding_windows(config: dict[str, Any], architecture: str, num_layers: i
         first = int(config.get("max_window_layers", 28))
         return [int(window) if (i + 1) % 2 and i < first else 0 for i in range(num_layers)]
     return None
+
+
+def moe_not_on_tensorrt(subject: str) -> str:
+    """The one wording of "a Mixture-of-Experts export does not run on TensorRT" (engine arguments, the builder)."""
+    return (f"{subject} is a Mixture-of-Experts model: its octavo.MoE nodes run on ONNX Runtime only (the op has no "
+            "TensorRT plugin yet); serve it with the onnxruntime backend")

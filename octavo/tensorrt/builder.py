@@ -147,6 +147,10 @@ def check_float_weights(model_dir: Path, manifest: Manifest) -> None:
 
         raise ModelFormatError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
                                                methods_of(manifest.quantization)))
+    if manifest.moe is not None:
+        from octavo.export.moe_spec import moe_not_on_tensorrt
+
+        raise ModelFormatError(moe_not_on_tensorrt(str(model_dir)))
 
 
 def build_engine(model_dir: str | Path, options: TensorRTBuildOptions | None = None) -> Path:
