@@ -8,7 +8,10 @@ import onnxruntime as ort
 import pytest
 from moe_reference import moe, route
 from onnx import TensorProto, helper, numpy_helper
+from test_gguf_native import _raw_blocks, _reference
 
+from octavo.export.gguf_blocks import Blocks, parse_blocks
+from octavo.export.moe_blocks import StackedPanels, stack_experts
 from octavo.runtime.backends.oplib import library_path
 
 ATOL = 2e-5
@@ -122,7 +125,9 @@ def test_bad_shapes_and_attributes_are_clear_errors() -> None:
     rng = np.random.default_rng(5)
     gate_up, down = _experts(rng, 4, 16, 8)
     session = _session(gate_up, down, 2, True)
-    with pytest.raises(Exception, match=r"octavo.MoE: router_logits must be \[T, E\]"):
+    with pytest.raises(Exception, match=r"octavo.MoE: router_logits must be \[T, E\] with T = 3"):
+        _run(session, np.zeros((3, 16)), np.zeros((2, 4)))
+    with pytest.raises(Exception, match=r"octavo.MoE: gate_up must be \[E, 2I, H\] with E = 5"):
         _run(session, np.zeros((3, 16)), np.zeros((3, 5)))
     with pytest.raises(Exception, match=r"octavo.MoE: gate_up must be \[E, 2I, H\]"):
         _run(session, np.zeros((3, 12)), np.zeros((3, 4)))
@@ -132,3 +137,85 @@ def test_bad_shapes_and_attributes_are_clear_errors() -> None:
         _run(_session(gate_up, down[:, :, :4].copy(), 2, True), np.zeros((3, 16)), np.zeros((3, 4)))
     with pytest.raises(Exception, match="top_k must be a positive integer"):
         _session(gate_up, down, 0, True)
+
+
+# ----------------------------------------------------------------------------- block-quantized experts (GGUF's own)
+def _block_session(gate_up: StackedPanels, down: StackedPanels, inter: int, top_k: int, normalize: bool,
+                   decode: bool | None) -> ort.InferenceSession:
+    """One MoE node over stacked panels, as octavo/export/moe_graph.py writes it."""
+    names = ["x", "logits", "gu_codes", "down_codes", "gu_scales", "gu_offsets", "down_scales", "down_offsets"]
+    arrays = [gate_up.codes, down.codes, gate_up.scales, gate_up.offsets, down.scales, down.offsets]
+    inits = [numpy_helper.from_array(a, n) for a, n in zip(arrays, names[2:])]
+    if decode is not None:
+        names.append("decode_step")
+        inits.append(numpy_helper.from_array(np.array([decode]), "decode_step"))
+    node = helper.make_node("MoE", names, ["y"], domain="octavo", top_k=top_k, normalize=int(normalize),
+                            expert_inter=inter, gate_up_bits=gate_up.bits, gate_up_block_size=gate_up.block_size,
+                            down_bits=down.bits, down_block_size=down.block_size)
+    graph = helper.make_graph(
+        [node], "moe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
+    model.ir_version = 8
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library_path()))
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _quantized_experts(type_name: str, experts: int, n: int, k: int, seed: int) -> tuple[list[Blocks], np.ndarray]:
+    """EXPERTS [n, k] weights of a GGML type, as one 3-D GGUF tensor's rows: (per-expert Blocks, float32 values)."""
+    raw = _raw_blocks(type_name, experts * n, k, seed)
+    blocks = parse_blocks(type_name, raw, experts * n, k)
+    assert blocks is not None
+    values = _reference(type_name, raw, experts * n, k).reshape(experts, n, k)
+    return [blocks.rows(slice(e * n, (e + 1) * n)) for e in range(experts)], values
+
+
+@pytest.mark.parametrize(("gu_type", "down_type", "tokens", "decode"), [
+    ("Q8_0", "Q8_0", 1, True), ("Q4_K", "Q6_K", 1, True), ("Q4_0", "Q8_0", 5, False),  # 16-bit path (<= 8 rows)
+    ("Q4_K", "Q6_K", 40, False), ("Q8_0", "Q4_1", 21, False),  # float32 path: a prompt chunk
+    ("Q4_K", "Q6_K", 24, True),  # a decode step of 24 sequences: the 16-bit path past 8 rows
+])
+def test_block_experts_match_the_reference_on_the_files_values(gu_type: str, down_type: str, tokens: int,
+                                                               decode: bool) -> None:
+    """The experts in the file's own blocks: y == the reference over the file's float32 values, within the float32
+    path's rounding (prompt chunks) or the 16-bit activations' 2^-16 (decode steps, <= 8 rows)."""
+    experts, hidden, inter, top_k = 6, 256, 96, 2  # K-quants need K a multiple of 256: down's K = inter uses 32-blocks
+    if down_type.endswith("_K"):
+        inter = 256
+    gate, gate_f = _quantized_experts(gu_type, experts, inter, hidden, 1)
+    up, up_f = _quantized_experts(gu_type, experts, inter, hidden, 2)
+    down, down_f = _quantized_experts(down_type, experts, hidden, inter, 3)
+    gate_up = stack_experts([[gate[e], up[e]] for e in range(experts)])
+    stacked_down = stack_experts([[down[e]] for e in range(experts)])
+    rng = np.random.default_rng(tokens)
+    x = rng.normal(0, 1, (tokens, hidden)).astype(np.float32)
+    logits = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
+    y = _run(_block_session(gate_up, stacked_down, inter, top_k, True, decode), x, logits)
+    want = moe(x, logits, np.concatenate([gate_f, up_f], axis=1), down_f, top_k, True)
+    integer = decode or tokens <= 8
+    scale = np.abs(want).max()
+    assert np.abs(y - want).max() <= (2e-4 if integer else 2e-5) * scale
+    # batch invariance: each token alone (a decode step of one) gives the same bits as in its step when the step
+    # took the same path
+    alone = _block_session(gate_up, stacked_down, inter, top_k, True, decode)
+    if integer:
+        for t in (0, tokens - 1):
+            assert np.array_equal(_run(alone, x[t:t + 1], logits[t:t + 1]), y[t:t + 1])
+
+
+def test_block_experts_bad_inputs_are_clear_errors() -> None:
+    gate, _ = _quantized_experts("Q8_0", 4, 32, 64, 1)
+    down, _ = _quantized_experts("Q8_0", 4, 64, 32, 2)
+    gate_up = stack_experts([[gate[e], gate[e]] for e in range(4)])
+    stacked_down = stack_experts([[down[e]] for e in range(4)])
+    session = _block_session(gate_up, stacked_down, 32, 2, True, None)
+    with pytest.raises(Exception, match=r"octavo.MoE: gate_up codes must be uint8 \[5, 4, 32, 32\]"):
+        _run(session, np.zeros((2, 64)), np.zeros((2, 5)))
+    wrong_inter = _block_session(gate_up, stacked_down, 48, 2, True, None)
+    with pytest.raises(Exception, match="octavo.MoE: gate_up codes must be uint8"):
+        _run(wrong_inter, np.zeros((2, 64)), np.zeros((2, 4)))
+    assert _run(session, np.zeros((0, 64)), np.zeros((0, 4))).shape == (0, 64)

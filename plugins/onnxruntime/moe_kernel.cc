@@ -126,13 +126,19 @@ void expert_down(const Weights& w, const Routing& r, const float* act, float* ou
   }
 }
 
-void combine(const Routing& r, const float* out, int64_t hidden, float* y, int64_t t0, int64_t t1) {
+void combine(const Routing& r, const float* out, int64_t hidden, float* y, int64_t t0, int64_t t1, bool weighted) {
   for (int64_t t = t0; t < t1; ++t) {
     float* dst = y + t * hidden;
     std::fill(dst, dst + hidden, 0.0f);
     for (int64_t j = 0; j < r.top_k; ++j) {
-      const float* src = out + r.slot[t * r.top_k + j] * hidden;
-      for (int64_t c = 0; c < hidden; ++c) dst[c] += src[c];
+      const int64_t g = r.slot[t * r.top_k + j];
+      const float* src = out + g * hidden;
+      if (weighted) {
+        const float weight = r.grouped_weight[g];
+        for (int64_t c = 0; c < hidden; ++c) dst[c] += src[c] * weight;
+      } else {
+        for (int64_t c = 0; c < hidden; ++c) dst[c] += src[c];
+      }
     }
   }
 }

@@ -54,7 +54,8 @@ std::vector<Task> plan_tasks(const Routing& r, int64_t columns);
 void expert_up(const Weights& w, const Routing& r, const float* x, float* act, const Task& task);
 // Phase 2: out[g, c] = (act[g] . down_e[c]) * weight(g) for the task's rows and columns.
 void expert_down(const Weights& w, const Routing& r, const float* act, float* out, const Task& task);
-// Phase 3: y[t] = the sum of token t's expert outputs in ascending expert order, for tokens [t0, t1).
-void combine(const Routing& r, const float* out, int64_t hidden, float* y, int64_t t0, int64_t t1);
+// Phase 3: y[t] = the sum of token t's expert outputs in ascending expert order, for tokens [t0, t1); WEIGHTED:
+// each output times its routing weight first (where phase 2 has not applied it).
+void combine(const Routing& r, const float* out, int64_t hidden, float* y, int64_t t0, int64_t t1, bool weighted);
 
 }  // namespace octavo::moe
