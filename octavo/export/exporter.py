@@ -22,6 +22,7 @@ from octavo.export.checkpoint import Checkpoint, ModelSpec, spec_from_config
 from octavo.export.graph import build_model
 from octavo.export.hf_reader import PICKLE_SUFFIXES, read_hf_folder
 from octavo.export.manifest import MANIFEST_NAME, Manifest
+from octavo.export.moe_graph import expert_weights
 from octavo.export.quantize import RESIDUAL_ROWS, QuantConfig
 from octavo.export.source_weights import default_weights
 from octavo.export.weights_file import WeightsFile
@@ -72,7 +73,7 @@ def read_checkpoint(src: str | Path) -> Checkpoint:
 
 
 def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConfig,
-              fallback_layers: list[str]) -> Manifest:
+              fallback_layers: list[str], experts: str = "float32") -> Manifest:
     windows = {w for w in spec.sliding_windows if w}
     return Manifest(
         architecture=spec.architecture,
@@ -98,7 +99,7 @@ def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConf
         source=source,
         weights=quant.weights,
         quantization=quant.describe(fallback_layers),
-        moe=spec.moe.describe() if spec.moe is not None else None,
+        moe=spec.moe.describe(experts) if spec.moe is not None else None,
     )
 
 
@@ -111,7 +112,8 @@ def _write_folder(checkpoint: Checkpoint, spec: ModelSpec, folder: Path, progres
     (folder / TOKENIZER_NAME).write_text(checkpoint.tokenizer_json, encoding="utf-8")
     if checkpoint.chat_template:
         (folder / CHAT_TEMPLATE_NAME).write_text(checkpoint.chat_template, encoding="utf-8")
-    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant, _fallback_layers(model, quant))
+    manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant, _fallback_layers(model, quant),
+                         expert_weights(model))
     manifest.save(folder)
     return manifest
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
 from octavo.export.gguf_header import check_header
+from octavo.export.gguf_moe import moe_architecture, moe_config, moe_expected_shapes, moe_prefix
 from octavo.export.gguf_rope import rope_scaling_from_gguf
 from octavo.export.gguf_tensors import GGUFTensors, index_tensors
 from octavo.export.gguf_tokenizer import build_tokenizer_json
@@ -38,10 +39,13 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
     "phi3": ("phi3", "Phi3ForCausalLM", False),
+    # Mixture-of-Experts (octavo.export.gguf_moe; a llama file with experts is Mixtral)
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
 }
 FUSED_ARCHITECTURES = ("phi3",)  # blk.N.attn_qkv (q, k, v fused) and blk.N.ffn_up = gate and up fused
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-QK_NORM_ARCHITECTURES = ("qwen3",)  # blk.N.attn_q_norm / attn_k_norm ([head_dim]) in every layer
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe")  # blk.N.attn_q_norm / attn_k_norm ([head_dim]) in every layer
 GGUF_MAGIC = b"GGUF"
 
 
@@ -73,14 +77,18 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         )
     _refuse_longrope(reader, path)
     config = _config(meta, reader, arch, path)
+    moe = moe_architecture(meta, arch) is not None
+    if moe:
+        config.update(moe_config(meta, arch, {str(t.name) for t in reader.tensors}, config["num_hidden_layers"], path))
     tensors: GGUFTensors = index_tensors(
         reader, num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
         permuted_qk=ARCHITECTURES[arch][2], fused_gate_up=arch in FUSED_ARCHITECTURES,
+        moe_prefix=moe_prefix(config["model_type"]) if moe else None,
     )
     config["attention_bias"] = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
     if arch == "qwen2" and not config["attention_bias"]:
         raise ModelFormatError(f"{path.name}: a qwen2 GGUF must have q/k/v biases (blk.0.attn_q.bias is missing)")
-    _check_tensors(tensors, config, path)
+    _check_tensors(tensors, config, path, moe_expected_shapes(config) if moe else {})
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     tokenizer_json = build_tokenizer_json(meta, path.name)
     eos_ids = _eos_ids(meta)
@@ -231,8 +239,10 @@ def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[st
     return config
 
 
-def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> None:
-    """Every tensor a Llama-family model needs is present with the shape the config implies."""
+def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path,
+                   moe_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor a Llama-family model needs is present with the shape the config implies; MOE_SHAPES: the
+    experts' tensors of an MoE file (whose sparse layers have no dense MLP)."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     q_out = config["num_attention_heads"] * config["head_dim"]
     kv_out = config["num_key_value_heads"] * config["head_dim"]
@@ -243,12 +253,16 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         "model.norm.weight": (h,),
     }
     fused = config["model_type"] in FUSED_ARCHITECTURES
+    sparse = set(range(layers)) - set(config.get("mlp_only_layers") or []) if moe_shapes else set()
+    expected |= moe_shapes
     for i in range(layers):
         p = f"model.layers.{i}."
         expected |= {
-            p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.down_proj.weight": (h, ffn),
+            p + "self_attn.o_proj.weight": (h, q_out),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
         }
+        if i not in sparse:
+            expected[p + "mlp.down_proj.weight"] = (h, ffn)
         if fused and p + "self_attn.q_proj.weight" not in tensors:  # phi3: attn_qkv (llama.cpp's converter)
             expected[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
             if config["attention_bias"]:
@@ -256,7 +270,9 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         else:
             expected |= {p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
                          p + "self_attn.v_proj.weight": (kv_out, h)}
-        if fused:
+        if i in sparse:
+            pass
+        elif fused:
             expected[p + "mlp.gate_up_proj.weight"] = (2 * ffn, h)
         else:
             expected |= {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h)}

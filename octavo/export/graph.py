@@ -271,7 +271,8 @@ def _mlp(d: _Decoder, h: str, layer: int) -> str:
     """LAYER's MLP of the normed H: a MoE block on the spec's sparse layers (octavo.export.moe_graph), else dense."""
     moe = d.spec.moe
     if moe is not None and layer in moe.sparse_layers:
-        return moe_block(d.g, d.w, moe, layer, d.spec.hidden_size, h, lambda x, m, size: _dense_mlp(d, x, m, size))
+        return moe_block(d.g, d.w, moe, layer, d.spec.hidden_size, h, lambda x, m, size: _dense_mlp(d, x, m, size),
+                         d.quant)
     return _dense_mlp(d, h, f"model.layers.{layer}.mlp.", d.spec.intermediate_size)
 
 

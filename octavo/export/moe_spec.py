@@ -51,14 +51,15 @@ class MoeSpec:
         gate, up, down = EXPERT_NAMES[self.layout]
         return self.prefix(layer) + f"experts.{expert}.{dict(gate=gate, up=up, down=down)[which]}.weight"
 
-    def describe(self) -> dict[str, Any]:
-        """The manifest's record of the expert layout (Manifest.moe)."""
+    def describe(self, expert_weights: str = "float32") -> dict[str, Any]:
+        """The manifest's record of the expert layout (Manifest.moe); EXPERT_WEIGHTS: "float32", or "gguf" where the
+        graph multiplies the file's own blocks."""
         return {
             "num_experts": self.num_experts, "top_k": self.top_k,
             "expert_intermediate_size": self.expert_intermediate_size, "normalize_top_k": self.normalize_top_k,
             "sparse_layers": list(self.sparse_layers),
             "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-            "op": "octavo.MoE", "expert_weights": "float32",
+            "op": "octavo.MoE", "expert_weights": expert_weights,
         }
 
 
