@@ -33,6 +33,7 @@ def moe(x: np.ndarray, logits: np.ndarray, gate_up: np.ndarray, down: np.ndarray
             continue
         h = x64[tokens] @ gate_up[e].astype(np.float64).T
         gate, up = h[:, :inter], h[:, inter:]
-        act = gate / (1.0 + np.exp(-gate)) * up
+        with np.errstate(over="ignore"):  # exp(-gate) = inf for a very negative gate: silu is then -0
+            act = gate / (1.0 + np.exp(-gate)) * up
         y[tokens] += (act @ down[e].astype(np.float64).T) * weights[tokens, choice][:, None]
     return y
