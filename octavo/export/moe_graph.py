@@ -3,10 +3,12 @@ then ONE octavo.MoE node (plugins/onnxruntime/moe_op.cc: softmax, top-k, optiona
 only its routed rows, the weighted sum), plus Qwen2-MoE's shared expert, sigmoid(x . shared_expert_gate) times a
 SwiGLU MLP, added after (transformers adds it in that order).
 
-The experts' weights are written as two initializers per layer, `<prefix>experts.gate_up` [E, 2I, H] (each
-expert's gate rows then its up rows) and `<prefix>experts.down` [E, H, I], in HF's [out, in] layout: the bytes of
-the checkpoint's per-expert tensors back to back, nothing concatenated in memory. The experts stay float32 in
-every export (the op has no quantized path yet); the router stays float32 so that routing is the checkpoint's.
+Float experts are two initializers per layer, `<prefix>experts.gate_up` [E, 2I, H] (each expert's gate rows then
+its up rows) and `<prefix>experts.down` [E, H, I], in HF's [out, in] layout: the bytes of the checkpoint's
+per-expert tensors back to back, nothing concatenated in memory. A quantized GGUF's experts (with "gguf" weights and
+the block kernel) stay in the file's own blocks instead, re-laid per expert for the BlockMatMul kernel
+(octavo.export.moe_blocks): `<prefix>experts.{gate_up,down}.{codes,scales,offsets}`. octavo's own int8/int4
+quantization leaves the experts float32. The router is float32 in every export, so routing is the checkpoint's.
 """
 from __future__ import annotations
 
@@ -88,7 +90,6 @@ def _block_experts(g: Graph, moe: MoeSpec, layer: int, gate_up: StackedPanels, d
         list[str], dict[str, int]]:
     """The MoE node's inputs 2-8 and attributes for experts in the file's own blocks (moe_op.cc)."""
     p = moe.prefix(layer) + "experts."
-
     scale = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4"}
     inputs = [g.weight(p + "gate_up.codes", [gate_up.codes], "u1"), g.weight(p + "down.codes", [down.codes], "u1"),
               g.weight(p + "gate_up.scales", [gate_up.scales], scale[gate_up.scales.dtype]),
@@ -119,10 +120,9 @@ def moe_block(g: Graph, w: CheckpointTensors, moe: MoeSpec, layer: int, hidden: 
     shared = swiglu(h, prefix + "shared_expert.", moe.shared_expert_intermediate_size)
     gate_name = prefix + "shared_expert_gate.weight"
     gate_weight = w.checkpoint.tensor(gate_name)
-    if gate_weight.shape == (hidden,):  # a GGUF's ffn_gate_inp_shexp is 1-D
-        gate_weight = gate_weight.reshape(1, hidden)
-    gate_weight = w.get(gate_name, (1, hidden)) if gate_weight.shape != (1, hidden) else gate_weight
-    gate = g.op1("Sigmoid", [g.op1("Gemm", [h, g.weight(gate_name, [gate_weight])], transB=1)])
+    if gate_weight.shape != (hidden,):  # HF's [1, H] (checked here); a GGUF's ffn_gate_inp_shexp is [H]
+        gate_weight = w.get(gate_name, (1, hidden))
+    gate = g.op1("Sigmoid", [g.op1("Gemm", [h, g.weight(gate_name, [gate_weight.reshape(1, hidden)])], transB=1)])
     return g.op1("Add", [y, g.op1("Mul", [gate, shared])])
 
 
