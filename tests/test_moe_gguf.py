@@ -145,3 +145,39 @@ def test_bad_expert_metadata_is_a_model_format_error(hf_moe, tmp_path: Path, mon
             export_model(path, tmp_path / "out", progress=False)
         assert not (tmp_path / "out").exists()
         path.unlink()
+
+
+def test_k_quant_experts_end_to_end(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Q4_K gate/up and Q6_K down experts (Q4_K_M's mix) in a qwen3moe file: gguf cannot quantize K types, so the
+    experts are valid random K-quant blocks (tests/test_gguf_native.py's); the rest of the file is F32. The export
+    keeps them in their blocks and matches transformers on the file's dequantized values."""
+    import gguf
+    from test_gguf_native import _raw_blocks
+
+    import octavo.export.gguf_writer as writer_module
+
+    src = make_random_model(tmp_path / "hf", "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
+                            intermediate_size=256, num_hidden_layers=2, mlp_only_layers=[])
+    real = writer_module._add_tensor
+
+    def k_quant_experts(writer, name: str, data: np.ndarray, qtype) -> None:  # noqa: ANN001
+        if not name.endswith("_exps.weight"):
+            return real(writer, name, data, qtype)
+        kind = "Q6_K" if "down" in name else "Q4_K"
+        experts, rows, k = data.shape
+        raw = _raw_blocks(kind, experts * rows, k, seed=len(name) + int(name.split(".")[1]))
+        writer.add_tensor(name, raw.reshape(experts, rows, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    monkeypatch.setattr(writer_module, "_add_tensor", k_quant_experts)
+    path = write_gguf(src, tmp_path / "m.gguf")
+    manifest = export_model(path, tmp_path / "out", progress=False)
+    assert manifest.weights == "gguf" and manifest.moe["expert_weights"] == "gguf"
+    node = _moe_nodes(tmp_path / "out")[0]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert (attrs["gate_up_bits"], attrs["down_bits"]) == (4, 8)  # Q6_K's 6-bit codes ride in 8 bits
+    reference = _dequantized_hf(path, src, tmp_path / "dequantized")
+    ids = _prompt(manifest.vocab_size)
+    want = hf_prompt_logits(reference, ids)
+    # 1e-3: one position of this prompt amplifies float32 rounding (measured: transformers' float32 forward 1.2e-4 from
+    # its float64 one there, octavo 6.6e-4); a wrong block, scale or expert is off by whole units
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=1e-3, rtol=0)

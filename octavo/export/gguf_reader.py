@@ -113,11 +113,12 @@ GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q
 
 
 def quantized_linear_types(path: str | Path) -> dict[str, int]:
-    """GGML type -> count of the file's quantized 2-D layer weights (blk.N.*), e.g. {"Q4_1": 210}; empty
+    """GGML type -> count of the file's quantized 2-D layer weights (blk.N.*; MoE files: the 3-D experts too), e.g.
+    {"Q4_1": 210}; empty
     for a float file. Decides what `weights=None` means for it (octavo.export.source_weights.default_weights)."""
     counts: dict[str, int] = {}
     for name, n_dims, type_id in check_header(Path(path)):  # the header only: cheap on every engine start
-        if name.startswith("blk.") and n_dims == 2 and type_id not in FLOAT_TYPE_IDS:
+        if name.startswith("blk.") and n_dims in (2, 3) and type_id not in FLOAT_TYPE_IDS:
             kind = GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
             counts[kind] = counts.get(kind, 0) + 1
     return counts
