@@ -220,3 +220,27 @@ def test_block_experts_bad_inputs_are_clear_errors() -> None:
     with pytest.raises(Exception, match="octavo.MoE: gate_up codes must be uint8"):
         _run(wrong_inter, np.zeros((2, 64)), np.zeros((2, 4)))
     assert _run(session, np.zeros((0, 64)), np.zeros((0, 4))).shape == (0, 64)
+
+
+def test_a_long_step_runs_in_passes_with_the_same_results() -> None:
+    """Steps past 1,024 tokens (the op's pass size, which bounds its scratch) give each token the same bits as a step
+    of that token alone on the same path: float experts, and block experts on both paths."""
+    rng = np.random.default_rng(6)
+    tokens, experts, hidden, inter = 1100, 4, 32, 32
+    gate_up, down = _experts(rng, experts, hidden, inter)
+    x = rng.normal(0, 1, (tokens, hidden)).astype(np.float32)
+    logits = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
+    y = _run(_session(gate_up, down, 2, True), x, logits)
+    np.testing.assert_allclose(y, moe(x, logits, gate_up, down, 2, True), atol=ATOL, rtol=1e-5)
+    for t in (0, 1023, 1024, 1099):
+        assert np.array_equal(_run(_session(gate_up, down, 2, True, threads=1), x[t:t + 1], logits[t:t + 1]), y[t:t + 1])
+    gate, _ = _quantized_experts("Q8_0", experts, 2 * inter, hidden, 7)
+    down_blocks, _ = _quantized_experts("Q8_0", experts, hidden, inter, 8)
+    stacked = stack_experts([[g] for g in gate]), stack_experts([[d] for d in down_blocks])
+    for decode in (True, False):
+        session = _block_session(*stacked, inter, 2, True, decode)
+        y = _run(session, x, logits)
+        first, last = _run(session, x[:1024], logits[:1024]), _run(session, x[1024:], logits[1024:])
+        assert np.array_equal(y, np.concatenate([first, last]))
+        if decode:  # the 16-bit path at any size: a token alone is bit-identical
+            assert np.array_equal(_run(session, x[1030:1031], logits[1030:1031]), y[1030:1031])

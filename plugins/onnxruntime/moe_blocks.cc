@@ -24,12 +24,12 @@ BlockWeights BlockExperts::expert(int64_t e) const {
 }
 
 void BlockRun::begin(const Routing& r, const float* x, const BlockExperts& gu_experts, const BlockExperts& down_experts,
-                     bool decode_step) {
+                     bool decode_step, bool integer_path) {
   routing = &r;
   gate_up = gu_experts;
   down = down_experts;
   decode = decode_step;
-  integer = decode_step || r.tokens <= kIntRows;  // BlockMatMul's rule for the step, whatever an expert's rows
+  integer = integer_path;  // BlockMatMul's rule for the step, whatever an expert's rows
   const int64_t rows = r.tokens * r.top_k, h = gu_experts.k, inter = down_experts.k;
   xg.resize(static_cast<size_t>(rows * h));
   gu.resize(static_cast<size_t>(rows * gu_experts.n));

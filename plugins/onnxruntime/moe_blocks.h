@@ -45,8 +45,9 @@ struct BlockRun {
   std::vector<BlockTask> tasks;
 
   // Size the buffers and gather x's rows by expert.
+  // INTEGER: the 16-bit path (the caller decides it for the whole step: decode-only, or at most kIntRows tokens).
   void begin(const Routing& r, const float* x, const BlockExperts& gu_experts, const BlockExperts& down_experts,
-             bool decode_step);
+             bool decode_step, bool integer_path);
   // Prepare active expert i's activations of IN (xg for the gate/up phase, act for the down phase); W: the phase's.
   void prepare(const BlockExperts& w, const float* in, size_t i);
   // The tasks of a phase over W's panels (after every prepare of that phase).

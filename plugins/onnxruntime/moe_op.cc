@@ -23,6 +23,9 @@ namespace {
 
 constexpr const char* kPrefix = "octavo.MoE: ";
 constexpr int64_t kCombineTokens = 32;  // tokens per task of the combine
+// Tokens one pass takes: a longer step runs in passes of this many, so the scratch of a call is bounded by
+// kPassTokens * top_k * (2H + 3I) floats whatever the step's size (a token's result does not depend on its pass).
+constexpr int64_t kPassTokens = 1024;
 
 using octavo::glue::check;
 using octavo::glue::data_of;
@@ -146,20 +149,24 @@ struct Kernel {
     if (down.dims != std::vector<int64_t>{experts, hidden, inter}) {
       fail("down must be [E, H, I] = " + shape_string({experts, hidden, inter}) + ", got " + shape_string(down.dims));
     }
-    if (tokens == 0) return;
-    octavo::moe::Routing routing;
-    octavo::moe::route(data_of<const float>(api, values[1]), tokens, experts, top_k, normalize, routing);
     const octavo::moe::Weights w{data_of<const float>(api, values[2]), data_of<const float>(api, values[3]), hidden,
                                  inter};
-    const int64_t rows = tokens * top_k;
-    std::vector<float> act(static_cast<size_t>(rows * inter)), out(static_cast<size_t>(rows * hidden));
-    const std::vector<octavo::moe::Task> up_tasks = octavo::moe::plan_tasks(routing, inter);
-    PhaseJob up{&w, &routing, &up_tasks, data_of<const float>(api, values[0]), act.data()};
-    octavo::glue::parallel_for(api, context, up_task, up_tasks.size(), &up);
-    const std::vector<octavo::moe::Task> down_tasks = octavo::moe::plan_tasks(routing, hidden);
-    PhaseJob dn{&w, &routing, &down_tasks, act.data(), out.data()};
-    octavo::glue::parallel_for(api, context, down_task, down_tasks.size(), &dn);
-    combine(context, routing, out.data(), hidden, y, false);
+    const float* x_data = data_of<const float>(api, values[0]);
+    const float* logits_data = data_of<const float>(api, values[1]);
+    for (int64_t t0 = 0; t0 < tokens; t0 += kPassTokens) {
+      const int64_t n = std::min(tokens - t0, kPassTokens);
+      octavo::moe::Routing routing;
+      octavo::moe::route(logits_data + t0 * experts, n, experts, top_k, normalize, routing);
+      const int64_t rows = n * top_k;
+      std::vector<float> act(static_cast<size_t>(rows * inter)), out(static_cast<size_t>(rows * hidden));
+      const std::vector<octavo::moe::Task> up_tasks = octavo::moe::plan_tasks(routing, inter);
+      PhaseJob up{&w, &routing, &up_tasks, x_data + t0 * hidden, act.data()};
+      octavo::glue::parallel_for(api, context, up_task, up_tasks.size(), &up);
+      const std::vector<octavo::moe::Task> down_tasks = octavo::moe::plan_tasks(routing, hidden);
+      PhaseJob dn{&w, &routing, &down_tasks, act.data(), out.data()};
+      octavo::glue::parallel_for(api, context, down_task, down_tasks.size(), &dn);
+      combine(context, routing, out.data(), hidden, y + t0 * hidden, false);
+    }
   }
 
   void combine(OrtKernelContext* context, const octavo::moe::Routing& routing, const float* out, int64_t hidden,
@@ -222,12 +229,23 @@ struct Kernel {
       }
       decode = *data_of<const bool>(api, values[8]);
     }
-    if (tokens == 0) return;
-    octavo::moe::Routing routing;
-    octavo::moe::route(data_of<const float>(api, values[1]), tokens, experts, top_k, normalize, routing);
-    octavo::moe::BlockRun run;
-    run.begin(routing, data_of<const float>(api, values[0]), gu, dn, decode);
-    const int64_t rows = tokens * top_k;
+    const float* x = data_of<const float>(api, values[0]);
+    const float* logits_data = data_of<const float>(api, values[1]);
+    for (int64_t t0 = 0; t0 < tokens; t0 += kPassTokens) {
+      const int64_t n = std::min(tokens - t0, kPassTokens);
+      octavo::moe::Routing routing;
+      octavo::moe::route(logits_data + t0 * experts, n, experts, top_k, normalize, routing);
+      octavo::moe::BlockRun run;
+      // the path is the step's (all TOKENS), whatever this pass's share of them
+      run.begin(routing, x + t0 * hidden, gu, dn, decode, decode || tokens <= octavo::kIntRows);
+      block_pass(context, run, y + t0 * hidden);
+    }
+  }
+
+  // One pass of the block path over RUN's tokens (begun), into Y.
+  void block_pass(OrtKernelContext* context, octavo::moe::BlockRun& run, float* y) const {
+    const octavo::moe::Routing& routing = *run.routing;
+    const int64_t rows = routing.tokens * routing.top_k, hidden = run.gate_up.k;
     BlockJob up{&run, &run.gate_up, run.xg.data(), run.gu.data()};
     octavo::glue::parallel_for(api, context, prepare_task, run.active.size(), &up);
     run.plan(run.gate_up);
