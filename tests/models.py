@@ -73,11 +73,28 @@ ARCHS: dict[str, tuple[str, dict]] = {
         num_hidden_layers=3, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20, sliding_window=8,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
         attn_logit_softcapping=5.0, final_logit_softcapping=15.0)),
+    # Mixture-of-Experts (tests/test_moe.py, test_moe_gguf.py): 8 experts top-2 renormalised, head_dim 24, layer 1 a
+    # dense MLP (mlp_only_layers), experts narrower than the dense MLP (widths multiples of GGUF's 32-value blocks)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1])),
+    # every 2nd layer sparse (decoder_sparse_step), top-3 weights not renormalised
+    "qwen3_moe_step": ("Qwen3MoeConfig", dict(
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+        norm_topk_prob=False, decoder_sparse_step=2)),
+    # q/k/v biases, a sigmoid-gated shared expert, top-2 not renormalised (Qwen2-MoE's default)
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, norm_topk_prob=False)),
+    # 4 experts top-2 (always renormalised), sliding window 16 on every layer
+    "mixtral": ("MixtralConfig", dict(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=16)),
 }
 # archs whose RMSNorm weights are randomized (transformers initializes them to ones, which would hide a
 # norm weight that is dropped or swapped, e.g. qwen3's q_norm / k_norm)
 RANDOM_NORM_ARCHS = ("qwen3", "qwen3tied", "qwen3window", "phi3", "phi3tied", "gemma3", "gemma2", "smollm3",
-                     "phi3longrope", "phi4mini")
+                     "phi3longrope", "phi4mini",
+                     "qwen3_moe", "qwen3_moe_step", "qwen2_moe", "mixtral")
 
 
 def make_tokenizer(vocab_size: int = 384):

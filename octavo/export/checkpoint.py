@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
+from octavo.export.moe_spec import MOE_ARCHITECTURES, MoeSpec, moe_from_config, moe_sliding_windows
 from octavo.export.rope import complete_longrope, complete_yarn
 
 if TYPE_CHECKING:
@@ -23,14 +24,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",  # dense only; Qwen3MoeForCausalLM is refused
+    "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text); the multimodal model is refused
     "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",  # fused qkv_proj / gate_up_proj, presented split by the Checkpoint
     "SmolLM3ForCausalLM": "smollm3",  # Llama with no rope on the layers no_rope_layers marks 0
+    # Mixture-of-Experts (octavo.export.moe_spec): routed experts in one octavo.MoE node per sparse layer
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # architectures whose attention RMS-normalizes each q and k head (weights self_attn.q_norm / k_norm, [head_dim])
-QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3_moe")
 # Gemma: RMSNorm x * (1 + w), embeddings times sqrt(hidden_size), sandwich norms around attention and MLP,
 # gelu_pytorch_tanh MLP, attention scale query_pre_attn_scalar^-0.5, layer types from layer_types
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -38,7 +43,7 @@ GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 # architectures whose config gates the sliding window with use_sliding_window / max_window_layers
-GATED_WINDOW_ARCHITECTURES = ("qwen2", "qwen3", "smollm3")
+GATED_WINDOW_ARCHITECTURES = ("qwen2", "qwen3", "smollm3", "qwen2_moe")
 # architectures whose attention rotates only int(head_dim * partial_rotary_factor) values of each head (Phi-4-mini)
 PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -198,6 +203,7 @@ class ModelSpec:
     local_rope_layers: list[int] = field(default_factory=list)
     rotary_dim: int = 0  # the rotated part of each head (partial_rotary_factor: Phi-4-mini); 0 = head_dim
     nope_layers: list[int] = field(default_factory=list)  # layers without rotary embedding (SmolLM3)
+    moe: MoeSpec | None = None  # Mixture-of-Experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral); None = dense
 
     @property
     def rotary_size(self) -> int:
@@ -345,6 +351,9 @@ def _gemma_layer_types(config: dict[str, Any], architecture: str, num_layers: in
 
 def _sliding_windows(config: dict[str, Any], architecture: str, num_layers: int) -> list[int]:
     window = config.get("sliding_window")
+    moe_windows = moe_sliding_windows(config, architecture, num_layers)
+    if moe_windows is not None:
+        return moe_windows
     if architecture in GEMMA_ARCHITECTURES:
         types = _gemma_layer_types(config, architecture, num_layers)
         return [int(window or 0) if t == "sliding_attention" else 0 for t in types]
@@ -483,5 +492,6 @@ def spec_from_config(config: dict[str, Any], extra_eos_token_ids: Iterable[int] 
         qk_norm=architecture in QK_NORM_ARCHITECTURES,
         rotary_dim=rotary_dim,
         nope_layers=nope,
+        moe=moe_from_config(config, architecture, num_layers) if architecture in MOE_ARCHITECTURES else None,
         **gemma,
     )

@@ -23,6 +23,7 @@ from octavo.export.graph import build_model
 from octavo.export.hf_reader import PICKLE_SUFFIXES, read_hf_folder
 from octavo.export.manifest import MANIFEST_NAME, Manifest
 from octavo.export.pooling_config import POOLING_TYPES, PoolingConfig, read_pooling_config
+from octavo.export.moe_graph import expert_weights
 from octavo.export.quantize import RESIDUAL_ROWS, QuantConfig
 from octavo.export.source_weights import default_weights
 from octavo.export.weights_file import WeightsFile
@@ -73,7 +74,7 @@ def read_checkpoint(src: str | Path) -> Checkpoint:
 
 
 def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConfig,
-              fallback_layers: list[str], pooling: PoolingConfig | None = None) -> Manifest:
+              fallback_layers: list[str], pooling: PoolingConfig | None = None, experts: str = "float32") -> Manifest:
     windows = {w for w in spec.sliding_windows if w}
     return Manifest(
         architecture=spec.architecture,
@@ -100,6 +101,7 @@ def _manifest(spec: ModelSpec, has_template: bool, source: str, quant: QuantConf
         weights=quant.weights,
         quantization=quant.describe(fallback_layers),
         pooling=pooling.to_json() if pooling is not None else None,
+        moe=spec.moe.describe(experts) if spec.moe is not None else None,
     )
 
 
@@ -114,7 +116,7 @@ def _write_folder(checkpoint: Checkpoint, spec: ModelSpec, folder: Path, progres
     if checkpoint.chat_template:
         (folder / CHAT_TEMPLATE_NAME).write_text(checkpoint.chat_template, encoding="utf-8")
     manifest = _manifest(spec, bool(checkpoint.chat_template), checkpoint.source, quant, _fallback_layers(model, quant),
-                         pooling)
+                         pooling, expert_weights(model))
     manifest.save(folder)
     return manifest
 

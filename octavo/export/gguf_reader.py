@@ -28,6 +28,7 @@ import numpy as np
 from octavo.errors import ModelFormatError, UnsupportedArchitectureError
 from octavo.export.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_config
 from octavo.export.gguf_header import check_header
+from octavo.export.gguf_moe import moe_architecture, moe_config, moe_expected_shapes, moe_prefix
 from octavo.export.gguf_rope import rope_scaling_from_gguf
 from octavo.export.gguf_tensors import GGUFTensors, index_tensors
 from octavo.export.gguf_tokenizer import build_tokenizer_json
@@ -44,10 +45,13 @@ ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "smollm3": ("smollm3", "SmolLM3ForCausalLM", True),
     "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+    # Mixture-of-Experts (octavo.export.gguf_moe; a llama file with experts is Mixtral)
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
 }
 FUSED_ARCHITECTURES = ("phi3",)  # blk.N.attn_qkv (q, k, v fused) and blk.N.ffn_up = gate and up fused
 # blk.N.attn_q_norm / attn_k_norm ([head_dim]) in every layer (by HF model_type)
-QK_NORM_ARCHITECTURES = ("qwen3", "gemma3_text")
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3_text", "qwen3_moe")
 SMOLLM3_NO_ROPE_LAYER_STEP = 4  # llama.cpp's n_no_rope_layer_step for smollm3 (not in the file)
 # the layer norms each layer has, by HF model_type (Gemma: sandwich norms)
 _GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -82,15 +86,19 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
             f"{', '.join(ARCHITECTURES)} (Llama-family) GGUF files"
         )
     config = _config(meta, reader, arch, path)
+    moe = moe_architecture(meta, arch) is not None
+    if moe:
+        config.update(moe_config(meta, arch, {str(t.name) for t in reader.tensors}, config["num_hidden_layers"], path))
     tensors: GGUFTensors = index_tensors(
         reader, num_heads=config["num_attention_heads"], num_kv_heads=config["num_key_value_heads"],
         permuted_qk=ARCHITECTURES[arch][2], fused_gate_up=arch in FUSED_ARCHITECTURES,
         gemma=arch in GEMMA_GGUF_ARCHITECTURES,
+        moe_prefix=moe_prefix(config["model_type"]) if moe else None,
     )
     config["attention_bias"] = any(f"model.layers.0.self_attn.{n}.bias" in tensors for n in ("q_proj", "qkv_proj"))
     if arch == "qwen2" and not config["attention_bias"]:
         raise ModelFormatError(f"{path.name}: a qwen2 GGUF must have q/k/v biases (blk.0.attn_q.bias is missing)")
-    _check_tensors(tensors, config, path)
+    _check_tensors(tensors, config, path, moe_expected_shapes(config) if moe else {})
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     tokenizer_json = build_tokenizer_json(meta, path.name)
     eos_ids = _eos_ids(meta)
@@ -115,11 +123,12 @@ GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q
 
 
 def quantized_linear_types(path: str | Path) -> dict[str, int]:
-    """GGML type -> count of the file's quantized 2-D layer weights (blk.N.*), e.g. {"Q4_1": 210}; empty
+    """GGML type -> count of the file's quantized 2-D layer weights (blk.N.*; MoE files: the 3-D experts too), e.g.
+    {"Q4_1": 210}; empty
     for a float file. Decides what `weights=None` means for it (octavo.export.source_weights.default_weights)."""
     counts: dict[str, int] = {}
     for name, n_dims, type_id in check_header(Path(path)):  # the header only: cheap on every engine start
-        if name.startswith("blk.") and n_dims == 2 and type_id not in FLOAT_TYPE_IDS:
+        if name.startswith("blk.") and n_dims in (2, 3) and type_id not in FLOAT_TYPE_IDS:
             kind = GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
             counts[kind] = counts.get(kind, 0) + 1
     return counts
@@ -235,8 +244,10 @@ def _config(meta: dict[str, Any], reader: Any, arch: str, path: Path) -> dict[st
     return config
 
 
-def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> None:
-    """Every tensor a Llama-family model needs is present with the shape the config implies."""
+def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path,
+                   moe_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor a Llama-family model needs is present with the shape the config implies; MOE_SHAPES: the
+    experts' tensors of an MoE file (whose sparse layers have no dense MLP)."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     q_out = config["num_attention_heads"] * config["head_dim"]
     kv_out = config["num_key_value_heads"] * config["head_dim"]
@@ -247,9 +258,13 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         "model.norm.weight": (h,),
     }
     fused = config["model_type"] in FUSED_ARCHITECTURES
+    sparse = set(range(layers)) - set(config.get("mlp_only_layers") or []) if moe_shapes else set()
+    expected |= moe_shapes
     for i in range(layers):
         p = f"model.layers.{i}."
-        expected |= {p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.down_proj.weight": (h, ffn)}
+        expected |= {p + "self_attn.o_proj.weight": (h, q_out)}
+        if i not in sparse:
+            expected[p + "mlp.down_proj.weight"] = (h, ffn)
         expected |= {p + norm + ".weight": (h,) for norm in LAYER_NORMS.get(config["model_type"], _LLAMA_NORMS)}
         if fused and p + "self_attn.q_proj.weight" not in tensors:  # phi3: attn_qkv (llama.cpp's converter)
             expected[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
@@ -258,7 +273,9 @@ def _check_tensors(tensors: GGUFTensors, config: dict[str, Any], path: Path) -> 
         else:
             expected |= {p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
                          p + "self_attn.v_proj.weight": (kv_out, h)}
-        if fused:
+        if i in sparse:
+            pass
+        elif fused:
             expected[p + "mlp.gate_up_proj.weight"] = (2 * ffn, h)
         else:
             expected |= {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h)}

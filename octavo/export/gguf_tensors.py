@@ -30,6 +30,7 @@ import numpy as np
 from octavo.errors import ModelFormatError
 from octavo.export.gguf_gemma import BLOCK_NAMES as GEMMA_BLOCK_NAMES
 from octavo.export.gguf_gemma import NORM_OFFSET, is_gemma_norm
+from octavo.export.gguf_moe import MOE_TENSORS
 
 if TYPE_CHECKING:
     from octavo.export.gguf_blocks import Blocks
@@ -66,13 +67,19 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 NON_HF_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_name(gguf_name: str, *, fused_gate_up: bool = False, gemma: bool = False) -> str | None:
+def hf_name(gguf_name: str, *, fused_gate_up: bool = False, gemma: bool = False,
+            moe_prefix: str | None = None) -> str | None:
     """The HF state-dict name of a GGUF tensor name, or None when it has none. FUSED_GATE_UP: the file's
-    ffn_up holds gate and up (phi3), named mlp.gate_up_proj; GEMMA: a gemma2 / gemma3 file's norm names."""
+    ffn_up holds gate and up (phi3), named mlp.gate_up_proj; GEMMA: a gemma2 / gemma3 file's norm names.
+    MOE_PREFIX: the file has experts (octavo.export.gguf_moe), named under that prefix of their layer
+    (mlp. / block_sparse_moe.)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     block_names = _GEMMA_NAMES if gemma else _FUSED_GATE_UP_NAMES if fused_gate_up else _BLOCK_NAMES
     match = _BLOCK_RE.fullmatch(gguf_name)
+    if moe_prefix is not None and match is not None and match.group(2) in MOE_TENSORS:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{moe_prefix}{MOE_TENSORS[part]}.{kind}"
     if match is None or match.group(2) not in block_names:
         return None
     layer, part, kind = match.groups()
@@ -141,10 +148,13 @@ class GGUFTensors(Mapping[str, np.ndarray]):
 
         tensor = self.by_hf_name[key]
         shape = self.shape(key)
+        if len(shape) == 3:  # an MoE file's experts [E, N, K]: their rows one after another, [E * N, K]
+            shape = (shape[0] * shape[1], shape[2])
         if len(shape) != 2:
             return None
+        raw = np.asarray(tensor.data)  # type: ignore[attr-defined]
         try:
-            blocks = parse_blocks(tensor.tensor_type.name, np.asarray(tensor.data), *shape)  # type: ignore[attr-defined]
+            blocks = parse_blocks(tensor.tensor_type.name, raw.reshape(shape[0], -1), *shape)  # type: ignore[attr-defined]
         except ValueError as exc:
             raise ModelFormatError(f"GGUF tensor {self.gguf_names[key]!r}: {exc}") from exc
         if blocks is not None and self.permuted_qk and (".self_attn.q_proj." in key or ".self_attn.k_proj." in key):
@@ -164,16 +174,17 @@ class GGUFTensors(Mapping[str, np.ndarray]):
 
 
 def index_tensors(reader: object, *, num_heads: int, num_kv_heads: int, permuted_qk: bool,
-                  fused_gate_up: bool = False, gemma: bool = False) -> GGUFTensors:
+                  fused_gate_up: bool = False, gemma: bool = False, moe_prefix: str | None = None) -> GGUFTensors:
     """Map every GGUF tensor of the file to its HF name; refuse unknown names and unreadable types.
-    FUSED_GATE_UP: ffn_up is phi3's fused gate/up tensor; GEMMA: gemma2 / gemma3 names and norms."""
+    FUSED_GATE_UP: ffn_up is phi3's fused gate/up tensor; GEMMA: gemma2 / gemma3 names and norms; MOE_PREFIX:
+    see hf_name."""
     by_hf: dict[str, object] = {}
     names: dict[str, str] = {}
     for tensor in reader.tensors:  # type: ignore[attr-defined]
         name = str(tensor.name)
         if name in NON_HF_TENSORS:
             continue
-        target = hf_name(name, fused_gate_up=fused_gate_up, gemma=gemma)
+        target = hf_name(name, fused_gate_up=fused_gate_up, gemma=gemma, moe_prefix=moe_prefix)
         if target is None:
             raise ModelFormatError(
                 f"GGUF tensor {name!r} has no counterpart in a Llama-family HF checkpoint; "

@@ -19,6 +19,7 @@ from octavo.export.checkpoint import ModelSpec, spec_from_config
 from octavo.export.gguf_gemma import BLOCK_NAMES as GEMMA_BLOCK_NAMES
 from octavo.export.gguf_gemma import DEFAULT_PATTERN, LOCAL_ROPE_BASE, NORM_OFFSET, is_gemma_norm, layer_types
 from octavo.export.gguf_gemma import query_pre_attn_scalar
+from octavo.export.gguf_moe import moe_gguf_arch, moe_gguf_tensors, write_moe_metadata
 from octavo.export.gguf_rope import llama3_divisors
 from octavo.export.gguf_tensors import permute_qk
 from octavo.export.gguf_tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED
@@ -69,7 +70,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
 
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = arch or _ARCH_BY_MODEL_TYPE.get(config.get("model_type", ""))
+    arch = arch or _ARCH_BY_MODEL_TYPE.get(config.get("model_type", "")) or moe_gguf_arch(config)
     if arch is None:
         raise UnsupportedArchitectureError(f"cannot write model_type {config.get('model_type')!r} as GGUF")
     weights = load_file(str(hf_dir / "model.safetensors"))
@@ -98,7 +99,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(theta)
     writer.add_vocab_size(config["vocab_size"])
-    if config.get("sliding_window") and config.get("model_type") == "mistral":
+    if config.get("sliding_window") and config.get("model_type") in ("mistral", "mixtral"):
         writer.add_sliding_window(int(config["sliding_window"]))
     if qwen3_window:
         writer.add_sliding_window(qwen3_window)
@@ -106,6 +107,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
         writer.add_sliding_window(int(config.get("sliding_window") or 0))
         if config.get("original_max_position_embeddings"):
             writer.add_rope_scaling_orig_ctx_len(int(config["original_max_position_embeddings"]))
+    if moe_gguf_arch(config):  # experts: llama.cpp's 3-D ffn_*_exps tensors (octavo.export.gguf_moe)
+        write_moe_metadata(writer, config)
     if gemma:
         _write_gemma(writer, arch, spec, config)
     else:
@@ -113,8 +116,12 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     _write_tokenizer(writer, hf_dir, config, tokenizer_pre, add_bos_token)
 
     permuted = arch in _PERMUTED_ARCHS
+    moe_tensors, moe_used = moe_gguf_tensors(weights, config) if moe_gguf_arch(config) else ({}, set())
+    for gguf_name, data in moe_tensors.items():  # the router and the shared expert's gate stay F32, as llama.cpp
+        router = gguf_name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+        _add_tensor(writer, gguf_name, data, gguf.GGMLQuantizationType.F32 if router else qtype)
     for hf, tensor in weights.items():
-        if hf == "lm_head.weight" and config.get("tie_word_embeddings"):
+        if hf in moe_used or hf == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         data = np.asarray(tensor, dtype=np.float32)
         if gemma and is_gemma_norm(hf):

@@ -42,6 +42,7 @@ from onnx import TensorProto, helper
 from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
 from octavo.export.graph_builder import OP_DOMAIN, CheckpointTensors, Graph, Part
+from octavo.export.moe_graph import moe_block
 from octavo.export.projection import Bias, project, project_blocks, project_parts
 from octavo.export.quantize import MS_DOMAIN, QuantConfig
 from octavo.export.rope import attention_factor, attention_scale, inv_freq
@@ -298,12 +299,21 @@ def _attention(d: _Decoder, h: str, layer: int, rotary: _Rotary) -> str:
 
 
 def _mlp(d: _Decoder, h: str, layer: int) -> str:
-    """LAYER's MLP of the normed H: down_proj(activation(gate) * up), gate/up as one fused projection."""
-    spec, m = d.spec, f"model.layers.{layer}.mlp."
-    I = spec.intermediate_size  # noqa: E741 - HF's name
-    gate, up = _fused_projection(d, h, m, "gate_up_proj", [("gate_proj", I), ("up_proj", I)], "const.split_mlp")
-    act = d.g.op1("Mul", [_ACTIVATIONS[spec.hidden_act](d.g, gate), up])
-    return _linear(d, act, m + "down_proj", (spec.hidden_size, I))
+    """LAYER's MLP of the normed H: a MoE block on the spec's sparse layers (octavo.export.moe_graph), else dense."""
+    moe = d.spec.moe
+    if moe is not None and layer in moe.sparse_layers:
+        return moe_block(d.g, d.w, moe, layer, d.spec.hidden_size, h, lambda x, m, size: _dense_mlp(d, x, m, size),
+                         d.quant)
+    return _dense_mlp(d, h, f"model.layers.{layer}.mlp.", d.spec.intermediate_size)
+
+
+def _dense_mlp(d: _Decoder, h: str, m: str, I: int) -> str:  # noqa: E741 - HF's name
+    """The MLP under checkpoint prefix M of the normed H: down_proj(activation(gate) * up), gate/up as one fused
+    projection of I rows each."""
+    split = "const.split_mlp" if I == d.spec.intermediate_size else f"const.split_mlp_{I}"
+    gate, up = _fused_projection(d, h, m, "gate_up_proj", [("gate_proj", I), ("up_proj", I)], split)
+    act = d.g.op1("Mul", [_ACTIVATIONS[d.spec.hidden_act](d.g, gate), up])
+    return _linear(d, act, m + "down_proj", (d.spec.hidden_size, I))
 
 
 def _layer(d: _Decoder, x: str, layer: int, rotary: _Rotary) -> str:

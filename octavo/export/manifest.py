@@ -18,7 +18,7 @@ KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per K/V eleme
 
 @dataclass(slots=True)
 class Manifest:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "gemma2" | "phi3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma3" | "gemma2" | "phi3" | "qwen3_moe" | ...
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -47,6 +47,10 @@ class Manifest:
     # an embedding export (export.pooling_config.PoolingConfig.to_json): {"type": "last"|"mean"|"cls", "normalize":
     # bool}; the graph then has the hidden_indices input and the hidden_states output. None: a generative export
     pooling: dict[str, Any] | None = None
+    # Mixture-of-Experts layout (octavo.export.moe_spec.MoeSpec.describe: num_experts, top_k,
+    # expert_intermediate_size, normalize_top_k, sparse_layers, shared_expert_intermediate_size, op,
+    # expert_weights); None for a dense model, and absent from a dense model's file (older octavo reads it)
+    moe: dict[str, Any] | None = None
     magic: str = MAGIC
     format_version: int = FORMAT_VERSION
 
@@ -65,6 +69,8 @@ class Manifest:
             del data["weights"], data["quantization"]
         if self.pooling is None:  # likewise a model without pooling
             del data["pooling"]
+        if self.moe is None:
+            del data["moe"]
         path.write_text(json.dumps(data, indent=2) + "\n")
         return path
 

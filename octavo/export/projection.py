@@ -97,7 +97,7 @@ def project_blocks(g: Graph, x: str, name: str, blocks: Blocks, bias: Bias | Non
 DECODE_STEP = "decode_step"  # bool [1]: num_tokens == batch, every sequence of the step has one query token
 
 
-def _decode_step(g: Graph) -> str:
+def decode_step(g: Graph) -> str:
     """DECODE_STEP, computed once from the shapes of input_ids and past_seqlens and shared by every BlockMatMul:
     a decode-only step takes the op's 16-bit path at any batch size, any other step past 8 rows its float32 one
     (a prompt's logits stay float32 over the file's values)."""
@@ -115,7 +115,7 @@ def _block_matmul(g: Graph, x: str, name: str, blocks: Blocks, bias: Bias | None
     pw = panel_weights(blocks)
     scale_type = "f2" if pw.scales.dtype == np.float16 else "f4"
     inputs = [x, g.weight(name + ".codes", [pw.codes], "u1"), g.weight(name + ".scales", [pw.scales], scale_type),
-              g.weight(name + ".offsets", [pw.offsets], scale_type), g.weight(*bias) if bias else "", _decode_step(g)]
+              g.weight(name + ".offsets", [pw.offsets], scale_type), g.weight(*bias) if bias else "", decode_step(g)]
     extra: dict[str, int] = {"prompt_bf16": 1} if bf16 else {}
     if splits is not None:
         return g.op("BlockMatMul", inputs, num_outputs=len(splits), domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,

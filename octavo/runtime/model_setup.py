@@ -11,6 +11,7 @@ from pathlib import Path
 
 from octavo.errors import InvalidRequestError
 from octavo.export.manifest import MANIFEST_NAME, Manifest
+from octavo.export.moe_spec import moe_not_on_tensorrt
 from octavo.export.quant_options import methods_of, not_on_tensorrt
 from octavo.runtime.backends.base import Backend
 from octavo.runtime.backends.longrope_table import wanted_factors
@@ -49,6 +50,8 @@ def load_model(args: EngineArgs, backend: Backend | None = None) -> LoadedModel:
     if args.backend == "tensorrt" and manifest.weights != "fp32":  # before any TensorRT import
         raise InvalidRequestError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
                                                   methods_of(manifest.quantization)))
+    if args.backend == "tensorrt" and manifest.moe is not None:
+        raise InvalidRequestError(moe_not_on_tensorrt(str(model_dir)))
     tokenizer = Tokenizer(model_dir, manifest)
     if args.max_model_len is not None and not 1 <= args.max_model_len <= manifest.max_context:
         raise InvalidRequestError(f"max_model_len must be in [1, {manifest.max_context}] (the model's "

@@ -163,6 +163,10 @@ def check_float_weights(model_dir: Path, manifest: Manifest) -> None:
 
         raise ModelFormatError(not_on_tensorrt(f"{model_dir} holds {manifest.weights} weights, which",
                                                methods_of(manifest.quantization)))
+    if manifest.moe is not None:
+        from octavo.export.moe_spec import moe_not_on_tensorrt
+
+        raise ModelFormatError(moe_not_on_tensorrt(str(model_dir)))
 
 
 MAX_POOL_BLOCKS = 1 << 24  # a bound on the default sizing only (16.7 M blocks of 16 tokens)

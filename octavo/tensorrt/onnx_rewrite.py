@@ -32,6 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from octavo.errors import ModelFormatError
+from octavo.export.moe_spec import moe_not_on_tensorrt
 from octavo.export.quant_options import TENSORRT_FP32_HOWTO, not_on_tensorrt
 from octavo.tensorrt.engine_info import pool_output_name
 from octavo.tensorrt.half_weights import convert_weights_to_half
@@ -50,7 +51,8 @@ UNSUPPORTED_DOMAINS = {"com.microsoft": not_on_tensorrt("quantized exports (--we
                                                         "matmulnbits)", ["MatMulNBits"])}
 EXPORT_DOMAIN = "octavo"  # the exporter's custom-op domain: PagedAttention has a plugin, its other ops do not
 UNSUPPORTED_OPS = {"BlockMatMul": not_on_tensorrt("quantized weights (a GGUF's own blocks, the default for a quantized "
-                                                  ".gguf, or --weights int8|int4)", ["BlockMatMul"])}
+                                                  ".gguf, or --weights int8|int4)", ["BlockMatMul"]),
+                   "MoE": moe_not_on_tensorrt("the export")}
 
 
 def _attribute_value(node: onnx.NodeProto, name: str) -> int | float | None:
