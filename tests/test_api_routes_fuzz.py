@@ -58,7 +58,7 @@ def test_hostile_bodies_are_4xx(server, route: str) -> None:  # noqa: ANN001
     with httpx.Client(timeout=60) as http:
         for body in HOSTILE:
             r = http.post(server.base_url + route, content=body,
-                          headers={"x-api-key": KEY, "Content-Type": "application/json"})
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
             _check(r, body[:60])
             assert r.status_code >= 400 or route != "/v1/embeddings" or body.startswith(b'{"input": [1')
 
@@ -76,14 +76,14 @@ def test_random_bodies_never_500(server, route: str, body: dict, model: str | No
 
 
 def _metrics(server) -> dict[str, float]:  # noqa: ANN001
-    text = httpx.get(server.base_url + "/metrics", headers={"x-api-key": KEY}).text
+    text = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
             if not s.labels or set(s.labels) == {"model_name"}}
 
 
 def test_idle_after_fuzzing(server) -> None:  # noqa: ANN001
     r = httpx.post(server.base_url + "/v1/embeddings", json={"input": "hello", "model": "m"},
-                   headers={"x-api-key": KEY})
+                   headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 64
     m = until_idle(lambda: _metrics(server), 15.0, 0.05)
     assert m["octavo:kv_cache_usage_perc"] == 0 and m["octavo:num_requests_running"] == 0

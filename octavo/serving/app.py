@@ -95,20 +95,24 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _json_error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
+ANTHROPIC_PREFIX = "/v1/messages"  # the routes of Anthropic's Messages API
+
+
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     key = request.app[STATE].config.api_key
     if key is not None and request.path != "/health":
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
-        x_api_key = request.headers.get("x-api-key")  # Anthropic's header (the anthropic SDK sends it)
+        # Anthropic's header (the anthropic SDK sends it), on Anthropic's routes only: elsewhere the OpenAI scheme
+        x_api_key = request.headers.get("x-api-key") if request.path.startswith(ANTHROPIC_PREFIX) else None
         if x_api_key is not None and not given:
             scheme, token = "bearer", x_api_key
         # bytes compared: a header with bytes that are not UTF-8 reaches us with surrogate escapes
         given_key = token.strip().encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given_key, key.encode()):
             raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
-                                "<key>')", code="invalid_api_key")
+                                f"<key>' on {ANTHROPIC_PREFIX}*)", code="invalid_api_key")
     return await handler(request)
 
 

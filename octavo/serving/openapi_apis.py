@@ -25,8 +25,9 @@ def _int(lo: int | None, hi: int | None, nullable: bool = True) -> dict[str, Any
     return s
 
 
-def _num(lo: float, hi: float, lo_open: bool = False) -> dict[str, Any]:
-    return {"type": "number", "nullable": True, "minimum": lo, "maximum": hi, **({"exclusiveMinimum": True} if lo_open else {})}
+def _num(lo: float, hi: float | None, lo_open: bool = False) -> dict[str, Any]:
+    return {"type": "number", "nullable": True, "minimum": lo, **({"maximum": hi} if hi is not None else {}),
+            **({"exclusiveMinimum": True} if lo_open else {})}
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def api_schemas(max_tokens_cap: int | None, vocab_size: int | None, hidden_size:
         "model": _STR, "instructions": _STR, "stream": _BOOL, "parallel_tool_calls": _BOOL,
         "input": {"oneOf": [{"type": "string", "minLength": 1},
                             {"type": "array", "minItems": 1, "maxItems": MAX_DOC_MESSAGES, "items": text_message}]},
-        "max_output_tokens": _int(1, max_tokens_cap), "temperature": _num(0.0, 2.0), "top_p": _num(0.0, 1.0, True),
+        "max_output_tokens": _int(1, max_tokens_cap), "temperature": _num(0.0, None), "top_p": _num(0.0, 1.0, True),
         "text": {"type": "object", "nullable": True, "properties": {"format": {
             "type": "object", "required": ["type"], "properties": {"type": {"type": "string",
                                                                             "enum": ["text", "json_object"]}}}}}}}
