@@ -48,6 +48,9 @@ HELP: dict[str, str] = {
     "max_prompt_logprob_entries": "most prompt logprob entries (scored prompt tokens x (top-k + 1)) one request may "
                                   "ask for (prompt_logprobs, echo with logprobs)",
     "constraint_compile_timeout": "seconds a request waits for its output constraint to compile (then a 400)",
+    "speculative_config": "speculative decoding, as vLLM's: a JSON object, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(prompt lookup; docs/engine.md)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
     "ort_fusions": "onnxruntime: fuse RoPE into ONNX Runtime's RotaryEmbedding and then into PagedAttention when "
                    "loading the graph (same logits, fewer nodes)",
@@ -63,6 +66,7 @@ NONE_MEANS: dict[str, str] = {
     "max_model_len": "the model's",
     "num_threads": "all cores",
     "trace_path": "none",
+    "speculative_config": "off",
     "weights": "gguf for a quantized .gguf, else fp32",
     "quant_kernel": "block",
     "quant_block_size": "32",
@@ -70,7 +74,7 @@ NONE_MEANS: dict[str, str] = {
     "ort_spinning": f"${ENVIRONMENT_DEFAULTS['ort_spinning']}, else run",
     "amx": f"on unless ${ENVIRONMENT_DEFAULTS['amx']} is 0",
 }
-METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES"}
+METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES", "speculative_config": "JSON"}
 # the values EngineArgs.validate accepts for its plain-str fields (a Literal annotation gives its own)
 CHOICES: dict[str, tuple[str, ...]] = {
     "backend": ("onnxruntime", "tensorrt"),

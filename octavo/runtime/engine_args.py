@@ -16,6 +16,7 @@ from octavo.export.quant_options import (KERNEL_METHODS, check_quant_kernel, che
                                          not_on_tensorrt)
 from octavo.runtime.input_processor import DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
+from octavo.runtime.speculative_config import SpeculativeConfig
 from octavo.structured.limits import ConstraintLimits
 
 _LIMITS = ConstraintLimits()
@@ -64,6 +65,10 @@ class EngineArgs:
     constraint_compile_timeout: float = _LIMITS.compile_timeout  # seconds a request waits for its grammar
     # prompt_logprobs / echo + logprobs: scored prompt tokens x (top-k + 1) one request may ask for (a 400 past it)
     max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
+    # speculative decoding, vLLM's --speculative-config: a JSON object such as '{"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' (LLM(...) also takes the
+    # dict); None = off. runtime/speculative_config.py, docs/engine.md "Speculative decoding"
+    speculative_config: str | None = None
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
     # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
@@ -99,6 +104,7 @@ class EngineArgs:
                 or self.max_prompt_logprob_entries < 1:
             raise InvalidRequestError(f"max_prompt_logprob_entries must be an integer >= 1, got "
                                       f"{self.max_prompt_logprob_entries!r}")
+        SpeculativeConfig.parse(self.speculative_config)
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")

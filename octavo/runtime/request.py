@@ -53,6 +53,11 @@ class Request:
     # children of an n > 1 request, which then find the prompt's full blocks in the prefix cache
     followers: list[Request] = field(default_factory=list)
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
+    # speculative decoding (the Scheduler writes both): the draft tokens scheduled after its last token this
+    # step (verified by the target in the same step, then cleared by the commit), and how many it may propose
+    # next (adapts to how many it had accepted; 0 = the config's num_speculative_tokens)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_limit: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

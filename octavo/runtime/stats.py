@@ -22,6 +22,16 @@ class EngineStats:
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded, recomputes included)
     generation_tokens_total: int  # tokens sampled
     step_count: int
+    # speculative decoding (vLLM's spec_decode counters; 0 without speculation)
+    spec_decode_num_drafts: int = 0  # verification steps of requests that had draft tokens
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # of those, accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: accepted at draft position i
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens \
+            if self.spec_decode_num_draft_tokens else 0.0
 
 
 def engine_stats(s: Scheduler, bm: BlockManager, step_count: int) -> EngineStats:
@@ -33,6 +43,9 @@ def engine_stats(s: Scheduler, bm: BlockManager, step_count: int) -> EngineStats
         prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
         num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
         generation_tokens_total=s.generation_tokens_total, step_count=step_count,
+        spec_decode_num_drafts=s.spec_stats.num_drafts, spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
+        spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=tuple(s.spec_stats.accepted_per_pos),
     )
 
 
@@ -65,4 +78,10 @@ ENGINE_METRICS = (
     StatMetric("prompt_tokens_total", "prompt_tokens", None, True, "Prompt tokens processed."),
     StatMetric("generation_tokens_total", "generation_tokens", "generation_tokens_total", True, "Tokens generated."),
     StatMetric("step_count", None, "step_count", True, "Engine steps run."),
+    StatMetric("spec_decode_num_drafts", "spec_decode_num_drafts", "spec_decode_num_drafts", True,
+               "Speculative decoding: verification steps of requests that had draft tokens."),
+    StatMetric("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", True,
+               "Speculative decoding: draft tokens proposed and verified."),
+    StatMetric("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+               "spec_decode_num_accepted_tokens", True, "Speculative decoding: draft tokens accepted."),
 )

@@ -1,0 +1,81 @@
+"""SpeculativeConfig: what `EngineArgs.speculative_config` (vLLM's `--speculative-config` JSON) asks for.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+`method` "ngram" is prompt lookup (runtime/ngram_proposer.py). As in vLLM, a missing prompt_lookup_min takes
+prompt_lookup_max's value and the other way round, and both default to 5. `disable_by_batch_size`: no
+request speculates in a step while more than this many requests run (vLLM's name; under load the batch
+already uses the machine, and verifying drafts would only add work). A draft model (`"model": PATH`) is
+refused with a message saying so: only n-gram speculation is built (docs/engine.md, "Speculative decoding").
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from octavo.errors import InvalidRequestError
+
+METHODS = ("ngram",)
+KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        "disable_by_batch_size")
+MAX_SPECULATIVE_TOKENS = 32  # drafts verified per request per step
+MAX_LOOKUP = 64  # longest n-gram looked up
+DEFAULT_LOOKUP = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """VALUE (a JSON object's text, a dict, or None/"" for no speculation) as a checked config;
+        InvalidRequestError naming what is wrong."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"speculative_config must be a JSON object such as "
+                                          f'{{"method": "ngram", "num_speculative_tokens": 4}}: {exc}') from None
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(KEYS))
+        if unknown:
+            raise InvalidRequestError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: "
+                                      f"{', '.join(KEYS)}")
+        method, model = value.get("method"), value.get("model")
+        if method is None and model in ("ngram", "[ngram]"):  # vLLM's older spelling
+            method, model = "ngram", None
+        if model is not None:
+            raise InvalidRequestError("speculative_config: draft-model speculation (\"model\") is not supported yet; "
+                                      'use {"method": "ngram", ...} (prompt lookup)')
+        if method not in METHODS:
+            raise InvalidRequestError(f"speculative_config: method must be one of {', '.join(METHODS)}, "
+                                      f"got {method!r}")
+        k = _int(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, required=True)
+        hi = _int(value, "prompt_lookup_max", 1, MAX_LOOKUP)
+        lo = _int(value, "prompt_lookup_min", 1, MAX_LOOKUP)
+        if hi is None and lo is None:
+            hi = lo = DEFAULT_LOOKUP
+        hi, lo = hi if hi is not None else lo, lo if lo is not None else hi
+        if lo > hi:
+            raise InvalidRequestError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max "
+                                      f"({hi})")
+        return cls(method, k, hi, lo, _int(value, "disable_by_batch_size", 1, 1 << 20))
+
+
+def _int(value: Mapping[str, Any], key: str, lo: int, hi: int, required: bool = False) -> int | None:
+    v = value.get(key)
+    if v is None and not required:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise InvalidRequestError(f"speculative_config: {key} must be an integer from {lo} to {hi}, got {v!r}")
+    return v
