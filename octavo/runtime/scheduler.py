@@ -180,17 +180,18 @@ class Scheduler:
         now = time.time()
         taken = []
         for req, toks in zip(sampled, token_ids):
+            drafts = len(req.spec_token_ids)  # (finishing clears them)
             taken.append(self.append_output(req, toks, now))
-            if req.spec_token_ids:
-                self._settle_drafts(req, len(toks) - 1)
+            if drafts:
+                self._settle_drafts(req, drafts, len(toks) - 1)
         return taken
 
-    def _settle_drafts(self, req: Request, accepted: int) -> None:
-        """REQ's drafts were verified, ACCEPTED of them (its leading ones) taken: their KV counts as computed
+    def _settle_drafts(self, req: Request, drafts: int, accepted: int) -> None:
+        """REQ's DRAFTS were verified, ACCEPTED of them (its leading ones) taken: their KV counts as computed
         now that they are its tokens; the rejected ones' slots and blocks are rolled back."""
-        self.spec_stats.record(len(req.spec_token_ids), accepted)
-        req.spec_limit = next_spec_limit(req.spec_limit or self.spec.num_speculative_tokens, len(req.spec_token_ids),
-                                         accepted, self.spec.num_speculative_tokens)
+        self.spec_stats.record(drafts, accepted)
+        req.spec_limit = next_spec_limit(req.spec_limit or self.spec.num_speculative_tokens, drafts, accepted,
+                                         self.spec.num_speculative_tokens)
         req.spec_token_ids = []
         if not req.finished:  # (a finished request's blocks are already freed)
             self.block_manager.commit(req, accepted)
