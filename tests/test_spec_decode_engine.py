@@ -272,9 +272,30 @@ def test_metrics_have_vllms_names(folder) -> None:  # noqa: ANN001
     st = llm.engine.stats()
     text = ServerMetrics("m", llm.engine.stats).render().decode()
     values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
-              if line.startswith("octavo:spec_decode")}
+              if line.startswith("octavo:spec_decode") and "position" not in line}
+    per_pos = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("octavo:spec_decode_num_accepted_tokens_per_pos_total")]
+    assert per_pos == list(st.spec_decode_num_accepted_tokens_per_pos) and len(per_pos) == 4
     assert values == {"octavo:spec_decode_num_drafts_total": st.spec_decode_num_drafts,
                       "octavo:spec_decode_num_draft_tokens_total": st.spec_decode_num_draft_tokens,
                       "octavo:spec_decode_num_accepted_tokens_total": st.spec_decode_num_accepted_tokens}
     assert st.spec_decode_num_drafts > 0
     assert 0 <= st.spec_decode_acceptance_rate <= 1
+
+
+def test_bench_throughput_reports_acceptance(folder, tmp_path, capsys) -> None:  # noqa: ANN001
+    import json
+
+    from octavo.cli import main
+
+    out = tmp_path / "tp.json"
+    spec = json.dumps(dict(NGRAM, num_speculative_tokens=3))
+    code = main(["bench", "throughput", str(folder), "--workload", "shared-prefix", "--num-prompts", "4",
+                 "--prefix-len", "60", "--output-len", "24", "--num-threads", "1", "--speculative-config", spec,
+                 "--save-result", str(out)])
+    assert code == 0
+    r = json.loads(out.read_text())["spec_decode"]
+    assert 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"] and r["num_drafts"] > 0
+    assert sum(r["accepted_per_position"]) == r["num_accepted_tokens"] and len(r["accepted_per_position"]) == 3
+    assert r["mean_acceptance_length"] == 1 + r["num_accepted_tokens"] / r["num_drafts"]
+    assert "Speculative decoding: acceptance rate" in capsys.readouterr().out
