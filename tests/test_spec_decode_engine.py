@@ -299,3 +299,32 @@ def test_bench_throughput_reports_acceptance(folder, tmp_path, capsys) -> None: 
     assert sum(r["accepted_per_position"]) == r["num_accepted_tokens"] and len(r["accepted_per_position"]) == 3
     assert r["mean_acceptance_length"] == 1 + r["num_accepted_tokens"] / r["num_drafts"]
     assert "Speculative decoding: acceptance rate" in capsys.readouterr().out
+
+
+def test_structured_outputs_speculate_exactly(folder) -> None:  # noqa: ANN001
+    """Grammar-constrained requests verify drafts against the mask of each draft position: greedy output is
+    the same as without speculation (drafts mostly right, some forbidden by the grammar), sampled outputs
+    validate."""
+    from test_structured import CONSTRAINTS, validate
+
+    prompts = ["Once upon a time", "0123456789", "The quick brown fox", "def fibonacci(n):"]
+    kinds = ["json", "regex", "choice", "grammar"]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=CONSTRAINTS[k]) for k in kinds]
+    base = LLM(str(folder), block_size=4)
+    want = base.generate(prompts, greedy, use_tqdm=False)
+    spec = LLM(str(folder), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    ids = [base.get_tokenizer().encode(p) for p in prompts]
+    spec.engine.scheduler.proposer = ReferenceDrafts({tuple(i): list(w.outputs[0].token_ids) for i, w in zip(ids, want)})
+    got = spec.generate(prompts, greedy, use_tqdm=False)
+    for k, w, g in zip(kinds, want, got):
+        assert (g.outputs[0].token_ids, g.outputs[0].finish_reason) == (w.outputs[0].token_ids, w.outputs[0].finish_reason), k
+        validate(k, g.outputs[0].text, g.outputs[0].finish_reason)
+    st = spec.engine.stats()
+    assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
+    sampled = [SamplingParams(n=4, temperature=1.0, max_tokens=60, seed=5, structured_outputs=CONSTRAINTS[k])
+               for k in kinds]
+    ngram = LLM(str(folder), block_size=4, speculative_config=NGRAM)
+    for k, o in zip(kinds, ngram.generate(prompts, sampled, use_tqdm=False)):
+        for c in o.outputs:
+            validate(k, c.text, c.finish_reason)
+    assert ngram.engine.stats().spec_decode_num_drafts > 0

@@ -2,7 +2,8 @@
 
 A request with k drafts d1..dk has k + 1 logits rows: row j is the target's next-token distribution after its
 tokens and d1..dj. Each row goes through the sampler's logits processors as if d1..dj were already output
-(`DraftContext`: penalties, logit_bias and min_tokens see exactly what they would without speculation), then:
+(`DraftContext`: penalties, logit_bias and min_tokens see exactly what they would without speculation; a
+grammar's mask row is the matcher's after those drafts), then:
 
 - greedy: dj+1 is accepted while it equals row j's argmax; the first row that disagrees (or row k) gives
   the token after the accepted drafts. The output is token for token what decoding one token a step gives.
@@ -53,7 +54,7 @@ class RejectionSampler:
 
     def __call__(self, logits: np.ndarray, reqs: list[Request], bitmask: np.ndarray | None = None) -> StepTokens:
         """LOGITS: the step's rows to sample (1 + len(req.spec_token_ids) per request of REQS, in order);
-        BITMASK: one row per request (requests with a grammar never have drafts)."""
+        BITMASK: a grammar mask row per logits row (StructuredOutputManager fills draft rows too), or None."""
         counts = [1 + len(r.spec_token_ids) for r in reqs]
         if len(counts) == sum(counts):
             out = self.sampler(logits, reqs, bitmask)
@@ -65,8 +66,7 @@ class RejectionSampler:
             rows.extend(DraftContext(r.request_id, r.params, r.prompt_token_ids,
                                      r.output_token_ids + r.spec_token_ids[:j], r.generator)
                         for j in range(1, len(r.spec_token_ids) + 1))
-        mask = np.repeat(bitmask, counts, axis=0) if bitmask is not None else None
-        processed = self.sampler.process(logits, rows, mask)
+        processed = self.sampler.process(logits, rows, bitmask)
         x = processed if processed is not None else logits
         argmax = finite_argmax(x, rows)
         out = StepTokens([], [])

@@ -1,8 +1,8 @@
 """Speculative decoding's rules in the scheduler: who may speculate, how many drafts next, and the counters.
 
-- `can_speculate`: a request decoding one token a step (no prompt or recompute left), not a beam, without a
-  grammar (its mask at each draft position would need the matcher advanced over the drafts: such requests
-  decode one token a step, exactly as without speculation).
+- `can_speculate`: a request decoding one token a step (no prompt or recompute left), not a beam. (A request
+  with a grammar speculates too: each draft row gets the mask of the matcher advanced over the drafts before
+  it, runtime/structured_outputs.py.)
 - `next_spec_limit`: the adaptive draft length. A request whose drafts were all accepted may propose one
   more next time (up to num_speculative_tokens); one whose drafts were all rejected proposes half as many
   (at least one). Text that does not repeat its context thus costs at most a draft row a step, and the
@@ -18,8 +18,7 @@ from octavo.runtime.request import Request
 
 
 def can_speculate(req: Request) -> bool:
-    return (req.num_tokens - req.num_computed_tokens == 1 and req.grammar is None
-            and not req.params.use_beam_search)
+    return req.num_tokens - req.num_computed_tokens == 1 and not req.params.use_beam_search
 
 
 def next_spec_limit(limit: int, proposed: int, accepted: int, most: int) -> int:
