@@ -328,3 +328,29 @@ def test_structured_outputs_speculate_exactly(folder) -> None:  # noqa: ANN001
         for c in o.outputs:
             validate(k, c.text, c.finish_reason)
     assert ngram.engine.stats().spec_decode_num_drafts > 0
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_draft_model_greedy_is_exact(folder, hf_model_dir, draft: str) -> None:  # noqa: ANN001
+    """A draft model (the target itself: every draft accepted; another random model of the same vocabulary:
+    most rejected) in its own pool: greedy output as without speculation, sampled output reproducible, and
+    the draft pool empty once the requests end."""
+    model = folder if draft == "itself" else exported(hf_model_dir("qwen2"))
+    reqs = random_requests(4, seed=21, max_prompt=40, max_gen=2)
+    prompts, lengths = [p for p, _ in reqs], [20, 33, 9, 27]
+    want = _plain(folder, prompts, lengths)
+    llm = LLM(str(folder), block_size=4, speculative_config={"model": str(model), "num_speculative_tokens": 3})
+    _watch(llm)
+    assert _greedy(prompts, lengths, llm) == want
+    st = llm.engine.stats()
+    if draft == "itself":
+        assert st.spec_decode_num_accepted_tokens == st.spec_decode_num_draft_tokens > 30
+    else:
+        assert st.spec_decode_num_draft_tokens > st.spec_decode_num_accepted_tokens
+    sampled = SamplingParams(temperature=0.8, max_tokens=20, seed=9, ignore_eos=True)
+    one = llm.generate([{"prompt_token_ids": prompts[0]}], sampled, use_tqdm=False)[0].outputs[0].token_ids
+    two = llm.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False)[0].outputs[0].token_ids
+    assert one == two
+    pool = llm.engine.proposer.pool
+    assert pool.num_free_blocks == pool.num_blocks and not llm.engine.proposer.shadows
+    llm.engine.close()

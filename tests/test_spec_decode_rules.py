@@ -34,6 +34,8 @@ def test_config_as_vllm() -> None:
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (3, 3)
     assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    draft = SpeculativeConfig.parse({"model": "/models/draft", "num_speculative_tokens": 4})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 4)
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -43,7 +45,9 @@ def test_config_as_vllm() -> None:
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-    ({"model": "/models/draft", "num_speculative_tokens": 2}, "draft-model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "go together"),
+    ({"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 2}, "go together"),
+    ({"model": "", "num_speculative_tokens": 2}, "path"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 2}, "unknown key"),
 ])

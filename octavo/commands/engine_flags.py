@@ -50,7 +50,8 @@ HELP: dict[str, str] = {
     "constraint_compile_timeout": "seconds a request waits for its output constraint to compile (then a 400)",
     "speculative_config": "speculative decoding, as vLLM's: a JSON object, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-                          "(prompt lookup; docs/engine.md)",
+                          "(prompt lookup) or '{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft model; "
+                          "docs/engine.md)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
     "ort_fusions": "onnxruntime: fuse RoPE into ONNX Runtime's RotaryEmbedding and then into PagedAttention when "
                    "loading the graph (same logits, fewer nodes)",

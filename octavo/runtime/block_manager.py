@@ -149,6 +149,14 @@ class BlockManager:
             self.free_lru.move_to_end(b, last=False)
         req.block_table = req.block_table[:keep]  # a new list, never an edit in place (block_table.py)
 
+    def rewind(self, req: Request, num_tokens: int) -> None:
+        """Only req's first NUM_TOKENS tokens' KV is valid now (a draft model's own drafts that the target
+        rejected): computed tokens back to it, blocks past req's tokens freed (`trim`). For a pool without
+        the prefix cache (a rewound block must not be named by a hash)."""
+        assert not self.enable_prefix_caching, "rewind in a pool with the prefix cache"
+        req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
+        self.trim(req)
+
     def fork(self, parent: Request, child: Request, copy_partial: bool = False) -> tuple[int, int] | None:
         """Give child (no blocks yet) parent's full computed blocks, shared by reference count. The
         partial last block is not shared (a write would change the parent's copy): the child computes

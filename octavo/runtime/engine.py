@@ -27,6 +27,7 @@ from octavo.runtime.runner import ModelRunner
 from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler
+from octavo.runtime.spec_decode import make_proposer
 from octavo.runtime.speculative_config import SpeculativeConfig
 from octavo.runtime.stats import EngineStats, engine_stats
 from octavo.runtime.step_record import StepListener, StepRecord, notify
@@ -46,11 +47,13 @@ class LLMEngine:
         self.block_size, self.num_blocks, self.vocab_size = args.block_size, self.backend.num_blocks, self.manifest.vocab_size
         self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching)
         prompt_logprob_rows = max_prompt_logprob_rows(self.backend, args.max_num_seqs, self.vocab_size)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        self.proposer = make_proposer(spec, args, self.vocab_size, self.max_model_len) if spec else None
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    long_prefill_token_threshold=args.long_prefill_token_threshold,
                                    eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
                                    max_prompt_logprob_rows=prompt_logprob_rows,
-                                   speculative_config=SpeculativeConfig.parse(args.speculative_config))
+                                   speculative_config=spec, proposer=self.proposer)
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
         self.sampler = RejectionSampler(Sampler(self.tokenizer.eos_token_ids))
@@ -170,6 +173,8 @@ class LLMEngine:
         return engine_stats(self.scheduler, self.block_manager, self.step_count)
 
     def close(self) -> None:
+        if hasattr(self.proposer, "close"):  # a draft model's backend
+            self.proposer.close()
         self.structured.close()
         if self._trace is not None:
             self._trace.close()

@@ -66,8 +66,8 @@ class EngineArgs:
     # prompt_logprobs / echo + logprobs: scored prompt tokens x (top-k + 1) one request may ask for (a 400 past it)
     max_prompt_logprob_entries: int = DEFAULT_MAX_PROMPT_LOGPROB_ENTRIES
     # speculative decoding, vLLM's --speculative-config: a JSON object such as '{"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' (LLM(...) also takes the
-    # dict); None = off. runtime/speculative_config.py, docs/engine.md "Speculative decoding"
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' or '{"model": PATH,
+    # "num_speculative_tokens": 4}' (a draft model); LLM(...) also takes the dict; None = off. runtime/speculative_config.py, docs/engine.md "Speculative decoding"
     speculative_config: str | None = None
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)

@@ -31,10 +31,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.runtime.block_manager import BlockManager
-from octavo.runtime.ngram_proposer import NgramProposer
 from octavo.runtime.prompt_logprobs import capped_chunk, rows_needed, usable_cached_blocks
 from octavo.runtime.request import Request, RequestStatus
-from octavo.runtime.spec_decode import SpecDecodeStats, can_speculate, next_spec_limit
+from octavo.runtime.spec_decode import Proposer, SpecDecodeStats, can_speculate, next_spec_limit
 from octavo.runtime.speculative_config import SpeculativeConfig
 from octavo.runtime.stop_check import check_stop
 from octavo.runtime.structured_outputs import commit_token, release_grammar
@@ -51,10 +50,10 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, *,
                  long_prefill_token_threshold: int = 0, eos_token_ids: Iterable[int] = (),
                  max_model_len: int | None = None, max_prompt_logprob_rows: int | None = None,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None, proposer: Proposer | None = None) -> None:
         self.block_manager = block_manager
         self.spec = speculative_config
-        self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max) if self.spec else None
+        self.proposer = proposer if self.spec is not None else None  # (spec_decode.make_proposer)
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens if self.spec else 0)
         self.max_prompt_logprob_rows = max_prompt_logprob_rows  # per step (None: no cap); see prompt_logprobs.py
         self.max_num_seqs = max_num_seqs
@@ -260,6 +259,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.release(req)
         release_grammar(req)
+        if hasattr(self.proposer, "release"):  # a draft model's copy of req in its own pool
+            self.proposer.release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.error = reason, error
         req.metrics.finished_time = time.time()

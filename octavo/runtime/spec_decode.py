@@ -13,8 +13,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
+from octavo.runtime.ngram_proposer import NgramProposer
 from octavo.runtime.request import Request
+from octavo.runtime.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from octavo.runtime.engine_args import EngineArgs
+
+
+class Proposer(Protocol):
+    """Where draft tokens come from (the scheduler asks for each request that may speculate)."""
+
+    def propose(self, req: Request, k: int) -> list[int]: ...
+
+
+def make_proposer(config: SpeculativeConfig, args: EngineArgs, vocab_size: int, max_model_len: int) -> Proposer:
+    """The proposer CONFIG names: n-gram lookup, or a draft model loaded now."""
+    if config.method == "draft_model":
+        from octavo.runtime.draft_proposer import DraftModelProposer
+
+        return DraftModelProposer(config.model, args, vocab_size, max_model_len)
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def can_speculate(req: Request) -> bool:

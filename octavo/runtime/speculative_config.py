@@ -2,11 +2,14 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
+    {"model": PATH, "num_speculative_tokens": 4}
+
 `method` "ngram" is prompt lookup (runtime/ngram_proposer.py). As in vLLM, a missing prompt_lookup_min takes
-prompt_lookup_max's value and the other way round, and both default to 5. `disable_by_batch_size`: no
-request speculates in a step while more than this many requests run (vLLM's name; under load the batch
-already uses the machine, and verifying drafts would only add work). A draft model (`"model": PATH`) is
-refused with a message saying so: only n-gram speculation is built (docs/engine.md, "Speculative decoding").
+prompt_lookup_max's value and the other way round, and both default to 5. `"model"` names a draft model (any
+model argument: export folder, HF folder, .gguf, with the target's vocabulary; method "draft_model", as vLLM
+infers it), run greedily by its own backend and KV pool (runtime/draft_proposer.py). `disable_by_batch_size`:
+no request speculates in a step while more than this many requests run (vLLM's name; under load the batch
+already uses the machine, and verifying drafts would only add work). docs/engine.md, "Speculative decoding".
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Any
 
 from octavo.errors import InvalidRequestError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
         "disable_by_batch_size")
 MAX_SPECULATIVE_TOKENS = 32  # drafts verified per request per step
@@ -32,6 +35,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model (method "draft_model")
 
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
@@ -54,9 +58,13 @@ class SpeculativeConfig:
         method, model = value.get("method"), value.get("model")
         if method is None and model in ("ngram", "[ngram]"):  # vLLM's older spelling
             method, model = "ngram", None
-        if model is not None:
-            raise InvalidRequestError("speculative_config: draft-model speculation (\"model\") is not supported yet; "
-                                      'use {"method": "ngram", ...} (prompt lookup)')
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise InvalidRequestError(f"speculative_config: model must be a path or model name, got {model!r}")
+        if method is None and model is not None:
+            method = "draft_model"
+        if (method == "draft_model") != (model is not None):
+            raise InvalidRequestError('speculative_config: method "draft_model" and "model" (the draft model) go '
+                                      "together")
         if method not in METHODS:
             raise InvalidRequestError(f"speculative_config: method must be one of {', '.join(METHODS)}, "
                                       f"got {method!r}")
@@ -69,7 +77,7 @@ class SpeculativeConfig:
         if lo > hi:
             raise InvalidRequestError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max "
                                       f"({hi})")
-        return cls(method, k, hi, lo, _int(value, "disable_by_batch_size", 1, 1 << 20))
+        return cls(method, k, hi, lo, _int(value, "disable_by_batch_size", 1, 1 << 20), model)
 
 
 def _int(value: Mapping[str, Any], key: str, lo: int, hi: int, required: bool = False) -> int | None:
