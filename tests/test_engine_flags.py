@@ -17,7 +17,8 @@ from octavo.serving.engine_params import engine_args_from_strings, value_text
 # one non-default value per field type; a field of a new type fails here until it has one
 SAMPLE = {int: "32", bool: None, str: None, float: "0.5"}
 STRINGS = {"backend": "tensorrt", "weights": "int4", "kv_cache_dtype": "float16", "trace_path": "t.jsonl",
-           "quant_kernel": "matmulnbits", "ort_spinning": "0"}
+           "quant_kernel": "matmulnbits", "ort_spinning": "0",
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
 NEEDS = {"quant_block_size": ["--weights", "int8"], "quantize_lm_head": ["--weights", "int8"]}
 FIELDS = [f for f in dataclasses.fields(EngineArgs) if f.name != "model"]
 ENGINE_COMMANDS = [["generate", "m", "p"], ["chat", "m"], ["serve", "m"], ["bench", "throughput", "m"],

@@ -151,7 +151,8 @@ class LLMEngine:
             # the rows of beam-search beams leave the normal commit: the beam search appends their tokens
             to_sample, token_ids, logprobs, beam_rows = self.beams.split(to_sample, sampled.token_ids,
                                                                          sampled.logprobs)
-            rec.speculated(to_sample, token_ids)  # (before the commit clears the drafts)
+            if self.proposer is not None:
+                rec.speculated(to_sample, token_ids)  # (before the commit clears the drafts)
             taken = self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
             outputs += self.beams.advance(beam_rows)
             rec.lap("commit")
