@@ -1,6 +1,6 @@
 """Single-user decode speed with and without speculative decoding, on one model, in one run (ratios only).
 
-    python -m benchmarks.bench_spec_decode [--model smollm2-135m-instruct] [--max-tokens 128]
+    python -m benchmarks.bench_spec_decode [--model smollm2-135m-instruct] [--weights fp32] [--max-tokens 128]
         [--speculative-config JSON ...] [--json out.json]
 
 Two workloads, each request alone (batch 1, greedy): "repeat" (rewrite / edit / quote a given text or code:
@@ -32,8 +32,8 @@ WORKLOADS = {
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 
-def measure(model: str, spec: str | None, max_tokens: int, threads: int | None) -> dict:
-    llm = LLM(model, speculative_config=spec, num_threads=threads)
+def measure(model: str, spec: str | None, max_tokens: int, threads: int | None, weights: str | None) -> dict:
+    llm = LLM(model, speculative_config=spec, num_threads=threads, weights=weights)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
     out: dict = {}
@@ -60,14 +60,15 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--weights", default=None, help="the target's weight format (e.g. fp32 for a GGUF's float export)")
     ap.add_argument("--speculative-config", action="append", default=None,
                     help="a configuration to compare (repeatable; default: n-gram)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    base = measure(args.model, None, args.max_tokens, args.num_threads)
+    base = measure(args.model, None, args.max_tokens, args.num_threads, args.weights)
     rows = {}
     for spec in args.speculative_config or [NGRAM]:
-        got = measure(args.model, spec, args.max_tokens, args.num_threads)
+        got = measure(args.model, spec, args.max_tokens, args.num_threads, args.weights)
         rows[spec] = {w: {"speedup": got[w]["tokens_per_second"] / base[w]["tokens_per_second"],
                           "acceptance_rate": got[w]["acceptance_rate"], "same_tokens": got[w]["ids"] == base[w]["ids"],
                           "tokens_per_second": got[w]["tokens_per_second"]} for w in WORKLOADS}
