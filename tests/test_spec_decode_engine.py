@@ -14,7 +14,9 @@ from octavo import LLM, SamplingParams
 from octavo.runtime.block_hash import block_hash
 from octavo.runtime.request import Request
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+ALWAYS = 1 << 20  # disable_by_batch_size: speculate at any batch size (the CPU default stops past 4 requests)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": ALWAYS}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,8 @@ def test_accepted_runs_are_exact_under_preemption(folder, caching) -> None:  # n
     prompts, lengths = [p for p, _ in reqs], [30 + i for i in range(len(reqs))]
     want = _plain(folder, prompts, lengths)
     llm = LLM(str(folder), block_size=4, num_blocks=40, enable_prefix_caching=caching,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+              speculative_config={"method": "ngram", "num_speculative_tokens": 6,
+                                                  "disable_by_batch_size": ALWAYS})
     llm.engine.scheduler.proposer = ReferenceDrafts({tuple(p): w for p, w in zip(prompts, want)})
     _watch(llm)
     assert _greedy(prompts, lengths, llm) == want
@@ -126,7 +129,8 @@ def test_stop_strings_max_tokens_logprobs_and_n_are_as_without_speculation(folde
               SamplingParams(temperature=0.0, max_tokens=17, logprobs=2, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=23, n=2, ignore_eos=True, include_stop_str_in_output=True,
                              stop=[tok.decode(refs[tuple(prompts[2])][20:21])])]
-    spec = LLM(str(folder), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    spec = LLM(str(folder), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                                                    "disable_by_batch_size": ALWAYS})
     spec.engine.scheduler.proposer = ReferenceDrafts(refs)
     want = base.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -188,7 +192,8 @@ def test_sampled_tokens_are_distributed_as_without_speculation(folder) -> None: 
 
     def run(speculate: bool, seed0: int) -> tuple[list[tuple], LLM]:
         llm = LLM(str(folder), block_size=4, max_num_seqs=128,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 3} if speculate else None)
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                      "disable_by_batch_size": ALWAYS} if speculate else None)
         if speculate:
             llm.engine.scheduler.proposer = _Greedy(refs)
         params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, seed=seed0 + i, ignore_eos=True)
@@ -312,7 +317,8 @@ def test_structured_outputs_speculate_exactly(folder) -> None:  # noqa: ANN001
     greedy = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=CONSTRAINTS[k]) for k in kinds]
     base = LLM(str(folder), block_size=4)
     want = base.generate(prompts, greedy, use_tqdm=False)
-    spec = LLM(str(folder), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec = LLM(str(folder), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                             "disable_by_batch_size": ALWAYS})
     ids = [base.get_tokenizer().encode(p) for p in prompts]
     spec.engine.scheduler.proposer = ReferenceDrafts({tuple(i): list(w.outputs[0].token_ids) for i, w in zip(ids, want)})
     got = spec.generate(prompts, greedy, use_tqdm=False)
@@ -339,7 +345,8 @@ def test_draft_model_greedy_is_exact(folder, hf_model_dir, draft: str) -> None: 
     reqs = random_requests(4, seed=21, max_prompt=40, max_gen=2)
     prompts, lengths = [p for p, _ in reqs], [20, 33, 9, 27]
     want = _plain(folder, prompts, lengths)
-    llm = LLM(str(folder), block_size=4, speculative_config={"model": str(model), "num_speculative_tokens": 3})
+    llm = LLM(str(folder), block_size=4, speculative_config={"model": str(model), "num_speculative_tokens": 3,
+                                                                   "disable_by_batch_size": ALWAYS})
     _watch(llm)
     assert _greedy(prompts, lengths, llm) == want
     st = llm.engine.stats()
@@ -354,3 +361,20 @@ def test_draft_model_greedy_is_exact(folder, hf_model_dir, draft: str) -> None: 
     pool = llm.engine.proposer.pool
     assert pool.num_free_blocks == pool.num_blocks and not llm.engine.proposer.shadows
     llm.engine.close()
+
+
+def test_on_cpu_speculation_stops_under_load_by_default(folder) -> None:  # noqa: ANN001
+    """onnxruntime steps of more than a few rows are compute-bound: by default no request speculates while
+    more than 4 run (docs/engine.md); an explicit disable_by_batch_size is kept."""
+    llm = LLM(str(folder), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                             "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert llm.engine.scheduler.spec.disable_by_batch_size == 4
+    runs: list[tuple[int, int]] = []
+    llm.engine.add_step_listener(lambda rec: runs.append((len(rec.scheduled), len(rec.drafts))))
+    prompts = _repetitive(llm.get_tokenizer(), 6)
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [SamplingParams(temperature=0.0, max_tokens=10 + 8 * i, ignore_eos=True) for i in range(6)],
+                 use_tqdm=False)
+    assert all(d == 0 for n, d in runs if n > 4) and any(d for _, d in runs)
+    kept = LLM(str(folder), block_size=4, speculative_config=dict(NGRAM, disable_by_batch_size=9))
+    assert kept.engine.scheduler.spec.disable_by_batch_size == 9

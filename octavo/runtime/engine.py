@@ -28,7 +28,7 @@ from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler
 from octavo.runtime.spec_decode import make_proposer
-from octavo.runtime.speculative_config import SpeculativeConfig
+from octavo.runtime.speculative_config import SpeculativeConfig, with_cpu_default
 from octavo.runtime.stats import EngineStats, engine_stats
 from octavo.runtime.step_record import StepListener, StepRecord, notify
 from octavo.runtime.structured_outputs import StructuredOutputManager
@@ -47,7 +47,7 @@ class LLMEngine:
         self.block_size, self.num_blocks, self.vocab_size = args.block_size, self.backend.num_blocks, self.manifest.vocab_size
         self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching)
         prompt_logprob_rows = max_prompt_logprob_rows(self.backend, args.max_num_seqs, self.vocab_size)
-        spec = SpeculativeConfig.parse(args.speculative_config)
+        spec = with_cpu_default(SpeculativeConfig.parse(args.speculative_config), args.backend)
         self.proposer = make_proposer(spec, args, self.vocab_size, self.max_model_len) if spec else None
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -9,10 +9,14 @@ prompt_lookup_max's value and the other way round, and both default to 5. `"mode
 model argument: export folder, HF folder, .gguf, with the target's vocabulary; method "draft_model", as vLLM
 infers it), run greedily by its own backend and KV pool (runtime/draft_proposer.py). `disable_by_batch_size`:
 no request speculates in a step while more than this many requests run (vLLM's name; under load the batch
-already uses the machine, and verifying drafts would only add work). docs/engine.md, "Speculative decoding".
+already uses the machine, and verifying drafts would only add work). On the onnxruntime backend it defaults
+to CPU_DISABLE_BY_BATCH_SIZE (`with_cpu_default`): a CPU step of more than a few rows is compute-bound, so a
+draft row costs about what a decode row does, and speculation could only lose throughput under load.
+docs/engine.md, "Speculative decoding".
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "promp
 MAX_SPECULATIVE_TOKENS = 32  # drafts verified per request per step
 MAX_LOOKUP = 64  # longest n-gram looked up
 DEFAULT_LOOKUP = 5
+CPU_DISABLE_BY_BATCH_SIZE = 4  # onnxruntime's default disable_by_batch_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +92,10 @@ def _int(value: Mapping[str, Any], key: str, lo: int, hi: int, required: bool = 
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise InvalidRequestError(f"speculative_config: {key} must be an integer from {lo} to {hi}, got {v!r}")
     return v
+
+
+def with_cpu_default(config: SpeculativeConfig | None, backend: str) -> SpeculativeConfig | None:
+    """CONFIG with disable_by_batch_size = CPU_DISABLE_BY_BATCH_SIZE on the onnxruntime backend when not given."""
+    if config is None or config.disable_by_batch_size is not None or backend != "onnxruntime":
+        return config
+    return dataclasses.replace(config, disable_by_batch_size=CPU_DISABLE_BY_BATCH_SIZE)
