@@ -266,6 +266,10 @@ def test_disable_by_batch_size_and_the_trace(folder, tmp_path) -> None:  # noqa:
     llm.engine.close()
     rows = [r for line in trace.read_text().splitlines() for r in json.loads(line)["requests"] if "draft_tokens" in r]
     assert rows and all(0 <= r["accepted_tokens"] <= r["draft_tokens"] and r["phase"] == "decode" for r in rows)
+    from octavo.tracing.reader import read_trace
+
+    read = [r for row in read_trace(trace) for r in row["requests"]]
+    assert sum(r["draft_tokens"] for r in read) == sum(r["draft_tokens"] for r in rows) > 0
 
 
 def test_metrics_have_vllms_names(folder) -> None:  # noqa: ANN001
