@@ -10,7 +10,7 @@ replica is killed (SIGKILL) mid-run: only its in-flight requests are lost, and t
 answered by the survivor.
 
 Needs `pip install 'octavo[router]'` (skipped without the `vllm-router` command: not in `make test`'s extras).
-~2-3 min on 2 loaded cores (`pytest -m slow tests/test_router_deploy.py -s` prints the ratios)."""
+~4.5 min on 2 loaded cores (`pytest -m slow tests/test_router_deploy.py -s` prints the ratios)."""
 from __future__ import annotations
 
 import random
