@@ -19,7 +19,8 @@ SAMPLE = {int: "32", bool: None, str: None, float: "0.5"}
 STRINGS = {"backend": "tensorrt", "weights": "int4", "kv_cache_dtype": "float16", "trace_path": "t.jsonl",
            "quant_kernel": "matmulnbits", "ort_spinning": "0", "reasoning_parser": "deepseek_r1",
            "kv_events_config": "{\"topic\": \"kv\"}",
-           "lora_modules": "a=/adapters/a"}
+           "lora_modules": "a=/adapters/a",
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
 NEEDS = {"quant_block_size": ["--weights", "int8"], "quantize_lm_head": ["--weights", "int8"]}
 FIELDS = [f for f in dataclasses.fields(EngineArgs) if f.name != "model"]
 ENGINE_COMMANDS = [["generate", "m", "p"], ["chat", "m"], ["serve", "m"], ["bench", "throughput", "m"],

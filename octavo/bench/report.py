@@ -98,6 +98,42 @@ def serve_table(s: dict[str, Any], percentiles: tuple[float, ...] = (99.0,)) -> 
 
 
 @dataclass(slots=True)
+class SpecDecodeSummary:
+    """Speculative decoding during a run (vLLM's spec-decode counters, the engine's deltas over the run)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+
+    @classmethod
+    def between(cls, before: Any, after: Any) -> SpecDecodeSummary | None:
+        """The counters' change from engine stats BEFORE to AFTER; None when no draft was verified."""
+        drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+        if not drafts:
+            return None
+        per_pos = [a - b for a, b in zip(after.spec_decode_num_accepted_tokens_per_pos,
+                                          before.spec_decode_num_accepted_tokens_per_pos)]
+        return cls(drafts, after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                   after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens, per_pos)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step gave a request that had drafts (accepted + the target's own), vLLM's."""
+        return 1 + self.num_accepted_tokens / self.num_drafts
+
+    def line(self) -> str:
+        per_pos = ", ".join(f"{a / self.num_drafts:.2f}" for a in self.accepted_per_position)
+        return (f"Speculative decoding: acceptance rate {100 * self.acceptance_rate:.1f}% ({self.num_accepted_tokens}"
+                f" of {self.num_draft_tokens} draft tokens), mean acceptance length {self.mean_acceptance_length:.2f},"
+                f" per-position acceptance {per_pos}")
+
+
+@dataclass(slots=True)
 class ThroughputResult:
     """`octavo bench throughput`: offline, all requests submitted at once through octavo.LLM."""
 
@@ -105,6 +141,7 @@ class ThroughputResult:
     elapsed_time: float
     total_prompt_tokens: int
     total_output_tokens: int
+    spec_decode: SpecDecodeSummary | None = None  # with --speculative-config, when drafts were verified
 
     @property
     def total_num_tokens(self) -> int:
@@ -112,7 +149,11 @@ class ThroughputResult:
 
     def to_dict(self) -> dict[str, Any]:
         e = max(self.elapsed_time, 1e-9)
-        return {**asdict(self), "total_num_tokens": self.total_num_tokens,
+        d = asdict(self)
+        if self.spec_decode is not None:
+            d["spec_decode"].update(acceptance_rate=self.spec_decode.acceptance_rate,
+                                    mean_acceptance_length=self.spec_decode.mean_acceptance_length)
+        return {**d, "total_num_tokens": self.total_num_tokens,
                 "requests_per_second": self.num_requests / e, "tokens_per_second": self.total_num_tokens / e,
                 "output_tokens_per_second": self.total_output_tokens / e}
 
@@ -122,7 +163,8 @@ class ThroughputResult:
                 f"{d['output_tokens_per_second']:.2f} output tokens/s\n"
                 f"Total num prompt tokens:  {self.total_prompt_tokens}\n"
                 f"Total num output tokens:  {self.total_output_tokens}\n"
-                f"Elapsed time (s):         {self.elapsed_time:.2f}")
+                f"Elapsed time (s):         {self.elapsed_time:.2f}"
+                + (f"\n{self.spec_decode.line()}" if self.spec_decode is not None else ""))
 
 
 def save_json(path: str | Path, result: dict[str, Any]) -> Path:

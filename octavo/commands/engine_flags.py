@@ -57,6 +57,10 @@ HELP: dict[str, str] = {
     "kv_events_config": "vLLM's KV events for KV-aware routers, as JSON: '{\"enable_kv_cache_events\": true, "
                         "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
                         "(docs/serving.md)",
+    "speculative_config": "speculative decoding, as vLLM's: a JSON object, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(prompt lookup) or '{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft model; "
+                          "docs/engine.md)",
     "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
     "ort_fusions": "onnxruntime: fuse RoPE into ONNX Runtime's RotaryEmbedding and then into PagedAttention when "
                    "loading the graph (same logits, fewer nodes)",
@@ -73,6 +77,7 @@ NONE_MEANS: dict[str, str] = {
     "num_threads": "all cores",
     "trace_path": "none",
     "kv_events_config": "off",
+    "speculative_config": "off",
     "weights": "gguf for a quantized .gguf, else fp32",
     "quant_kernel": "block",
     "quant_block_size": "32",
@@ -80,7 +85,7 @@ NONE_MEANS: dict[str, str] = {
     "ort_spinning": f"${ENVIRONMENT_DEFAULTS['ort_spinning']}, else run",
     "amx": f"on unless ${ENVIRONMENT_DEFAULTS['amx']} is 0",
 }
-METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES", "kv_events_config": "JSON"}
+METAVARS = {"trace_path": "FILE", "kv_cache_memory": "BYTES", "kv_events_config": "JSON", "speculative_config": "JSON"}
 # the values EngineArgs.validate accepts for its plain-str fields (a Literal annotation gives its own)
 CHOICES: dict[str, tuple[str, ...]] = {
     "backend": ("onnxruntime", "tensorrt"),

@@ -205,15 +205,16 @@ class BeamSearchManager:
         return req in self._of
 
     # -- a step -----------------------------------------------------------------------------------------
-    def split(self, sampled: list[Request], token_ids: list[int], logprobs: list[dict[int, float] | None]
-              ) -> tuple[list[Request], list[int], list[dict[int, float] | None], list[tuple[Request, dict]]]:
+    def split(self, sampled: list[Request], token_ids: list[list[int]], logprobs: list[list[dict[int, float]] | None]
+              ) -> tuple[list[Request], list[list[int]], list[list[dict[int, float]] | None],
+                         list[tuple[Request, dict]]]:
         """The step's sampled rows without those of beams (for the normal commit), and the beams' rows."""
         if not self._of:
             return sampled, token_ids, logprobs, []
         keep_r, keep_t, keep_l, beams = [], [], [], []
         for req, tok, lp in zip(sampled, token_ids, logprobs):
-            if req in self._of:
-                beams.append((req, lp or {}))
+            if req in self._of:  # (a beam never has drafts: one token and one logprobs entry)
+                beams.append((req, lp[0] if lp else {}))
             else:
                 keep_r.append(req)
                 keep_t.append(tok)
@@ -225,7 +226,6 @@ class BeamSearchManager:
         ready: dict[str, _Search] = {}
         for req, lp in rows:
             search = self._of[req]
-            self.scheduler.generation_tokens_total += 1
             if search.beams.report(req, lp):
                 ready[search.group.request_id] = search
         outs = []
@@ -268,14 +268,16 @@ class BeamSearchManager:
         child = dataclasses.replace(
             parent, request_id=f"{search.group.request_id}#beam{search.forks}", status=RequestStatus.RUNNING,
             output_token_ids=list(parent.output_token_ids), block_table=[], block_hashes=[], num_computed_tokens=0,
-            num_registered_blocks=0, num_promised_blocks=0, followers=[], metrics=dataclasses.replace(parent.metrics))
-        self.scheduler.running.append(child)  # it holds blocks: a running request (docs/architecture.md)
+            num_registered_blocks=0, num_promised_blocks=0, followers=[], spec_token_ids=[],
+            metrics=dataclasses.replace(parent.metrics))
+        self.scheduler.adopt(child)  # it holds blocks: a running request (docs/architecture.md)
         self._of[child] = search
         return child
 
     def _extend(self, search: _Search, req: Request, c: Candidate, live: list[Request]) -> None:
-        # beams get their tokens here, not in the scheduler's commit: the search, not a stop rule, decides
-        req.output_token_ids.append(c.token)
+        # beams get their tokens from the search, not from a stop rule: appended through the scheduler's one
+        # writer of output tokens, without its token stops
+        self.scheduler.append_output(req, [c.token], stops=False)
         search.beams.cum_logprob[req] = c.cum_logprob
         live.append(req)
 

@@ -10,6 +10,8 @@
   `promised` (hash -> that request) until filled (`cache_full_blocks`) or let go (`release`).
 - The one writer of a request's KV state: block_table, num_computed_tokens (`admit`: the cached
   prefix, `commit`: a step's tokens, `release`: 0), block hashes; it counts its own cache hits.
+  Speculative decoding commits only accepted tokens, so a rejected draft's KV never fills a cached block;
+  `trim` gives back the blocks allocated past a request's tokens for drafts that were rejected.
 - `fork`: a new request shares another's full computed blocks (beam search, n > 1); for beam search also its
   own copy of the partially filled last block (copy on write: both will write into it).
 - Invariant (tests/pool_check.py checks it): free + in use == total; a block is free iff its refcount is 0.
@@ -171,6 +173,27 @@ class BlockManager:
         """A step computed num_tokens more tokens of req: advance it and offer its new full blocks."""
         req.num_computed_tokens += num_tokens
         self.cache_full_blocks(req)
+
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past req's tokens (allocated for draft tokens that were rejected). They hold
+        no computed token, so none is shared or cached: they go to the front of the free list."""
+        keep = self.blocks_needed(req.num_tokens)
+        if len(req.block_table) <= keep:
+            return
+        for b in reversed(req.block_table[keep:]):
+            assert self.ref_count[b] == 1 and self.hash_of[b] is None, "a draft block is shared or cached"
+            self.ref_count[b] = 0
+            self.free_lru[b] = None
+            self.free_lru.move_to_end(b, last=False)
+        req.block_table = req.block_table[:keep]  # a new list, never an edit in place (block_table.py)
+
+    def rewind(self, req: Request, num_tokens: int) -> None:
+        """Only req's first NUM_TOKENS tokens' KV is valid now (a draft model's own drafts that the target
+        rejected): computed tokens back to it, blocks past req's tokens freed (`trim`). For a pool without
+        the prefix cache (a rewound block must not be named by a hash)."""
+        assert not self.enable_prefix_caching, "rewind in a pool with the prefix cache"
+        req.num_computed_tokens = min(req.num_computed_tokens, num_tokens)
+        self.trim(req)
 
     def fork(self, parent: Request, child: Request, copy_partial: bool = False) -> tuple[int, int] | None:
         """Give child (no blocks yet) parent's full computed blocks, shared by reference count. The

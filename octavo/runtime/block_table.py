@@ -1,7 +1,7 @@
 """BlockTables: the step's `block_table` input [B, widest table], packed from a per-request int32 copy.
 
 A request's block table is a Python list (the BlockManager appends to it, and replaces it with a new list
-on admit, fork and release: never edits it in place). Converting each scheduled request's whole list to
+on admit, fork, release and trim: never edits it in place). Converting each scheduled request's whole list to
 int32 every step would cost O(context / block_size) per request per step — 0.1 ms a step for four
 requests of 4,096 tokens on the development machine, the one part of a decode step that grew with the
 output. Instead each request keeps a zero-padded int32 row that receives only its new blocks, and

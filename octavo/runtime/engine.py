@@ -1,8 +1,8 @@
 """LLMEngine: requests in, one scheduled + computed + sampled step per `step()` call, delta outputs out.
 
     add_request ─► InputProcessor ─► Scheduler.schedule() ─► ModelRunner.prepare() ─► Backend.run()
-        ─► Sampler ─► Scheduler.update_from_output() (the commit) ─► OutputProcessor (text, stop strings,
-        RequestOutputs) ─► StepRecord to the step listeners
+        ─► RejectionSampler (the Sampler; verifies draft tokens) ─► Scheduler.update_from_output() (the commit)
+        ─► OutputProcessor (text, stop strings, RequestOutputs) ─► StepRecord to the step listeners
 
 Everything a user can get wrong is rejected in add_request (InvalidRequestError, PromptTooLongError)
 without touching other requests. If the backend or the sampler fails during a step, only that step's
@@ -31,10 +31,13 @@ from octavo.runtime.pooling import accept_rows, finished_embeddings, pooling_row
 from octavo.runtime.pooling_params import EmbeddingModel
 from octavo.runtime.request import Request
 from octavo.runtime.prompt_logprobs import max_prompt_logprob_rows, prompt_rows
+from octavo.runtime.rejection_sampler import RejectionSampler
 from octavo.runtime.runner import ModelRunner
 from octavo.runtime.sampler import Sampler
 from octavo.runtime.sampling_params import SamplingParams
 from octavo.runtime.scheduler import Scheduler
+from octavo.runtime.spec_decode import make_proposer
+from octavo.runtime.speculative_config import SpeculativeConfig, with_cpu_default
 from octavo.runtime.stats import EngineStats, engine_stats
 from octavo.runtime.step_record import StepListener, StepRecord, notify
 from octavo.runtime.reasoning import get_reasoning_format
@@ -68,13 +71,16 @@ class LLMEngine:
         self._kv_log = KVEventLog() if kv_events.publishes else None
         self.block_manager = BlockManager(self.num_blocks, self.block_size, args.enable_prefix_caching, self._kv_log)
         prompt_logprob_rows = max_prompt_logprob_rows(self.backend, args.max_num_seqs, self.vocab_size)
+        spec = with_cpu_default(SpeculativeConfig.parse(args.speculative_config), args.backend)
+        self.proposer = make_proposer(spec, args, self.vocab_size, self.max_model_len) if spec else None
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    long_prefill_token_threshold=args.long_prefill_token_threshold,
                                    eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
-                                   max_prompt_logprob_rows=prompt_logprob_rows)
+                                   max_prompt_logprob_rows=prompt_logprob_rows,
+                                   speculative_config=spec, proposer=self.proposer)
         max_blocks = min(self.block_manager.blocks_needed(self.max_model_len), self.num_blocks)
         self.runner = ModelRunner(self.block_size, args.max_num_seqs, args.max_num_batched_tokens, max_blocks)
-        self.sampler = Sampler(self.tokenizer.eos_token_ids)
+        self.sampler = RejectionSampler(Sampler(self.tokenizer.eos_token_ids))
         self.structured = StructuredOutputManager(  # grammars, masks
             self.tokenizer, self.vocab_size, args.constraint_limits(),
             reasoning=get_reasoning_format(args.reasoning_parser) if args.reasoning_parser else None)
@@ -191,7 +197,8 @@ class LLMEngine:
                                       f"{len(inputs.logits_indices)}")
             rec.lap("backend")
             bitmask = self.structured.bitmask(to_sample)  # None when no row is constrained
-            sampled = self.sampler(logits[: len(to_sample)], to_sample, bitmask)
+            num_rows = sum(1 + len(r.spec_token_ids) for r in to_sample)  # drafts: a row each
+            sampled = self.sampler(logits[:num_rows], to_sample, bitmask)
             rec.lap("sample")
         except Exception as exc:  # noqa: BLE001 - any backend failure ends only this step's requests
             self.structured.discard()  # (its worker reads the matchers the failure is about to free)
@@ -205,14 +212,16 @@ class LLMEngine:
             # the rows of beam-search beams leave the normal commit: the beam search appends their tokens
             to_sample, token_ids, logprobs, beam_rows = self.beams.split(to_sample, sampled.token_ids,
                                                                          sampled.logprobs)
-            self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
+            if self.proposer is not None:
+                rec.speculated(to_sample, token_ids)  # (before the commit clears the drafts)
+            taken = self.scheduler.update_from_output(sched.scheduled, to_sample, token_ids)
             embedded = self._embed(sched.scheduled, pooled, hidden)
             outputs += self.beams.advance(beam_rows)
             rec.lap("commit")
-            failed = self.outputs.score_prompts(scored, logits[len(sampled.token_ids):])
-            stopped, failed_text = self.outputs.detokenize(to_sample, logprobs)
-            for req, stop in stopped:
-                self.scheduler.finish(req, "stop", stop_reason=stop)
+            failed = self.outputs.score_prompts(scored, logits[num_rows:])
+            stopped, failed_text = self.outputs.detokenize(to_sample, taken, logprobs)
+            for req, stop, kept in stopped:  # (a stop string inside accepted drafts: the tokens after it go)
+                self.scheduler.finish(req, "stop", stop_reason=stop, keep_tokens=kept)
             for req, error in failed + failed_text:  # only these requests end: a prompt not scored, a token not decoded
                 self.scheduler.finish(req, "error", error=error)
             touched = to_sample + embedded
@@ -263,6 +272,8 @@ class LLMEngine:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
             self.kv_event_publisher = None
+        if hasattr(self.proposer, "close"):  # a draft model's backend
+            self.proposer.close()
         self.structured.close()
         if self._trace is not None:
             self._trace.close()

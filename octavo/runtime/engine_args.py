@@ -18,6 +18,7 @@ from octavo.runtime.input_processor import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_PRO
 from octavo.runtime.kv_dtype import check_kv_cache_dtype
 from octavo.runtime.reasoning import get_reasoning_format
 from octavo.runtime.kv_events import KVEventsConfig
+from octavo.runtime.speculative_config import SpeculativeConfig
 from octavo.structured.limits import ConstraintLimits
 
 _LIMITS = ConstraintLimits()
@@ -81,6 +82,10 @@ class EngineArgs:
     enable_lora: bool = False  # LoRA slots even without lora_modules (adapters loaded later: load_lora_adapter)
     max_loras: int = 4
     max_lora_rank: int = 16
+    # speculative decoding, vLLM's --speculative-config: a JSON object such as '{"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' or '{"model": PATH,
+    # "num_speculative_tokens": 4}' (a draft model); LLM(...) also takes the dict; None = off. runtime/speculative_config.py, docs/engine.md "Speculative decoding"
+    speculative_config: str | None = None
 
     # the onnxruntime backend's knobs (docs/engine.md); None = the environment's default (with_environment_defaults)
     # the graph rewritten at load (RoPE into RotaryEmbedding, then into PagedAttention: docs/op.md); None = on
@@ -127,6 +132,7 @@ class EngineArgs:
             get_reasoning_format(self.reasoning_parser)
         if self.kv_events_config is not None:
             KVEventsConfig.parse(self.kv_events_config)
+        SpeculativeConfig.parse(self.speculative_config)
         check_weight_options(self.weights, self.quant_block_size, self.quantize_lm_head)
         check_quant_kernel(self.quant_kernel)
         if self.weights is not None:  # None: known once the model is read (a quantized GGUF's default is "gguf")

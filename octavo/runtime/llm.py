@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from octavo.errors import InvalidRequestError, StepFailedError
@@ -42,6 +43,8 @@ class LLM:
     def __init__(self, model: str, *, backend_instance: Backend | None = None, **engine_args: Any) -> None:
         """engine_args: EngineArgs' fields (`backend` is its name, e.g. "onnxruntime"); backend_instance: a
         ready Backend object to run instead (tests, fault injection)."""
+        if isinstance(engine_args.get("speculative_config"), Mapping):  # vLLM's LLM takes the dict
+            engine_args["speculative_config"] = json.dumps(engine_args["speculative_config"])
         self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args), backend_instance)
 
     @classmethod

@@ -74,24 +74,31 @@ class OutputProcessor:
     def add(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
 
-    def detokenize(self, sampled: list[Request], logprobs: list[dict[int, float] | None]
-                   ) -> tuple[list[tuple[Request, str]], list[tuple[Request, str]]]:
-        """Feed each sampled request's new token (committed by the scheduler) to its detokenizer.
-        Returns (requests whose text hit a stop string, with it; requests that failed, with the error)."""
+    def detokenize(self, sampled: list[Request], counts: list[int], logprobs: list[list[dict[int, float]] | None]
+                   ) -> tuple[list[tuple[Request, str, int]], list[tuple[Request, str]]]:
+        """Feed each sampled request's new tokens (its last COUNTS[i] output tokens, committed by the scheduler:
+        one, or a run of accepted drafts) to its detokenizer, one by one. Returns (requests whose text hit a
+        stop string, with it and how many output tokens to keep: up to the token that completed it; requests
+        that failed, with the error)."""
         stopped, failed = [], []
-        for req, lp in zip(sampled, logprobs):
+        for req, count, lps in zip(sampled, counts, logprobs):
             group = self.groups[req.parent_id]
-            try:
-                if lp is not None and group.logprobs is not None:
-                    group.logprobs[req.index].append(
-                        {t: Logprob(t, v, self.tokenizer.decode([t], skip_special_tokens=False)) for t, v in lp.items()})
-                stop = self._add_token(req, group.detokenizers[req.index], self.tokenizer.eos_token_ids)
-            except Exception as exc:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode: end only this one
-                logger.exception("request %s failed after sampling token %d", req.request_id, req.output_token_ids[-1])
-                failed.append((req, f"{type(exc).__name__}: {exc}"))
-                continue
-            if stop is not None:
-                stopped.append((req, stop))
+            first = req.num_output_tokens - count
+            for at in range(first, req.num_output_tokens):
+                try:
+                    lp = lps[at - first] if lps is not None else None
+                    if lp is not None and group.logprobs is not None:
+                        group.logprobs[req.index].append(
+                            {t: Logprob(t, v, self._decode_one(t)) for t, v in lp.items()})
+                    stop = self._add_token(req, at, group.detokenizers[req.index], self.tokenizer.eos_token_ids)
+                except Exception as exc:  # noqa: BLE001 - e.g. a token the tokenizer cannot decode: end only this one
+                    logger.exception("request %s failed after sampling token %d", req.request_id,
+                                     req.output_token_ids[at])
+                    failed.append((req, f"{type(exc).__name__}: {exc}"))
+                    break
+                if stop is not None:
+                    stopped.append((req, stop, at + 1))
+                    break
         return stopped, failed
 
     def score_prompts(self, rows: dict[Request, tuple[int, int]], logits: np.ndarray) -> list[tuple[Request, str]]:
@@ -126,15 +133,15 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @staticmethod
-    def _add_token(req: Request, detok: IncrementalDetokenizer, eos_token_ids: list[int]) -> str | None:
-        tok, p = req.output_token_ids[-1], req.params
-        # ended by this token as a stop token or EOS: EOS is never text, a stop token only if asked (a request
-        # whose grammar this token completed ended "stop" too, and the token is text)
-        if req.finish_reason == "stop" and (req.stop_reason == tok or tok in eos_token_ids):
+    def _add_token(req: Request, at: int, detok: IncrementalDetokenizer, eos_token_ids: list[int]) -> str | None:
+        tok, p, last = req.output_token_ids[at], req.params, at == req.num_output_tokens - 1
+        # ended by this (last) token as a stop token or EOS: EOS is never text, a stop token only if asked (a
+        # request whose grammar this token completed ended "stop" too, and the token is text)
+        if last and req.finish_reason == "stop" and (req.stop_reason == tok or tok in eos_token_ids):
             if req.stop_reason is not None and p.include_stop_str_in_output:
                 detok.add(tok)
             return None
-        return detok.add(tok, check_stop=req.num_output_tokens >= p.min_tokens)
+        return detok.add(tok, check_stop=at + 1 >= p.min_tokens)
 
     def make_outputs(self, reqs: Iterable[Request]) -> list[RequestOutput]:
         """The outputs of the requests of REQS (those a step touched); finished groups are dropped."""

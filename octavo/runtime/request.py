@@ -60,6 +60,11 @@ class Request:
     pool: PoolState | None = None  # an embedding request (SamplingParams.pooling): what it pooled so far
     lora_slot: int = 0  # the backend's LoRA slot of its adapter (0: the base model)
     cache_salt: bytes = b""  # seeds its prefix-cache hash chain: requests of different adapters never share KV
+    # speculative decoding (the Scheduler writes both): the draft tokens scheduled after its last token this
+    # step (verified by the target in the same step, then cleared by the commit), and how many it may propose
+    # next (adapts to how many it had accepted; 0 = the config's num_speculative_tokens)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_limit: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,7 +3,9 @@
 No padding: T = the scheduled tokens of all sequences back to back. The arrays are views of buffers
 allocated once (max_num_batched_tokens rows, max_num_seqs sequences) and sliced per step.
 `logits_indices` names only the rows that need a next token: the last scheduled token of each
-request whose prompt (plus any recomputed output) is complete after this step.
+request whose prompt (plus any recomputed output) is complete after this step. A request with draft
+tokens (speculative decoding) is packed as its last token followed by its drafts, and gets a row for each
+of them: 1 + drafts rows in a row, which verify the drafts and give the token after the accepted ones.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ class ModelRunner:
 
     def prepare(self, scheduled: dict[Request, int], prompt_rows: dict[Request, tuple[int, int]] | None = None,
                 pooled_rows: dict[Request, tuple[int, int]] | None = None) -> tuple[StepInputs, list[Request]]:
-        """Pack the step; return the inputs and the requests that get a logits row (in row order). Values go
+        """Pack the step; return the inputs and the requests that get logits rows (in row order; one each, or
+        1 + its drafts for a request with drafts). Values go
         into Python lists (a decode row is a few ints), then one numpy assignment per array.
         PROMPT_ROWS (prompt logprobs): per request, (first position, count) of more rows to return, after
         the rows to sample, in the order given. POOLED_ROWS (embeddings): likewise, the rows of hidden_indices;
@@ -61,17 +64,18 @@ class ModelRunner:
             blocks = req.block_table
             past.append(start)
             cu.append(t)
+            drafts = req.spec_token_ids
             if n == 1:
                 ids.append(req.token(start))
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
-                ids.extend(req.tokens(start, start + n))
+                ids.extend(req.tokens(start, start + n - len(drafts)) + drafts if drafts else req.tokens(start, start + n))
                 positions.extend(range(start, start + n))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             t += n
-            if start + n == req.num_tokens and req.pool is None:
-                logit_rows.append(t - 1)
+            if start + n == req.num_tokens + len(drafts) and req.pool is None:
+                logit_rows.extend(range(t - 1 - len(drafts), t))
                 sampled.append(req)
         cu.append(t)
         self._input_ids[:t] = ids

@@ -41,6 +41,26 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: top-k tokens + the chosen one (None if not asked)
 
 
+def draw(ids: np.ndarray, weights: np.ndarray, generator: np.random.Generator) -> int:
+    """One of IDS with probability proportional to WEIGHTS, from one uniform draw of GENERATOR."""
+    c = np.cumsum(weights, dtype=np.float64)
+    j = int(np.searchsorted(c, generator.random() * c[-1], side="right"))
+    return int(ids[min(j, len(ids) - 1)])
+
+
+def logprob_entry(row: np.ndarray, k: int, token: int, explicit: list[int] | None = None) -> dict[int, float]:
+    """A row's logprobs entry: its top K tokens (most likely first) and the chosen TOKEN; with EXPLICIT (vLLM's
+    logprob_token_ids), the chosen token first, then exactly those ids."""
+    if explicit is not None:
+        d = {int(token): float(row[token])}
+        d.update((int(t), float(row[t])) for t in explicit if t not in d)
+        return d
+    top = np.argpartition(-row, k - 1)[:k] if k else np.empty(0, np.int64)
+    d = {int(t): float(row[t]) for t in top[np.argsort(-row[top])]}
+    d[int(token)] = float(row[token])
+    return d
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     m = np.max(x, axis=-1, keepdims=True)
     z = x - m
@@ -68,7 +88,7 @@ def _masked_rows(bitmask: np.ndarray | None) -> np.ndarray:
     return np.flatnonzero((bitmask != -1).any(axis=1))
 
 
-def _finite_argmax(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
+def finite_argmax(logits: np.ndarray, reqs: list[Request]) -> np.ndarray:
     """Each row's argmax, after checking the row is usable: a broken backend step (NaN/inf logits) fails
     rather than samples garbage."""
     tokens = np.argmax(logits, axis=-1)
@@ -138,9 +158,32 @@ class Sampler:
     def __call__(self, logits: np.ndarray, reqs: list[Request], bitmask: np.ndarray | None = None) -> SamplerOutput:
         """BITMASK: None, or [len(reqs), ceil(vocab / 32)] int32 words, bit t of row i = token t allowed for
         reqs[i] (a row of all ones, -1 words, constrains nothing)."""
-        masked = _masked_rows(bitmask)
-        if not masked.size and all(_plain_greedy(r) for r in reqs):  # nothing changes the logits: no copy
+        processed = self.process(logits, reqs, bitmask)
+        if processed is None:  # nothing changes the logits: no copy
             return self._plain_argmax(logits, reqs)
+        logits = processed
+        logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        lp = log_softmax(logits[logprob_rows]) if logprob_rows else None
+
+        tokens = finite_argmax(logits, reqs)  # greedy rows keep this
+        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rand:
+            tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand])
+
+        out_lp: list[dict[int, float] | None] = [None] * len(reqs)
+        for j, i in enumerate(logprob_rows):
+            out_lp[i] = logprob_entry(lp[j], min(reqs[i].params.logprobs or 0, lp.shape[1]), int(tokens[i]),
+                                      reqs[i].params.logprob_token_ids)
+        return SamplerOutput(token_ids=[int(t) for t in tokens], logprobs=out_lp)
+
+    def process(self, logits: np.ndarray, reqs: list, bitmask: np.ndarray | None = None) -> np.ndarray | None:
+        """LOGITS after every logits processor (bitmask, bias, penalties, min_tokens), as a float32 copy; None
+        when none changes them and every row is greedy (the tokens are the raw rows' argmax). REQS: per row,
+        anything with a Request's params, prompt/output token ids and request_id (the rejection sampler
+        passes draft positions)."""
+        masked = _masked_rows(bitmask)
+        if not masked.size and all(_plain_greedy(r) for r in reqs):
+            return None
         logits = np.array(logits, dtype=np.float32, copy=True)
         if masked.size:
             apply_token_bitmask(logits, bitmask, masked)
@@ -151,31 +194,11 @@ class Sampler:
         if masked.size:
             self._revive_dead_rows(logits, masked)
         self._revive_allowed(logits, reqs)
-        logprob_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        lp = log_softmax(logits[logprob_rows]) if logprob_rows else None
-
-        tokens = _finite_argmax(logits, reqs)  # greedy rows keep this
-        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if rand:
-            tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand])
-
-        out_lp: list[dict[int, float] | None] = [None] * len(reqs)
-        for j, i in enumerate(logprob_rows):
-            row, chosen, explicit = lp[j], int(tokens[i]), reqs[i].params.logprob_token_ids
-            if explicit is not None:  # vLLM's logprob_token_ids: the chosen token first, then exactly these
-                d = {chosen: float(row[chosen])}
-                d.update((t, float(row[t])) for t in explicit if t not in d)
-            else:
-                k = min(reqs[i].params.logprobs or 0, row.shape[0])
-                top = np.argpartition(-row, k - 1)[:k] if k else np.empty(0, np.int64)
-                d = {int(t): float(row[t]) for t in top[np.argsort(-row[top])]}
-                d[chosen] = float(row[chosen])
-            out_lp[i] = d
-        return SamplerOutput(token_ids=[int(t) for t in tokens], logprobs=out_lp)
+        return logits
 
     @staticmethod
     def _plain_argmax(logits: np.ndarray, reqs: list[Request]) -> SamplerOutput:
-        tokens = _finite_argmax(logits, reqs)
+        tokens = finite_argmax(logits, reqs)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(reqs))
 
     # -- logits processors --------------------------------------------------------------------------
@@ -248,9 +271,7 @@ class Sampler:
         tokens = np.empty(len(reqs), np.int64)
         for i, r in enumerate(reqs):
             ids, w = self.candidates(logits[i], r)
-            c = np.cumsum(w, dtype=np.float64)
-            j = int(np.searchsorted(c, r.generator.random() * c[-1], side="right"))
-            tokens[i] = ids[min(j, len(ids) - 1)]
+            tokens[i] = draw(ids, w, r.generator)
         return tokens
 
     @staticmethod

@@ -25,6 +25,16 @@ class EngineStats:
     max_loras: int = 0  # LoRA slots (0: the engine serves no adapters)
     running_loras: tuple[str, ...] = ()  # adapters of the running requests (sorted, once each)
     waiting_loras: tuple[str, ...] = ()  # adapters of the waiting ones
+    # speculative decoding (vLLM's spec_decode counters; 0 without speculation)
+    spec_decode_num_drafts: int = 0  # verification steps of requests that had draft tokens
+    spec_decode_num_draft_tokens: int = 0  # draft tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # of those, accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: accepted at draft position i
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens \
+            if self.spec_decode_num_draft_tokens else 0.0
 
 
 def engine_stats(s: Scheduler, bm: BlockManager, step_count: int, max_loras: int = 0) -> EngineStats:
@@ -40,6 +50,9 @@ def engine_stats(s: Scheduler, bm: BlockManager, step_count: int, max_loras: int
         num_preemptions=s.num_preemptions, prompt_tokens_total=s.prompt_tokens_total,
         generation_tokens_total=s.generation_tokens_total, step_count=step_count,
         max_loras=max_loras, running_loras=loras(s.running), waiting_loras=loras(s.waiting),
+        spec_decode_num_drafts=s.spec_stats.num_drafts, spec_decode_num_draft_tokens=s.spec_stats.num_draft_tokens,
+        spec_decode_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=tuple(s.spec_stats.accepted_per_pos),
     )
 
 
@@ -72,4 +85,10 @@ ENGINE_METRICS = (
     StatMetric("prompt_tokens_total", "prompt_tokens", None, True, "Prompt tokens processed."),
     StatMetric("generation_tokens_total", "generation_tokens", "generation_tokens_total", True, "Tokens generated."),
     StatMetric("step_count", None, "step_count", True, "Engine steps run."),
+    StatMetric("spec_decode_num_drafts", "spec_decode_num_drafts", "spec_decode_num_drafts", True,
+               "Speculative decoding: verification steps of requests that had draft tokens."),
+    StatMetric("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", True,
+               "Speculative decoding: draft tokens proposed and verified."),
+    StatMetric("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+               "spec_decode_num_accepted_tokens", True, "Speculative decoding: draft tokens accepted."),
 )

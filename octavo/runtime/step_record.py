@@ -42,6 +42,7 @@ class StepRecord:
     free_blocks: int = 0
     total_blocks: int = 0
     block_size: int = 0
+    drafts: dict[Request, tuple[int, int]] = field(default_factory=dict)  # speculation: (draft tokens, accepted)
     error: str | None = None  # the backend/sampler failure that ended this step's requests
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (PHASES)
     duration_s: float = 0.0
@@ -51,6 +52,12 @@ class StepRecord:
         """Before the commit: where each scheduled request starts and how many blocks it holds."""
         self.starts = [r.num_computed_tokens for r in scheduled]
         self.blocks = [len(r.block_table) for r in scheduled]
+
+    def speculated(self, sampled: list[Request], token_ids: list[list[int]]) -> None:
+        """Before the commit: per request that had draft tokens, how many, and how many were accepted."""
+        for req, toks in zip(sampled, token_ids):
+            if req.spec_token_ids:
+                self.drafts[req] = (len(req.spec_token_ids), len(toks) - 1)
 
     def end(self, sched: SchedulerOutput, arrived: list[str], finished: list[Request], num_waiting: int,
             bm: BlockManager) -> None:
@@ -76,10 +83,13 @@ class StepRecord:
 
     def trace_row(self) -> dict[str, Any]:
         """The step as one JSON-able trace row (the format octavo/tracing reads)."""
-        reqs = [{"id": r.request_id, "phase": "decode" if n == 1 and start >= r.num_prompt_tokens else "prefill",
+        reqs = [{"id": r.request_id, "phase": _phase(r, n, start, r in self.drafts),
                  "tokens": n, "prompt_len": r.num_prompt_tokens, "total_len": start + n,
                  "output_len": r.num_output_tokens, "blocks": blocks, "cached": r.metrics.num_cached_tokens}
                 for (r, n), start, blocks in zip(self.scheduled.items(), self.starts, self.blocks)]
+        for row, r in zip(reqs, self.scheduled):
+            if r in self.drafts:  # speculative decoding: drafts verified this step, and how many were accepted
+                row["draft_tokens"], row["accepted_tokens"] = self.drafts[r]
         return {
             "step": self.step, "time": self.time, "duration_s": self.duration_s, "batch_size": self.batch_size,
             "num_tokens": self.num_tokens, "num_waiting": self.num_waiting, "free_blocks": self.free_blocks,
@@ -87,6 +97,10 @@ class StepRecord:
             "arrived": self.arrived, "finished": [{"id": r.request_id, "reason": r.finish_reason} for r in self.finished],
             "preempted": [r.request_id for r in self.preempted], "held": [r.request_id for r in self.held],
         }
+
+
+def _phase(r: Request, n: int, start: int, drafted: bool) -> str:
+    return "decode" if (n == 1 or drafted) and start >= r.num_prompt_tokens else "prefill"
 
 
 StepListener = Callable[[StepRecord], None]

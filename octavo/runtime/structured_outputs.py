@@ -5,8 +5,11 @@
     the commit                   ─► commit_token(req, token)   advance; say whether the grammar ended
     finish / abort               ─► release_grammar(req)
 
-The masks depend only on tokens already committed, so `start_bitmask` may run while the backend computes
-the step (llguidance releases the GIL, as ONNX Runtime does); `bitmask` waits for it. Rows of requests
+A request with draft tokens (speculative decoding) has a mask row per draft position too: the matcher
+accepts the drafts one by one (stopping at one its grammar forbids: that draft is rejected anyway, as its
+row's mask gives it no probability), fills each row, and is rolled back; the commit then advances it over
+the tokens actually accepted. The masks depend only on tokens already committed (and the drafts), so
+`start_bitmask` may run while the backend computes the step (llguidance releases the GIL, as ONNX Runtime does); `bitmask` waits for it. Rows of requests
 without a grammar are all ones. Preemption, recompute, prefix-cache hits and chunked prefill need nothing:
 they change which KV is computed, never the committed tokens the matcher has seen, and a mask is computed
 only for rows that sample.
@@ -79,6 +82,19 @@ def release_grammar(req: Request) -> None:
         req.grammar = None
 
 
+def _fill_with_drafts(g: GrammarMatcher, drafts: list[int], mask: np.ndarray, row: int) -> None:
+    """Fill MASK[row] for the matcher's state, and MASK[row + j] after each of the first j DRAFTS it allows
+    (rows after a forbidden draft stay all ones: they are never sampled); the matcher ends where it began."""
+    g.fill_bitmask(mask, row)
+    advanced = 0
+    for j, d in enumerate(drafts):
+        if not (int(mask[row + j, d >> 5]) >> (d & 31)) & 1 or g.is_terminated or not g.accept(d):
+            break
+        advanced += 1
+        g.fill_bitmask(mask, row + j + 1)
+    g.rollback(advanced)
+
+
 @dataclass(slots=True)
 class MaskStats:
     rows: int = 0  # constrained rows masked
@@ -136,8 +152,8 @@ class StructuredOutputManager:
         self._pending = self._pool.submit(self._fill, list(reqs), rows)
 
     def bitmask(self, reqs: Sequence[Request]) -> np.ndarray | None:
-        """[len(reqs), words] int32 masks (None when no row is constrained): the one start_bitmask began
-        for these rows, or computed now."""
+        """[logits rows, words] int32 masks (None when no row is constrained; a row per request, and one more
+        per draft token): the one start_bitmask began for these rows, or computed now."""
         pending, self._pending = self._pending, None
         rows = tuple(i for i, r in enumerate(reqs) if constrained(r))
         if not rows:
@@ -159,9 +175,10 @@ class StructuredOutputManager:
 
     def _fill(self, reqs: list[Request], rows: tuple[int, ...]) -> np.ndarray:
         t = time.perf_counter()
-        mask = np.full((len(reqs), self.compiler.words), -1, np.int32)
+        starts = np.cumsum([0] + [1 + len(r.spec_token_ids) for r in reqs])
+        mask = np.full((int(starts[-1]), self.compiler.words), -1, np.int32)
         for i in rows:
-            reqs[i].grammar.fill_bitmask(mask, i)
+            _fill_with_drafts(reqs[i].grammar, reqs[i].spec_token_ids, mask, int(starts[i]))
         self.masks.rows += len(rows)
         self.masks.fill_seconds += time.perf_counter() - t
         return mask

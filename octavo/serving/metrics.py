@@ -68,6 +68,12 @@ class _EngineCollector(Collector):
                                                                               labels=labels)
             family.add_metric([self._model], get(m.field))
             yield family
+        per_pos = CounterMetricFamily("octavo:spec_decode_num_accepted_tokens_per_pos",  # vLLM's, per draft position
+                                      "Speculative decoding: draft tokens accepted at each draft position.",
+                                      labels=[*labels, "position"])
+        for i, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos if s is not None else ()):
+            per_pos.add_metric([self._model, str(i)], float(n))
+        yield per_pos
 
 
 class ServerMetrics:

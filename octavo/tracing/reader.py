@@ -38,7 +38,8 @@ REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
     "total_len": (int,),
     "blocks": (int,),
 }
-OPTIONAL_REQUEST_FIELDS: dict[str, Any] = {"output_len": 0, "cached": 0}
+# draft_tokens / accepted_tokens: speculative decoding's drafts verified in the step, and how many were accepted
+OPTIONAL_REQUEST_FIELDS: dict[str, Any] = {"output_len": 0, "cached": 0, "draft_tokens": 0, "accepted_tokens": 0}
 PHASES = ("prefill", "decode")
 
 
