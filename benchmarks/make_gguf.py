@@ -70,15 +70,21 @@ class RecipeError(RuntimeError):
     """A step of the recipe failed (missing llama.cpp build, converter or quantizer error)."""
 
 
-def tools(src: Path = LLAMA_CPP) -> tuple[Path, Path]:
-    """(convert_hf_to_gguf.py, llama-quantize) of the llama.cpp tree SRC, or RecipeError naming the fix."""
+def converter(src: Path = LLAMA_CPP) -> Path:
+    """convert_hf_to_gguf.py of the llama.cpp tree SRC, or RecipeError naming the fix."""
     convert = src / "convert_hf_to_gguf.py"
-    quantize = next((p for p in (src / "build/bin/llama-quantize", src / "build-noamx/bin/llama-quantize") if p.is_file()),
-                    None)
-    if not convert.is_file() or quantize is None:
-        raise RecipeError(f"no llama.cpp converter / llama-quantize under {src}: run benchmarks/build_llama_server.sh "
-                          "(or set LLAMA_CPP_SRC to a built llama.cpp tree)")
-    return convert, quantize
+    if not convert.is_file():
+        raise RecipeError(f"no llama.cpp convert_hf_to_gguf.py under {src}: run benchmarks/build_llama_server.sh "
+                          "(or set LLAMA_CPP_SRC to a llama.cpp tree)")
+    return convert
+
+
+def quantizer(src: Path = LLAMA_CPP) -> Path:
+    """llama-quantize built in the llama.cpp tree SRC, or RecipeError naming the fix."""
+    found = [p for p in (src / "build/bin/llama-quantize", src / "build-noamx/bin/llama-quantize") if p.is_file()]
+    if not found:
+        raise RecipeError(f"no llama-quantize built under {src}: run benchmarks/build_llama_server.sh")
+    return found[0]
 
 
 def hf_folder(shape: Shape, out: Path, seed: int = 0) -> Path:
@@ -120,7 +126,6 @@ def make(shape_name: str, types: list[str], workdir: Path = WORKDIR, src: Path =
     if shape_name not in SHAPES:
         raise RecipeError(f"unknown shape {shape_name!r}; known: {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
-    convert, quantize = tools(src)
     base = workdir / f"{shape.name}-v{RECIPE_VERSION}"
     base.mkdir(parents=True, exist_ok=True)
     f16 = base / f"{shape.name}-F16.gguf"
@@ -131,7 +136,7 @@ def make(shape_name: str, types: list[str], workdir: Path = WORKDIR, src: Path =
             log.info("writing the random-weight HF folder %s", hf)
             hf_folder(shape, hf)
         tmp = f16.with_suffix(".tmp")
-        run([sys.executable, str(convert), str(hf), "--outtype", "f16", "--outfile", str(tmp)],
+        run([sys.executable, str(converter(src)), str(hf), "--outtype", "f16", "--outfile", str(tmp)],
             env={"PYTHONPATH": str(src / "gguf-py")})
         tmp.rename(f16)
         shutil.rmtree(hf)  # the F16 GGUF holds everything the quantized files are made from
@@ -141,7 +146,7 @@ def make(shape_name: str, types: list[str], workdir: Path = WORKDIR, src: Path =
         path = base / f"{shape.name}-{t.upper()}.gguf"
         if not path.is_file():
             tmp = path.with_suffix(".tmp")
-            run([str(quantize), str(f16), str(tmp), t.upper()])
+            run([str(quantizer(src)), str(f16), str(tmp), t.upper()])
             tmp.rename(path)
         out[t.upper()] = path
     (base / "recipe.json").write_text(json.dumps({"shape": shape.name, "architecture": shape.architecture,
