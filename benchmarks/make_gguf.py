@@ -151,8 +151,8 @@ def make(shape_name: str, types: list[str], workdir: Path = WORKDIR, src: Path =
         out[t.upper()] = path
     (base / "recipe.json").write_text(json.dumps({"shape": shape.name, "architecture": shape.architecture,
                                                   "config": shape.config, "llama_cpp": str(src),
-                                                  "files": {k: v.stat().st_size for k, v in
-                                                            ((k, p) for k, p in out.items())}}, indent=1) + "\n")
+                                                  "files": {f.name: f.stat().st_size
+                                                            for f in sorted(base.glob("*.gguf"))}}, indent=1) + "\n")
     return out
 
 
