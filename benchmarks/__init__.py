@@ -13,7 +13,9 @@ Every Python entry point runs as a module from the checkout's root, e.g.
     slo_capacity.py     users served within a latency SLO, octavo vs peers vs naive serving (slo/)
     roofline.py         how close octavo's decode steps come to this machine's sgemm peak and bandwidth
     bench_*.py          micro-benchmarks: the op, weight formats, structured outputs, streaming, body parsing
-    build_llama_server.sh  builds the llama-server peer; vllm/ and eval/ pin the vLLM and lm-eval venvs
+    make_gguf.py        random-weight 1-3B Llama / Qwen3-MoE GGUFs via llama.cpp's converter and llama-quantize
+    bench_embeddings.py octavo /v1/embeddings beside llama-server --embeddings on one GGUF
+    build_llama_server.sh  builds the llama-server peer and llama-quantize; vllm/ and eval/ pin the vLLM and lm-eval venvs
 """
 from __future__ import annotations
 

@@ -15,6 +15,11 @@ first token left out) and one long prefill (seconds); see benchmarks/peers/real_
 
     .venv/bin/python -m benchmarks.compare_peers [--quick] [--json FILE] [--llama-server PATH]
     .venv/bin/python -m benchmarks.compare_peers --model smollm2 [--quick] [--llama-server PATH] [--repeat 2]
+    .venv/bin/python -m benchmarks.compare_peers --model FILE.gguf --peers octavo,llamacpp --workloads batch,decode \
+        --batch-size 16 --llama-server PATH --repeat 2
+
+--model FILE.gguf runs those workloads on any GGUF (benchmarks/make_gguf.py makes random-weight ones at 1-3B,
+dense and MoE, with llama.cpp's converter and llama-quantize); the HF folder for vLLM / HF is made the same way.
 
 Speed is only ever claimed as a ratio between peers measured here, in the same run.
 """
@@ -52,9 +57,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path(os.environ.get("OCTAVO_PERF_DIR", Path.home() / ".cache/octavo/perf")),
                    help="where the models (HF, octavo export, genai, GGUF) are made once and kept")
     p.add_argument("--json", type=Path, default=None, help="save the result here (default: perf-<date>.json in workdir)")
-    p.add_argument("--model", choices=("perf", "smollm2"), default="perf",
+    p.add_argument("--model", default="perf", metavar="perf|smollm2|FILE.gguf",
                    help="perf: the random-weight perf model (default); smollm2: the embedded SmolLM2-135M-Instruct "
-                        "Q4_1 GGUF and the real-model workloads (batch, single-request decode, long prefill)")
+                        "Q4_1 GGUF and the real-model workloads (batch, single-request decode, long prefill); "
+                        "FILE.gguf: any GGUF (e.g. from benchmarks/make_gguf.py) on the real-model workloads")
+    p.add_argument("--workloads", default="batch,decode,prefill", metavar="W,W",
+                   help="smollm2 / FILE.gguf: which real-model workloads run (comma list of batch, decode, prefill)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="smollm2 / FILE.gguf: requests in the batch workload (default 48, --quick 24)")
     p.add_argument("--peers", default="octavo,hf,genai,llamacpp,vllm",
                    help="comma list of octavo,hf,genai,llamacpp,vllm (genai: the perf model only)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
@@ -90,6 +100,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one peer may take for all its workloads")
     args = p.parse_args(argv)
     args.vllm_dtypes = [d.strip() for d in args.vllm_dtype.split(",") if d.strip()] or ["float32"]
+    if args.model not in ("perf", "smollm2"):
+        if not args.model.endswith(".gguf") or not Path(args.model).is_file():
+            p.error(f"--model {args.model!r}: not perf, smollm2 or an existing .gguf file")
+    args.workload_kinds = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(args.workload_kinds) - {"batch", "decode", "prefill"}
+    if unknown or not args.workload_kinds:
+        p.error(f"--workloads: {', '.join(sorted(unknown)) or 'none given'}; choose from batch, decode, prefill")
+    if args.batch_size is not None and not 1 <= args.batch_size <= 1024:
+        p.error("--batch-size must be 1..1024")
     return args
 
 
@@ -108,15 +127,19 @@ def make_workloads(vocab: int, quick: bool, tiny: bool = False) -> tuple[list[Id
         random_uniform(vocab, 32, (16, 256), (16, 128), seed=4)
 
 
-def make_real_workloads(vocab: int, quick: bool, tiny: bool = False, rnd: int = 0) -> list[IdWorkload]:
-    """The real model's workloads (issue 18), distinct random prompts in every round RND."""
+def make_real_workloads(vocab: int, quick: bool, tiny: bool = False, rnd: int = 0,
+                        kinds: tuple[str, ...] = ("batch", "decode", "prefill"),
+                        batch_size: int | None = None) -> list[IdWorkload]:
+    """The real model's workloads (issue 18) of the KINDS asked for, distinct random prompts in every round RND."""
     seed = 100 * (rnd + 1)
     if tiny:  # the test's size: seconds per peer
-        return [batch(vocab, 4, (8, 32), (4, 8), seed=seed), single_decode(vocab, 8, 8, seed=seed + 1),
+        made = [batch(vocab, batch_size or 4, (8, 32), (4, 8), seed=seed), single_decode(vocab, 8, 8, seed=seed + 1),
                 long_prefill(vocab, 256, 4, seed=seed + 2)]
-    num = 24 if quick else 48
-    return [batch(vocab, num, (32, 400), (16, 160), seed=seed), single_decode(vocab, 64, 128, seed=seed + 1),
-            long_prefill(vocab, 6000, 16, seed=seed + 2)]
+    else:
+        num = batch_size or (24 if quick else 48)
+        made = [batch(vocab, num, (32, 400), (16, 160), seed=seed), single_decode(vocab, 64, 128, seed=seed + 1),
+                long_prefill(vocab, 6000, 16, seed=seed + 2)]
+    return [w for w, k in zip(made, ("batch", "decode", "prefill")) if k in kinds]
 
 
 def machine() -> dict[str, Any]:
@@ -263,7 +286,7 @@ def run_roofline(octavo_dir: Path, threads: int, batch: int, tmp: Path, timeout:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
-    if args.model == "smollm2":
+    if args.model != "perf":
         return main_real(args, peers)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = loadavg()
@@ -374,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_real(args: argparse.Namespace, peers: set[str]) -> int:
-    """--model smollm2: the real-model workloads on every peer, rounds interleaved, best round per peer."""
-    from benchmarks.peers.real_model import prepare_smollm2
+    """--model smollm2 or FILE.gguf: the real-model workloads on every peer, rounds interleaved, best round per peer."""
+    from benchmarks.peers.real_model import prepare_gguf, prepare_smollm2
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = loadavg()
@@ -386,7 +409,9 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
         notes.append(f"vLLM not run: {no_vllm}")
     if "genai" in peers:
         notes.append("onnxruntime-genai not run: it runs the perf model only (its builder takes an HF folder of its own)")
-    real = prepare_smollm2(args.workdir, hf=bool(peers & {"hf"}) or ("vllm" in peers and not no_vllm))
+    want_hf = bool(peers & {"hf"}) or ("vllm" in peers and not no_vllm)
+    real = (prepare_smollm2(args.workdir, hf=want_hf) if args.model == "smollm2"
+            else prepare_gguf(Path(args.model), args.workdir, hf=want_hf))
     if real.hf_error:
         notes.append(f"vLLM and HF not run: {real.hf_error}")
     want_llama = "llamacpp" in peers and bool(args.llama_server)
@@ -395,12 +420,14 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
     paths = {"octavo": str(real.gguf_path), "gguf": str(real.gguf_path), "hf": str(real.hf_dir or ""),
              "vllm_model": str(real.hf_dir or ""), "vllm_python": args.vllm_python or "",
              "llama_server": args.llama_server or ""}
-    first = make_real_workloads(real.vocab_size, args.quick, args.tiny)
-    batch_size = len(first[0].requests)
+    kinds = tuple(args.workload_kinds)
+    first = make_real_workloads(real.vocab_size, args.quick, args.tiny, kinds=kinds, batch_size=args.batch_size)
+    batch_size = max(len(w.requests) for w in first)
     # -np beyond the batch's size is the batch's size (llamacpp.run_offline clamps it): one row each
     llama_np = sorted({min(int(n), batch_size) for n in (args.llama_np or f"16,{batch_size}").split(",") if n.strip()})
     hf_on = ([n.strip() for n in args.hf_sequential_on.split(",") if n.strip()] if args.hf_sequential_on
-             else [w.name for w in first] if args.tiny else [first[1].name])  # HF is slow: the decode one
+             else [w.name for w in first] if args.tiny else [w.name for w in first if w.name.startswith("decode")])
+    # (HF is slow: the decode one only)
     extra_weights = [w.strip() for w in args.octavo_weights.split(",") if w.strip()]
     extra_kernels = [k.strip() for k in args.octavo_kernels.split(",") if k.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="compare-peers-"))
@@ -417,7 +444,8 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
 
     for rnd in range(args.repeat):  # rounds: each peer once per round, new prompts each round
         tag = f"-{rnd + 1}" if args.repeat > 1 else ""
-        wls = first if rnd == 0 else make_real_workloads(real.vocab_size, args.quick, args.tiny, rnd)
+        wls = first if rnd == 0 else make_real_workloads(real.vocab_size, args.quick, args.tiny, rnd, kinds=kinds,
+                                                         batch_size=args.batch_size)
         if "octavo" in peers:
             results += worker("octavo", wls, f"octavo{tag}", rnd, max_num_seqs=args.slots)
             for w in extra_weights:
@@ -455,7 +483,7 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
         "resources": resources(best), "notes": notes,
         "all_rounds": [{k: v for k, v in r.to_dict().items() if k != "outputs"} for r in results],
     }
-    out = args.json or args.workdir / f"perf-smollm2-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.json or args.workdir / f"perf-{Path(args.model).stem if args.model != 'smollm2' else 'smollm2'}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     m = report["machine"]

@@ -1,5 +1,5 @@
-"""The comparison's real model: the embedded SmolLM2-135M-Instruct Q4_1 GGUF, and an HF folder made from
-it for the peers that cannot read GGUF (vLLM CPU, HF transformers).
+"""The comparison's real model: the embedded SmolLM2-135M-Instruct Q4_1 GGUF or any GGUF given (compare_peers
+--model FILE.gguf), and an HF folder made from it for the peers that cannot read GGUF (vLLM CPU, HF transformers).
 
 The HF folder is transformers' own reading of the GGUF (its config, its dequantization and un-permuting
 of q/k, its tokenizer), saved as float32 safetensors: the same weights the GGUF holds, dequantized, with
@@ -77,9 +77,14 @@ def hf_folder_from_gguf(gguf_path: Path, out: Path) -> Path:
 def prepare_smollm2(workdir: Path, *, hf: bool = True) -> RealModel:
     """The embedded SmolLM2 GGUF, and (HF=True) its HF folder, made once under WORKDIR."""
     from octavo.export.embedded import EMBEDDED_NAME, default_model_path
+
+    return prepare_gguf(default_model_path(), workdir, hf=hf, name=EMBEDDED_NAME)
+
+
+def prepare_gguf(gguf_path: Path, workdir: Path, *, hf: bool = True, name: str | None = None) -> RealModel:
+    """Any GGUF (named NAME, default its file name), and (HF=True) its HF folder, made once under WORKDIR."""
     from octavo.export.gguf_reader import read_gguf
 
-    gguf_path = default_model_path()
     ckpt = read_gguf(gguf_path)  # metadata only (tensors are dequantized lazily, none are touched here)
     hf_dir: Path | None = None
     error: str | None = None
@@ -95,5 +100,5 @@ def prepare_smollm2(workdir: Path, *, hf: bool = True) -> RealModel:
         if error is None:
             hf_dir = target
     cfg = ckpt.config
-    return RealModel(EMBEDDED_NAME, gguf_path, hf_dir, error, int(cfg["vocab_size"]), ckpt.bos_token_id,
+    return RealModel(name or gguf_path.stem, gguf_path, hf_dir, error, int(cfg["vocab_size"]), ckpt.bos_token_id,
                      tuple(ckpt.eos_token_ids), int(cfg.get("max_position_embeddings") or 2048))
