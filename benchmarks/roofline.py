@@ -139,20 +139,21 @@ def _timed(fn: Any) -> float:
 # quantized projections: op type -> the inputs that hold its weight as stored (the activations are input 0,
 # a bias comes after these and is not counted). MatMulNBits: packed codes, scales, zero points;
 # octavo.BlockMatMul (a GGUF's own blocks): codes, scales, offsets. Both carry K and N as attributes.
-BLOCK_WEIGHT_INPUTS = {"MatMulNBits": slice(1, 4), "BlockMatMul": slice(1, 4)}
+# the weight inputs of each quantized kernel (BlockMatMul's 6 and 7: the K-quants' two-level scales)
+BLOCK_WEIGHT_INPUTS = {"MatMulNBits": (1, 2, 3), "BlockMatMul": (1, 2, 3, 6, 7)}
 MATMUL_KERNELS = ("Gemm", "MatMul", "FusedMatMul", *BLOCK_WEIGHT_INPUTS)  # op types of the projections' kernel time
 
 
 def gemm_weights(model_dir: Path, manifest: Manifest) -> tuple[int, int]:
     """(multiply-adds one token does through the projection weights, bytes those weights take as stored)
     over every Gemm/MatMul with a weight initializer, every MatMulNBits (packed weight + scales + zero
-    points) and every octavo.BlockMatMul (codes + scales + offsets; K x N multiply-adds, its zero-padded
+    points) and every octavo.BlockMatMul (codes + scales + offsets + two-level scales' supers; K x N multiply-adds, its zero-padded
     columns not counted); read from the graph, weights not loaded."""
     import onnx
 
     model = onnx.load(str(model_dir / manifest.onnx_file), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
-    size = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.UINT8: 1}
+    size = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.UINT8: 1, onnx.TensorProto.INT8: 1}
 
     def stored(t: onnx.TensorProto) -> int:
         return int(np.prod(t.dims)) * size.get(t.data_type, 4)
@@ -166,7 +167,8 @@ def gemm_weights(model_dir: Path, manifest: Manifest) -> tuple[int, int]:
         elif node.op_type in BLOCK_WEIGHT_INPUTS:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             elements += int(attrs["K"]) * int(attrs["N"])
-            nbytes += sum(stored(inits[name]) for name in node.input[BLOCK_WEIGHT_INPUTS[node.op_type]] if name in inits)
+            names = [node.input[i] for i in BLOCK_WEIGHT_INPUTS[node.op_type] if i < len(node.input)]
+            nbytes += sum(stored(inits[name]) for name in names if name in inits)
     return elements, nbytes
 
 

@@ -61,10 +61,16 @@ def _session(pw: PanelWeights, bias: np.ndarray | None = None, *, codes: np.ndar
         inits.append(numpy_helper.from_array(bias.astype(np.float32), "bias"))
     attributes = {"K": pw.k, "N": pw.n, "bits": pw.bits, "block_size": pw.block_size, **attrs}
     names = ["x", "codes", "scales", "offsets"] + (["bias"] if bias is not None else [])
+    if decode is not None or pw.scale_super is not None:
+        names += [] if bias is not None else [""]
     if decode is not None:
         flag = decode if isinstance(decode, np.ndarray) else np.array([decode])
         inits.append(numpy_helper.from_array(flag, "decode_step"))
-        names += ([] if bias is not None else [""]) + ["decode_step"]
+        names += ["decode_step"]
+    if pw.scale_super is not None:  # two-level scales (K-quants): inputs 6 and 7
+        inits += [numpy_helper.from_array(pw.scale_super, "scale_super"),
+                  numpy_helper.from_array(pw.offset_super, "offset_super")]
+        names += ([] if decode is not None else [""]) + ["scale_super", "offset_super"]
     outputs = ["y"] if splits is None else [f"y{i}" for i in range(len(splits))]
     if splits is not None:
         attributes["splits"] = splits
@@ -177,13 +183,69 @@ def test_layout_equals_gguf_dequantize_and_the_op_equals_x_w(type_name: str) -> 
 
 
 def test_scale_dtype_is_float16_only_when_exact() -> None:
-    """Q4_1's d and m are fp16 in the file: kept as fp16. Q4_K's d * 6-bit sub-scale needs up to 17 bits: float32."""
+    """Q4_1's d and m are fp16 in the file: kept as fp16. Q4_K's d * 6-bit sub-scale needs up to 17 bits, so
+    K-quants keep the file's two levels (int8 sub-scales of float32 super-block scales); a fused projection of a
+    K-quant and a one-level type cannot, and stores float32."""
     q41 = panel_weights(_blocks("Q4_1", 17, 64)[0])
     q4k = panel_weights(_blocks("Q4_K", 17, 256)[0])
     q6k = panel_weights(_blocks("Q6_K", 17, 256)[0])
-    assert q41.scales.dtype == q41.offsets.dtype == np.float16
-    assert q4k.scales.dtype == q4k.offsets.dtype == np.float32
-    assert q6k.block_size == 16 and q6k.bits == 8
+    assert q41.scales.dtype == q41.offsets.dtype == np.float16 and q41.scale_super is None
+    assert q4k.scales.dtype == q4k.offsets.dtype == np.int8
+    assert q4k.scale_super.shape == q4k.offset_super.shape == (2, 1, PANEL) and q4k.scale_super.dtype == np.float32
+    assert q6k.block_size == 16 and q6k.bits == 8 and q6k.scales.dtype == np.int8
+    mixed = panel_weights(promote([_blocks("Q4_K", 16, 256)[0], _blocks("Q8_0", 16, 256)[0]]))
+    assert mixed.scales.dtype == np.float32 and mixed.scale_super is None
+
+
+def _one_level(pw: PanelWeights) -> PanelWeights:
+    """PW with its two-level scales multiplied out to float32 (the layout before two-level scales)."""
+    scales, offsets = pw.float_scales
+    return PanelWeights(pw.codes, scales.astype(np.float32), offsets.astype(np.float32), pw.bits, pw.block_size,
+                        pw.k, pw.n)
+
+
+def _mixed(n: int, k: int) -> Blocks:
+    return promote([_blocks("Q4_K", n - n // 3, k, seed=21)[0], _blocks("Q6_K", n // 3, k, seed=22)[0]])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q4_K+Q6_K"])
+@pytest.mark.parametrize("prompt_amx", [0, 1])
+def test_two_level_scales_give_the_one_level_layouts_values(type_name: str, prompt_amx: int) -> None:
+    """K-quants' two-level scales (int8 factor x float32 per 256 of K, formed in the kernel) give the outputs the
+    float32 scales they multiply out to give, value for value, on every path: decode steps of 1-8 rows (the
+    decode kernel), decode batches (6-row tiles over widened codes), prompt steps (float32 tiles, or where AMX
+    runs the float32-grade split path), K over two chunks, a bias, a partial last panel."""
+    n, k = 37, 1792
+    blocks = _mixed(n, k) if "+" in type_name else _blocks(type_name, n, k, seed=23)[0]
+    pw = panel_weights(blocks)
+    assert pw.scales.dtype == np.int8 and pw.scale_super.shape == (3, k // 256, PANEL)
+    bias = np.random.default_rng(24).standard_normal(n).astype(np.float32)
+    x = np.random.default_rng(25).standard_normal((64, k)).astype(np.float32)
+    x[:, 7] *= 40.0
+    for decode in (False, True):
+        two, one = (_session(p, bias, decode=decode, prompt_amx=prompt_amx) for p in (pw, _one_level(pw)))
+        for rows in (1, 2, 5, 8, 9, 14, 64):
+            np.testing.assert_array_equal(two.run(None, {"x": x[:rows]})[0], one.run(None, {"x": x[:rows]})[0],
+                                          err_msg=f"{rows} rows, decode={decode}")
+
+
+def test_two_level_scales_bad_shapes_are_errors_naming_the_input() -> None:
+    pw = panel_weights(_blocks("Q4_K", 24, 512)[0])
+    x = {"x": np.ones((1, 512), np.float32)}
+    bad = PanelWeights(pw.codes, pw.scales, pw.offsets, pw.bits, pw.block_size, pw.k, pw.n,
+                       pw.scale_super[:, :1].copy(), pw.offset_super[:, :1].copy())  # 1 super-block for nb = 16: G = 16
+    assert np.array_equal(_session(bad).run(None, x)[0].shape, (1, 24))  # a valid power of two: runs
+    odd = PanelWeights(pw.codes, pw.scales, pw.offsets, pw.bits, pw.block_size, pw.k, pw.n,
+                       np.concatenate([pw.scale_super] * 3, axis=1), np.concatenate([pw.offset_super] * 3, axis=1))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=r"octavo\.BlockMatMul: scale_super must be float32 \[2, nb / G, 16\] with G a power of two "
+                             r"dividing nb = 16, got \[2, 6, 16\]"):
+        _session(odd).run(None, x)
+    floats = PanelWeights(pw.codes, pw.scales.astype(np.float32), pw.offsets.astype(np.float32), pw.bits,
+                          pw.block_size, pw.k, pw.n, pw.scale_super, pw.offset_super)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                       match=r"with scale_super, scales must be int8 \[2, 16, 16\]"):
+        _session(floats).run(None, x)
 
 
 @pytest.mark.parametrize("type_name,n,k", [("Q4_0", 17, 544), ("Q8_0", 17, 544), ("Q4_1", 1, 96),

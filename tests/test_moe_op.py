@@ -146,9 +146,19 @@ def _block_session(gate_up: StackedPanels, down: StackedPanels, inter: int, top_
     names = ["x", "logits", "gu_codes", "down_codes", "gu_scales", "gu_offsets", "down_scales", "down_offsets"]
     arrays = [gate_up.codes, down.codes, gate_up.scales, gate_up.offsets, down.scales, down.offsets]
     inits = [numpy_helper.from_array(a, n) for a, n in zip(arrays, names[2:])]
+    if decode is not None or gate_up.scale_super is not None or down.scale_super is not None:
+        names.append("decode_step" if decode is not None else "")
     if decode is not None:
-        names.append("decode_step")
         inits.append(numpy_helper.from_array(np.array([decode]), "decode_step"))
+    for name, panels in (("gu", gate_up), ("down", down)):  # inputs 9-12: two-level scales (K-quants)
+        if panels.scale_super is None:
+            names += ["", ""]
+            continue
+        names += [name + "_scale_super", name + "_offset_super"]
+        inits += [numpy_helper.from_array(panels.scale_super, name + "_scale_super"),
+                  numpy_helper.from_array(panels.offset_super, name + "_offset_super")]
+    while names[-1] == "":
+        names.pop()
     node = helper.make_node("MoE", names, ["y"], domain="octavo", top_k=top_k, normalize=int(normalize),
                             expert_inter=inter, gate_up_bits=gate_up.bits, gate_up_block_size=gate_up.block_size,
                             down_bits=down.bits, down_block_size=down.block_size)
@@ -244,3 +254,32 @@ def test_a_long_step_runs_in_passes_with_the_same_results() -> None:
         assert np.array_equal(y, np.concatenate([first, last]))
         if decode:  # the 16-bit path at any size: a token alone is bit-identical
             assert np.array_equal(_run(session, x[1030:1031], logits[1030:1031]), y[1030:1031])
+
+
+def _one_level(p: StackedPanels) -> StackedPanels:
+    """P's two-level scales multiplied out to float32 (the layout before two-level scales)."""
+    per_super = 256 // p.block_size
+    block = np.arange(p.scales.shape[2]) // per_super
+    scales = (p.scales.astype(np.float32) * p.scale_super[:, :, block]).astype(np.float32)
+    offsets = (p.offsets.astype(np.float32) * p.offset_super[:, :, block]).astype(np.float32)
+    return StackedPanels(p.codes, scales, offsets, p.bits, p.block_size, p.types)
+
+
+@pytest.mark.parametrize("tokens,decode", [(1, True), (5, False), (24, True), (40, False)])
+def test_two_level_expert_scales_give_the_one_level_values(tokens: int, decode: bool) -> None:
+    """K-quant experts keep the file's two-level scales (int8 x float32 per 256 of K, moe_blocks.h): the same
+    outputs, value for value, as their scales multiplied out to float32, on the decode and prompt paths."""
+    experts, hidden, inter, top_k = 6, 512, 256, 2
+    gate, _ = _quantized_experts("Q4_K", experts, inter, hidden, 31)
+    up, _ = _quantized_experts("Q4_K", experts, inter, hidden, 32)
+    down, _ = _quantized_experts("Q6_K", experts, hidden, inter, 33)
+    gate_up = stack_experts([[gate[e], up[e]] for e in range(experts)])
+    stacked_down = stack_experts([[down[e]] for e in range(experts)])
+    assert gate_up.scales.dtype == stacked_down.scales.dtype == np.int8
+    assert gate_up.scale_super.shape == (experts, 2 * inter // 16, hidden // 256, 16)
+    rng = np.random.default_rng(tokens)
+    x = rng.normal(0, 1, (tokens, hidden)).astype(np.float32)
+    logits = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
+    two = _run(_block_session(gate_up, stacked_down, inter, top_k, True, decode), x, logits)
+    one = _run(_block_session(_one_level(gate_up), _one_level(stacked_down), inter, top_k, True, decode), x, logits)
+    np.testing.assert_array_equal(two, one)

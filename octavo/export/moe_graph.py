@@ -88,14 +88,22 @@ def _expert_blocks(w: CheckpointTensors, moe: MoeSpec, layer: int, hidden: int) 
 
 def _block_experts(g: Graph, moe: MoeSpec, layer: int, gate_up: StackedPanels, down: StackedPanels) -> tuple[
         list[str], dict[str, int]]:
-    """The MoE node's inputs 2-8 and attributes for experts in the file's own blocks (moe_op.cc)."""
+    """The MoE node's inputs 2-12 and attributes for experts in the file's own blocks (moe_op.cc)."""
     p = moe.prefix(layer) + "experts."
-    scale = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4"}
+    scale = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4", np.dtype(np.int8): "i1"}
     inputs = [g.weight(p + "gate_up.codes", [gate_up.codes], "u1"), g.weight(p + "down.codes", [down.codes], "u1"),
               g.weight(p + "gate_up.scales", [gate_up.scales], scale[gate_up.scales.dtype]),
               g.weight(p + "gate_up.offsets", [gate_up.offsets], scale[gate_up.offsets.dtype]),
               g.weight(p + "down.scales", [down.scales], scale[down.scales.dtype]),
               g.weight(p + "down.offsets", [down.offsets], scale[down.offsets.dtype]), decode_step(g)]
+    for name, panels in (("gate_up", gate_up), ("down", down)):  # inputs 9-12: two-level scales' float32 supers
+        if panels.scale_super is None:
+            inputs += ["", ""]
+        else:
+            inputs += [g.weight(p + name + ".scale_super", [panels.scale_super]),
+                       g.weight(p + name + ".offset_super", [panels.offset_super])]
+    while inputs[-1] == "":
+        inputs.pop()
     attrs = dict(expert_inter=moe.expert_intermediate_size, gate_up_bits=gate_up.bits,
                  gate_up_block_size=gate_up.block_size, down_bits=down.bits, down_block_size=down.block_size)
     return inputs, attrs

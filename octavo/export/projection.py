@@ -113,9 +113,11 @@ def _block_matmul(g: Graph, x: str, name: str, blocks: Blocks, bias: Bias | None
     octavo.export.block_layout): its one output (named OUTPUT), or with SPLITS one output per part. BF16 (the
     block-bf16 kernel): the attribute prompt_bf16 = 1 (absent otherwise: block exports are unchanged)."""
     pw = panel_weights(blocks)
-    scale_type = "f2" if pw.scales.dtype == np.float16 else "f4"
+    scale_type = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4", np.dtype(np.int8): "i1"}[pw.scales.dtype]
     inputs = [x, g.weight(name + ".codes", [pw.codes], "u1"), g.weight(name + ".scales", [pw.scales], scale_type),
               g.weight(name + ".offsets", [pw.offsets], scale_type), g.weight(*bias) if bias else "", decode_step(g)]
+    if pw.scale_super is not None:  # two-level scales (K-quants): int8 scales and offsets times these float32
+        inputs += [g.weight(name + ".scale_super", [pw.scale_super]), g.weight(name + ".offset_super", [pw.offset_super])]
     extra: dict[str, int] = {"prompt_bf16": 1} if bf16 else {}
     if splits is not None:
         return g.op("BlockMatMul", inputs, num_outputs=len(splits), domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,

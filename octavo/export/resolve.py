@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 _FULL_HASH_LIMIT = 64 * 2**20
 _EDGE = 16 * 2**20
 # bump when the graph the exporter writes changes in a way old cached exports should not be reused
-GRAPH_REVISION = 3  # 2: BlockMatMul takes the decode_step flag (16-bit decode batches); 3: it writes q/k/v, gate/up
+GRAPH_REVISION = 4  # 2: BlockMatMul takes the decode_step flag (16-bit decode batches); 3: it writes q/k/v, gate/up
+# parts itself; 4: K-quants keep two-level scales (int8 factors of float32 super-block scales, BlockMatMul and MoE)
 
 
 def cache_root() -> Path:

@@ -354,7 +354,12 @@ OCTAVO_AMX_TARGET inline __m512i codes_bf16(__m512i codes) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-OCTAVO_AMX_TARGET inline __m512 load_params(const BlockWeights& w, const void* base, int64_t index) {
+// The block's 16 float32 scales or offsets (block_matmul_kernel.cc's load_params, two-level scales included).
+OCTAVO_AMX_TARGET inline __m512 load_params(const BlockWeights& w, const void* base, const float* super, int64_t index) {
+  if (super != nullptr) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + index));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(w.super_at(super, index)));
+  }
   if (w.half_scales) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
   }
@@ -367,7 +372,8 @@ OCTAVO_AMX_TARGET inline __m512 load_params(const BlockWeights& w, const void* b
 // a pair ((z_c, z_c) in 32-bit lane c) and writes the offsets the split path uses to OFFSETS (16).
 OCTAVO_AMX_TARGET inline __m512i zero_points(const BlockWeights& w, int64_t p, int64_t b, float* offsets) {
   const int64_t index = (p * (w.k / w.block_size) + b) * kPanel;
-  const __m512 scale = load_params(w, w.scales, index), offset = load_params(w, w.offsets, index);
+  const __m512 scale = load_params(w, w.scales, w.scale_super, index);
+  const __m512 offset = load_params(w, w.offsets, w.offset_super, index);
   const __m512 z = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(_mm512_setzero_ps(), offset), scale),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __mmask16 exact = _mm512_cmp_ps_mask(z, _mm512_set1_ps(1.0f), _CMP_GE_OQ) &
@@ -441,7 +447,8 @@ OCTAVO_AMX_TARGET void split_scale(const BlockWeights& w, const float* offsets, 
                                    const float* sums, int64_t nb, float* acc) {
   for (int g = 0; g < NP; ++g) {
     const int64_t index = ((p + g) * nb + b) * kPanel;
-    const __m512 scale = load_params(w, w.scales, index), offset = _mm512_loadu_ps(offsets + (g * nb + b) * kPanel);
+    const __m512 scale = load_params(w, w.scales, w.scale_super, index);
+    const __m512 offset = _mm512_loadu_ps(offsets + (g * nb + b) * kPanel);
     for (int t = 0; t < RT; ++t) {
       const float* ct = c + (t * NP + g) * 256;
       float* at = acc + (t * NP + g) * 256;
@@ -602,7 +609,8 @@ OCTAVO_AMX_INT8_TARGET void int_scale(const BlockWeights& w, const Activations& 
   const int64_t nb = w.k / w.block_size;
   for (int g = 0; g < NP; ++g) {
     const int64_t index = ((p + g) * nb + b) * kPanel;
-    const __m512 scale = load_params(w, w.scales, index), offset = load_params(w, w.offsets, index);
+    const __m512 scale = load_params(w, w.scales, w.scale_super, index);
+  const __m512 offset = load_params(w, w.offsets, w.offset_super, index);
     for (int64_t r = 0; r < count; ++r) {
       const __m512i low = _mm512_load_si512(c + g * 256 + r * 16), high = _mm512_load_si512(c + 512 + g * 256 + r * 16);
       const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);

@@ -73,7 +73,16 @@ struct Vec2 {  // one panel of 16 floats
   __m256 lo, hi;
 };
 
-inline Vec2 load_params(const BlockWeights& w, const void* base, int64_t index) {
+// The 16 float32 scales (BASE = w.scales, SUPER = w.scale_super) or offsets (w.offsets, w.offset_super) of the
+// block at INDEX = (p * nb + b) * kPanel. Two-level scales: int8 factor times the super-block's float32, one
+// rounding (exact for a K-quant's values), the float32 a one-level layout stores.
+inline Vec2 load_params(const BlockWeights& w, const void* base, const float* super, int64_t index) {
+  if (super != nullptr) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + index));
+    const float* s = w.super_at(super, index);
+    return {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_loadu_ps(s)),
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), _mm256_loadu_ps(s + 8))};
+  }
   if (w.half_scales) {
     const auto* h = static_cast<const uint16_t*>(base) + index;
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))),
@@ -196,9 +205,9 @@ void integer_panel(const BlockWeights& w, const Activations& a, const Outputs& y
         }
       }
     }
-    Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
+    Vec2 scale = load_params(w, w.scales, w.scale_super, (p * nb + b) * kPanel);
     if constexpr (X16) scale.hi = _mm256_mul_ps(scale.hi, _mm256_set1_ps(0.0625f));  // exact: a power of two
-    const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
+    const Vec2 offset = load_params(w, w.offsets, w.offset_super, (p * nb + b) * kPanel);
     for (int r = 0; r < Rows; ++r) {
       const int64_t at = (r0 + r) * nb + b;
       const __m256 f = _mm256_set1_ps(a.q_scale[at]), sum = _mm256_set1_ps(a.block_sums[at]);
@@ -225,8 +234,8 @@ void dequantize_chunk(const BlockWeights& w, int64_t p, int64_t k0, int64_t k1, 
   for (int64_t k = k0; k < k1;) {
     const int64_t b = k / w.block_size;
     const int64_t end = std::min(k1, (b + 1) * w.block_size);
-    const Vec2 s = load_params(w, w.scales, (p * nb + b) * kPanel);
-    const Vec2 o = load_params(w, w.offsets, (p * nb + b) * kPanel);
+    const Vec2 s = load_params(w, w.scales, w.scale_super, (p * nb + b) * kPanel);
+    const Vec2 o = load_params(w, w.offsets, w.offset_super, (p * nb + b) * kPanel);
     const auto put_pair = [&](float* even, __m256i c0, __m256i c1) {  // rows k and k + 1 of the buffer
       _mm256_store_ps(even, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c0, low16)), s.lo, o.lo));
       _mm256_store_ps(even + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c1, low16)), s.hi, o.hi));
@@ -601,8 +610,8 @@ __attribute__((noinline)) void integer_block(const BlockWeights& w, const int16_
     }
   }
 #endif
-  const Vec2 scale = load_params(w, w.scales, (p * nb + b) * kPanel);
-  const Vec2 offset = load_params(w, w.offsets, (p * nb + b) * kPanel);
+  const Vec2 scale = load_params(w, w.scales, w.scale_super, (p * nb + b) * kPanel);
+  const Vec2 offset = load_params(w, w.offsets, w.offset_super, (p * nb + b) * kPanel);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     const __m256 f = _mm256_set1_ps(q_scale[r * nb + b]), sum = _mm256_set1_ps(block_sums[r * nb + b]);
@@ -664,7 +673,11 @@ inline wide_sums dot_add_wide(wide_sums s, __m512i c, __m512i x) {
 #endif
 }
 
-inline __m512 load_params_wide(const BlockWeights& w, const void* base, int64_t index) {
+inline __m512 load_params_wide(const BlockWeights& w, const void* base, const float* super, int64_t index) {
+  if (super != nullptr) {  // two-level scales, as load_params
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + index));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(w.super_at(super, index)));
+  }
   if (w.half_scales) {
     return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
   }
@@ -714,8 +727,8 @@ __attribute__((noinline)) void wide_integer_block(const BlockWeights& w, const i
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
-    const __m512 scale = load_params_wide(w, w.scales, ((p0 + g) * nb + b) * kPanel);
-    const __m512 offset = load_params_wide(w, w.offsets, ((p0 + g) * nb + b) * kPanel);
+    const __m512 scale = load_params_wide(w, w.scales, w.scale_super, ((p0 + g) * nb + b) * kPanel);
+    const __m512 offset = load_params_wide(w, w.offsets, w.offset_super, ((p0 + g) * nb + b) * kPanel);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512 f = _mm512_set1_ps(q_scale[r * nb + b]), sum = _mm512_set1_ps(block_sums[r * nb + b]);
@@ -880,8 +893,12 @@ inline int code_at(const uint8_t* panel_codes, int bits, int c, int64_t k) {
 }
 
 // The float32 scales (or offsets) of panel p, block b (index = (p * nb + b) * kPanel).
-inline void params_at(const BlockWeights& w, const void* base, int64_t index, float* out) {
-  if (w.half_scales) {
+inline void params_at(const BlockWeights& w, const void* base, const float* super, int64_t index, float* out) {
+  if (super != nullptr) {  // two-level scales, as load_params
+    const int8_t* q = static_cast<const int8_t*>(base) + index;
+    const float* s = w.super_at(super, index);
+    for (int c = 0; c < kPanel; ++c) out[c] = static_cast<float>(q[c]) * s[c];
+  } else if (w.half_scales) {
     half::to_floats(static_cast<const uint16_t*>(base) + index, out, kPanel);
   } else {
     std::memcpy(out, static_cast<const float*>(base) + index, kPanel * sizeof(float));
@@ -899,8 +916,8 @@ void run_range(const BlockWeights& w, const Activations& a, const Outputs& y, in
     for (int64_t r = r0; r < r1; ++r) {
       for (int c = 0; c < kPanel; ++c) acc[c] = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
-        params_at(w, w.scales, (p * nb + b) * kPanel, scale);
-        params_at(w, w.offsets, (p * nb + b) * kPanel, offset);
+        params_at(w, w.scales, w.scale_super, (p * nb + b) * kPanel, scale);
+        params_at(w, w.offsets, w.offset_super, (p * nb + b) * kPanel, offset);
         for (int64_t k = b * w.block_size; k < (b + 1) * w.block_size; ++k) {
           for (int c = 0; c < kPanel; ++c) {
             acc[c] += a.x[r * w.k + k] * std::fma(static_cast<float>(code_at(codes, Bits, c, k)), scale[c], offset[c]);

@@ -10,8 +10,11 @@
 // |         |                       | panel's column c < 8, 16 + 2*(c-8) + (k - 2j) for c >= 8; 8-bit: byte e;  |
 // |         |                       | 4-bit: pair byte i holds code i (low nibble) and code i + 16 (high), and  |
 // |         |                       | pairs 2j, 2j+1 interleave their 16 bytes (byte 2i + pair % 2 of the 32)  |
-// | scales  | [N/P, nb, P]          | scale(n, b), float32 or float16                                           |
+// | scales  | [N/P, nb, P]          | scale(n, b), float32 or float16; or int8, a factor of scale_super         |
 // | offsets | [N/P, nb, P]          | offset(n, b), same type as scales                                         |
+// | scale_super, offset_super | [N/P, nb/G, P] | two-level scales (a GGUF's K-quants), float32 per super-block of |
+// |         |                       | G blocks (G a power of two): scale(n, b) = int8 scales(n, b) * float32  |
+// |         |                       | scale_super(n, b / G), one float32 product (exact for the file's values) |
 //
 // W[n, k] = code(n, k) * scale(n, b) + offset(n, b): for GGUF blocks (codes - zero) * scale + min with zero = 0
 // or min = 0, which is every type octavo maps, this is the file's float32 value exactly.
@@ -45,9 +48,12 @@ constexpr int64_t kIntRows = 8;  // rows of the 16-bit decode kernel (decode of 
 
 struct BlockWeights {
   const uint8_t* codes = nullptr;
-  const void* scales = nullptr;   // float or uint16_t (IEEE half)
+  const void* scales = nullptr;   // float or uint16_t (IEEE half), or int8_t factors of scale_super
   const void* offsets = nullptr;  // same type as scales
   const float* bias = nullptr;    // [N] or null
+  const float* scale_super = nullptr;   // two-level scales: [panels, nb >> super_shift, kPanel], or null
+  const float* offset_super = nullptr;  // with scale_super
+  int super_shift = 0;                  // log2 of the blocks per super-block
   bool half_scales = false;
   int bits = 4;                   // 4 or 8
   int64_t k = 0;
@@ -55,6 +61,11 @@ struct BlockWeights {
   int64_t block_size = 32;        // a multiple of 4 that divides k
 
   int64_t panels() const { return (n + kPanel - 1) / kPanel; }
+  // The float32 super-block scales (SUPER: scale_super or offset_super) of the block at INDEX = (p * nb + b) *
+  // kPanel: (p * nb + b) >> shift = p * (nb >> shift) + (b >> shift), nb being a multiple of the super-block.
+  const float* super_at(const float* super, int64_t index) const {
+    return super + ((index / kPanel) >> super_shift) * kPanel;
+  }
 };
 
 // y's N columns, as one tensor or split at panel boundaries into up to kMax tensors (the fused q/k/v or gate/up

@@ -4,7 +4,9 @@
 // layout are in block_matmul_kernel.{h,cc}; this file is the ONNX Runtime glue: shape checks, output, threads.
 //
 // BlockMatMul(x [..., K] float, codes uint8, scales, offsets (float32 or float16, the same), bias [N] float
-//             optional, decode_step bool [1] optional: the step is decode-only, one token per sequence)
+//             optional, decode_step bool [1] optional: the step is decode-only, one token per sequence,
+//             scale_super, offset_super float [N/16, nb/G, 16] optional: two-level scales, scales and offsets
+//             then int8 factors of them, G blocks a super-block, a power of two)
 //             -> y [..., N] float;  attributes K, N, bits (4 or 8), block_size (a multiple of 4 that divides K).
 // With the attribute splits (ints, summing to N, every one but the last a multiple of the 16-column panel), y is
 // written as that many outputs y_o [..., splits[o]] instead (the fused q/k/v or gate/up projections' parts: the
@@ -125,8 +127,8 @@ struct Kernel {
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
     check(api, api->KernelContext_GetInputCount(context, &count));
-    const OrtValue* values[6] = {};
-    for (size_t i = 0; i < count && i < 6; ++i) check(api, api->KernelContext_GetInput(context, i, &values[i]));
+    const OrtValue* values[8] = {};
+    for (size_t i = 0; i < count && i < 8; ++i) check(api, api->KernelContext_GetInput(context, i, &values[i]));
     for (size_t i = 0; i < 4; ++i) {
       if (values[i] == nullptr) fail("input " + std::to_string(i) + " is missing");
     }
@@ -139,14 +141,40 @@ struct Kernel {
     if (codes.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || codes.dims != want_codes) {
       fail("codes must be uint8 " + shape_string(want_codes) + ", got " + shape_string(codes.dims));
     }
+    const bool two_level = values[6] != nullptr || values[7] != nullptr;
     const bool half = scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    if ((!half && scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) || scales.dims != want_scales) {
-      fail("scales must be float32 or float16 " + shape_string(want_scales) + ", got " + shape_string(scales.dims));
+    if (two_level) {
+      if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 || scales.dims != want_scales) {
+        fail("with scale_super, scales must be int8 " + shape_string(want_scales) + ", got " + shape_string(scales.dims));
+      }
+    } else if ((!half && scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) || scales.dims != want_scales) {
+      fail("scales must be float32 or float16 (int8 with scale_super) " + shape_string(want_scales) + ", got " +
+           shape_string(scales.dims));
     }
     if (offsets.type != scales.type || offsets.dims != want_scales) {
       fail("offsets must have the scales' type and shape " + shape_string(want_scales) + ", got " + shape_string(offsets.dims));
     }
     octavo::BlockWeights w;
+    if (two_level) {
+      if (values[6] == nullptr || values[7] == nullptr) fail("scale_super and offset_super come together");
+      const octavo::glue::TensorInfo ss = describe(api, values[6]), os = describe(api, values[7]);
+      const int64_t supers = ss.dims.size() == 3 ? ss.dims[1] : 0;
+      int shift = 0;
+      while (supers > 0 && (supers << shift) < nb) ++shift;
+      const std::vector<int64_t> want_super{panels, supers, octavo::kPanel};
+      if (ss.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || supers <= 0 || ss.dims != want_super ||
+          (supers << shift) != nb) {
+        fail("scale_super must be float32 [" + std::to_string(panels) + ", nb / G, " + std::to_string(octavo::kPanel) +
+             "] with G a power of two dividing nb = " + std::to_string(nb) + ", got " + shape_string(ss.dims));
+      }
+      if (os.type != ss.type || os.dims != ss.dims) {
+        fail("offset_super must have scale_super's type and shape " + shape_string(ss.dims) + ", got " +
+             shape_string(os.dims));
+      }
+      w.scale_super = octavo::glue::data_of<const float>(api, values[6]);
+      w.offset_super = octavo::glue::data_of<const float>(api, values[7]);
+      w.super_shift = shift;
+    }
     w.codes = octavo::glue::data_of<const uint8_t>(api, values[1]);
     w.scales = octavo::glue::data_of<const void>(api, values[2]);
     w.offsets = octavo::glue::data_of<const void>(api, values[3]);
@@ -206,13 +234,13 @@ struct BlockMatMulOp : OrtCustomOp {
   BlockMatMulOp() : OrtCustomOp{} {
     octavo::glue::fill_common(*this);
     GetName = [](const OrtCustomOp*) { return "BlockMatMul"; };
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 6; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 8; };
     GetInputType = [](const OrtCustomOp*, size_t i) {
       switch (i) {
         case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
         case 5: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
         case 2:
-        case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32 or float16, checked at run time
+        case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32, float16 or int8, checked at run time
         default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
       }
     };

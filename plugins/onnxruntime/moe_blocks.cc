@@ -11,10 +11,16 @@ BlockWeights BlockExperts::expert(int64_t e) const {
   BlockWeights w;
   const int64_t panels = (n + kPanel - 1) / kPanel, nb = k / block_size;
   const int64_t code_bytes = panels * (k / 2) * (32 * bits / 8), scale_values = panels * nb * kPanel;
-  const int64_t scale_bytes = scale_values * (half_scales ? 2 : 4);
+  const int64_t scale_bytes = scale_values * (scale_super != nullptr ? 1 : half_scales ? 2 : 4);
   w.codes = codes + e * code_bytes;
   w.scales = static_cast<const uint8_t*>(scales) + e * scale_bytes;
   w.offsets = static_cast<const uint8_t*>(offsets) + e * scale_bytes;
+  if (scale_super != nullptr) {
+    const int64_t super_values = panels * (nb >> super_shift) * kPanel;
+    w.scale_super = scale_super + e * super_values;
+    w.offset_super = offset_super + e * super_values;
+    w.super_shift = super_shift;
+  }
   w.half_scales = half_scales;
   w.bits = bits;
   w.k = k;

@@ -19,7 +19,10 @@ namespace octavo::moe {
 struct BlockExperts {
   const uint8_t* codes = nullptr;  // [E, panels, k / 2, 32 * bits / 8]
   const void* scales = nullptr;    // [E, panels, k / block_size, kPanel], float32 or IEEE half
-  const void* offsets = nullptr;   // same type and shape as scales
+  const void* offsets = nullptr;   // same type and shape as scales (int8 with scale_super)
+  const float* scale_super = nullptr;   // two-level scales: [E, panels, nb >> super_shift, kPanel], or null
+  const float* offset_super = nullptr;  // with scale_super
+  int super_shift = 0;
   bool half_scales = false;
   int bits = 4;
   int64_t k = 0, n = 0, block_size = 32;

@@ -6,7 +6,9 @@
 // attributes: top_k (1 <= top_k <= E), normalize (0 or 1: divide the chosen weights by their sum).
 // Block-quantized experts (moe_blocks.h; a GGUF's own blocks): gate_up and down are uint8 codes in BlockMatMul's
 // panel layout per expert, [E, panels, K / 2, 32 * bits / 8], followed by inputs 4-7, their scales and offsets
-// (float32 or float16, [E, panels, K / block_size, 16]), and optionally 8, decode_step (bool [1], as BlockMatMul's);
+// (float32 or float16, [E, panels, K / block_size, 16]), and optionally 8, decode_step (bool [1], as BlockMatMul's),
+// and 9-12, two-level scales (BlockMatMul's scale_super and offset_super per expert, float32 [E, panels, nb / G,
+// 16]) of gate_up then down, whose scales and offsets are then int8 factors of them;
 // attributes expert_inter (I), gate_up_bits, gate_up_block_size, down_bits, down_block_size.
 #include <onnxruntime_c_api.h>
 
@@ -116,8 +118,8 @@ struct Kernel {
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
     check(api, api->KernelContext_GetInputCount(context, &count));
-    const OrtValue* values[9] = {};
-    for (size_t i = 0; i < count && i < 9; ++i) check(api, api->KernelContext_GetInput(context, i, &values[i]));
+    const OrtValue* values[13] = {};
+    for (size_t i = 0; i < count && i < 13; ++i) check(api, api->KernelContext_GetInput(context, i, &values[i]));
     for (size_t i = 0; i < 4; ++i) {
       if (values[i] == nullptr) fail("input " + std::to_string(i) + " is missing");
     }
@@ -176,9 +178,10 @@ struct Kernel {
                                static_cast<size_t>((routing.tokens + kCombineTokens - 1) / kCombineTokens), &job);
   }
 
-  // One projection's block inputs (codes at CODES, scales and offsets at SCALES, SCALES + 1): checked, described.
-  octavo::moe::BlockExperts block_experts(const OrtValue* const* values, size_t codes, size_t scales, int64_t experts,
-                                          int64_t k, int64_t n, int64_t bits, int64_t block_size,
+  // One projection's block inputs (codes at CODES, scales and offsets at SCALES, SCALES + 1, two-level scales'
+  // supers at SUPERS, SUPERS + 1 where given): checked, described.
+  octavo::moe::BlockExperts block_experts(const OrtValue* const* values, size_t codes, size_t scales, size_t supers,
+                                          int64_t experts, int64_t k, int64_t n, int64_t bits, int64_t block_size,
                                           const char* what) const {
     if (values[scales] == nullptr || values[scales + 1] == nullptr) {
       fail(std::string(what) + ": quantized experts need their scales and offsets inputs");
@@ -195,12 +198,33 @@ struct Kernel {
       fail(std::string(what) + " codes must be uint8 " + shape_string(want_codes) + ", got " + shape_string(c.dims));
     }
     const bool half = s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    if ((!half && s.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) || s.dims != want_scales || o.type != s.type ||
-        o.dims != want_scales) {
-      fail(std::string(what) + " scales and offsets must be float32 or float16 " + shape_string(want_scales) +
-           ", got " + shape_string(s.dims) + " and " + shape_string(o.dims));
+    const bool two_level = values[supers] != nullptr || values[supers + 1] != nullptr;
+    const bool type_ok = two_level ? s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8
+                                   : half || s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (!type_ok || s.dims != want_scales || o.type != s.type || o.dims != want_scales) {
+      fail(std::string(what) + " scales and offsets must be " + (two_level ? "int8 (with supers) " : "float32 or float16 ") +
+           shape_string(want_scales) + ", got " + shape_string(s.dims) + " and " + shape_string(o.dims));
     }
     octavo::moe::BlockExperts e;
+    if (two_level) {
+      if (values[supers] == nullptr || values[supers + 1] == nullptr) {
+        fail(std::string(what) + ": scale_super and offset_super come together");
+      }
+      const TensorInfo ss = describe(api, values[supers]), os = describe(api, values[supers + 1]);
+      const int64_t nb = k / block_size, count = ss.dims.size() == 4 ? ss.dims[2] : 0;
+      int shift = 0;
+      while (count > 0 && (count << shift) < nb) ++shift;
+      const std::vector<int64_t> want{experts, panels, count, octavo::kPanel};
+      if (ss.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || count <= 0 || ss.dims != want || (count << shift) != nb ||
+          os.type != ss.type || os.dims != ss.dims) {
+        fail(std::string(what) + " scale_super and offset_super must be float32 [" + std::to_string(experts) + ", " +
+             std::to_string(panels) + ", nb / G, 16] with G a power of two dividing nb = " + std::to_string(nb) +
+             ", got " + shape_string(ss.dims) + " and " + shape_string(os.dims));
+      }
+      e.scale_super = data_of<const float>(api, values[supers]);
+      e.offset_super = data_of<const float>(api, values[supers + 1]);
+      e.super_shift = shift;
+    }
     e.codes = data_of<const uint8_t>(api, values[codes]);
     e.scales = data_of<const void>(api, values[scales]);
     e.offsets = data_of<const void>(api, values[scales + 1]);
@@ -215,11 +239,11 @@ struct Kernel {
   void compute_blocks(OrtKernelContext* context, const OrtValue* const* values, size_t count, int64_t tokens,
                       int64_t hidden, int64_t experts, float* y) const {
     const int64_t inter = blocks.inter;
-    const octavo::moe::BlockExperts gu = block_experts(values, 2, 4, experts, hidden, 2 * inter, blocks.gate_up_bits,
-                                                       blocks.gate_up_block_size, "gate_up");
-    // down's codes are input 3, its scales and offsets inputs 6 and 7
-    const OrtValue* down_values[8] = {nullptr, nullptr, nullptr, values[3], values[6], values[7], nullptr, nullptr};
-    const octavo::moe::BlockExperts dn = block_experts(down_values, 3, 4, experts, inter, hidden, blocks.down_bits,
+    const octavo::moe::BlockExperts gu = block_experts(values, 2, 4, 9, experts, hidden, 2 * inter,
+                                                       blocks.gate_up_bits, blocks.gate_up_block_size, "gate_up");
+    // down's codes are input 3, its scales and offsets inputs 6 and 7, its supers 11 and 12
+    const OrtValue* down_values[8] = {nullptr, nullptr, nullptr, values[3], values[6], values[7], values[11], values[12]};
+    const octavo::moe::BlockExperts dn = block_experts(down_values, 3, 4, 6, experts, inter, hidden, blocks.down_bits,
                                                        blocks.down_block_size, "down");
     bool decode = false;
     if (count > 8 && values[8] != nullptr) {
@@ -264,7 +288,7 @@ struct MoEOp : OrtCustomOp {
   MoEOp() : OrtCustomOp{} {
     octavo::glue::fill_common(*this);
     GetName = [](const OrtCustomOp*) { return "MoE"; };
-    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 9; };
+    GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 13; };
     GetInputType = [](const OrtCustomOp*, size_t i) {
       switch (i) {
         case 0:
