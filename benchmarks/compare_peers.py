@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -430,6 +431,15 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
     # (HF is slow: the decode one only)
     extra_weights = [w.strip() for w in args.octavo_weights.split(",") if w.strip()]
     extra_kernels = [k.strip() for k in args.octavo_kernels.split(",") if k.strip()]
+    if "octavo" in peers and args.model != "smollm2":
+        # export the GGUF into octavo's cache first, in a process of its own: otherwise round 0's engine exports
+        # it, and its load time and peak RSS are the exporter's (this is what a second `octavo serve` sees)
+        for options in [{}, *({"weights": w} for w in extra_weights), *({"quant_kernel": k} for k in extra_kernels)]:
+            print(f"... exporting {real.gguf_path.name} for octavo {options or ''} (at {time.monotonic() - t_start:.0f} s)",
+                  flush=True)
+            subprocess.run([sys.executable, "-c", "import sys, json; from octavo.export.resolve import resolve_model; "
+                            "resolve_model(sys.argv[1], progress=False, **json.loads(sys.argv[2]))",
+                            str(real.gguf_path), json.dumps(options)], check=True)
     tmp = Path(tempfile.mkdtemp(prefix="compare-peers-"))
     results: list[PeerResult] = []
 

@@ -43,7 +43,7 @@ from octavo.errors import ModelFormatError
 from octavo.export.checkpoint import Checkpoint, ModelSpec
 from octavo.export.graph_builder import OP_DOMAIN, CheckpointTensors, Graph, Part
 from octavo.export.moe_graph import moe_block
-from octavo.export.projection import Bias, project, project_blocks, project_parts
+from octavo.export.projection import Bias, block_gather, project, project_blocks, project_parts
 from octavo.export.quantize import MS_DOMAIN, QuantConfig
 from octavo.export.rope import attention_factor, attention_scale, inv_freq
 from octavo.export.weights_file import WeightsFile
@@ -206,12 +206,21 @@ def _add_constants(d: _Decoder) -> None:
         g.const(f"const.flat_shape_{heads}", np.array([-1, heads * D], np.int64))
 
 
-def _embed(d: _Decoder) -> tuple[str, str]:
-    """(input_ids' embedding rows, times spec.embed_scale (Gemma), the embedding initializer's name)."""
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _embed(d: _Decoder) -> tuple[str, str | None]:
+    """(input_ids' embedding rows, times spec.embed_scale (Gemma), the float embedding initializer's name). A
+    GGUF's own blocks (quant.native) keep the embedding in the file's blocks, gathered by octavo.BlockGather
+    (the same float32 values; name None: there is no float copy)."""
     g, spec = d.g, d.spec
-    embed = g.weight("model.embed_tokens.weight",
-                     [d.w.get("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))])
-    x = g.op1("Gather", [embed, "input_ids"], axis=0)
+    part: Part = (EMBEDDING, (spec.vocab_size, spec.hidden_size))
+    blocks = d.w.blocks([part]) if d.quant is not None and d.quant.native else None
+    if blocks is not None and blocks.block_size % 4 == 0:
+        x, embed = block_gather(g, "input_ids", EMBEDDING, blocks), None
+    else:
+        embed = g.weight(EMBEDDING, [d.w.get(*part)])
+        x = g.op1("Gather", [embed, "input_ids"], axis=0)
     if spec.embed_scale != 1.0:
         x = g.op1("Mul", [x, g.const("const.embed_scale", np.array(spec.embed_scale, np.float32))])
     return x, embed
@@ -330,24 +339,28 @@ def _layer(d: _Decoder, x: str, layer: int, rotary: _Rotary) -> str:
     return d.g.op1("Add", [x, down])
 
 
-def _lm_head(d: _Decoder, normed: str, embed: str, output: str) -> None:
-    """The vocabulary projection of NORMED into OUTPUT: a GGUF's own blocks (a tied model: its embedding's), our
-    quantization when quant.lm_head asks for it (the Gather keeps the float embedding), else a float Gemm over
-    lm_head.weight or, tied, the embedding initializer EMBED itself."""
+def _lm_head(d: _Decoder, normed: str, embed: str | None, output: str) -> None:
+    """The vocabulary projection of NORMED into OUTPUT: a GGUF's own blocks (a tied model: its embedding's, the
+    very initializers BlockGather reads when the block kernel runs), our quantization when quant.lm_head asks for
+    it (the Gather keeps the float embedding), else a float Gemm over lm_head.weight or, tied, the embedding
+    initializer EMBED itself."""
     g, w, quant, spec = d.g, d.w, d.quant, d.spec
     tied = spec.tie_word_embeddings or "lm_head.weight" not in w.checkpoint.tensor_names
-    part: Part = ("model.embed_tokens.weight" if tied else "lm_head.weight", (spec.vocab_size, spec.hidden_size))
+    part: Part = (EMBEDDING if tied else "lm_head.weight", (spec.vocab_size, spec.hidden_size))
     blocks = w.blocks([part]) if quant is not None and quant.native else None
     if blocks is not None:
-        project_blocks(g, normed, "lm_head.weight", blocks, None, quant, output)
+        shared = tied and embed is None and quant.block_kernel
+        project_blocks(g, normed, EMBEDDING if shared else "lm_head.weight", blocks, None, quant, output)
     elif quant is not None and quant.enabled and not quant.native and quant.lm_head:
         project(g, w, normed, "lm_head.weight", [part], None, quant, output=output)
     else:
+        if tied and embed is None:
+            embed = g.weight(EMBEDDING, [w.get(*part)])
         head = embed if tied else g.weight("lm_head.weight", [w.get(*part)])
         g.nodes.append(helper.make_node("Gemm", [normed, head], [output], name="lm_head", transB=1))
 
 
-def _head(d: _Decoder, x: str, embed: str) -> None:
+def _head(d: _Decoder, x: str, embed: str | None) -> None:
     """The logits of the rows in logits_indices only: final norm, lm_head, and (Gemma 2) c * tanh(logits / c)."""
     g, cap = d.g, d.spec.final_softcap
     normed = d.norm(g.op1("Gather", [x, "logits_indices"], axis=0), "model.norm.weight")

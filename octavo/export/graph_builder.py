@@ -15,7 +15,7 @@ from octavo.export.checkpoint import Checkpoint
 from octavo.export.gguf_blocks import Blocks, promote
 from octavo.export.weights_file import WeightsFile
 
-OP_DOMAIN = "octavo"  # the domain of octavo's ONNX Runtime ops (PagedAttention, BlockMatMul, Int8Residual, FoldRows)
+OP_DOMAIN = "octavo"  # octavo's ONNX Runtime ops (PagedAttention, BlockMatMul, BlockGather, MoE, Int8Residual, FoldRows)
 
 Part = tuple[str, tuple[int, int]]  # (checkpoint tensor name, its [out, in] shape)
 
@@ -59,6 +59,13 @@ class Graph:
 
     def weight(self, name: str, parts: list[np.ndarray], dtype: str = "<f4") -> str:
         self.initializers.append(self.weights.add(name, parts, dtype))
+        return name
+
+    def weight_once(self, name: str, parts: list[np.ndarray], dtype: str = "<f4") -> str:
+        """A weight that two nodes may ask for with the same contents (a tied embedding's blocks, gathered and
+        multiplied): written the first time only."""
+        if self.first_use("weight:" + name):
+            self.weight(name, parts, dtype)
         return name
 
 

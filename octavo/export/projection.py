@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from octavo.export.block_layout import PANEL, panel_weights
+from octavo.export.block_layout import PANEL, PanelWeights, panel_weights
 from octavo.export.gguf_blocks import Blocks
 from octavo.export.graph_builder import OP_DOMAIN, CheckpointTensors, Graph, Part, emit
 from octavo.export.quantize import MS_DOMAIN, BlockQuantized, QuantConfig, concat, quantize, unpacked
@@ -113,17 +113,36 @@ def _block_matmul(g: Graph, x: str, name: str, blocks: Blocks, bias: Bias | None
     octavo.export.block_layout): its one output (named OUTPUT), or with SPLITS one output per part. BF16 (the
     block-bf16 kernel): the attribute prompt_bf16 = 1 (absent otherwise: block exports are unchanged)."""
     pw = panel_weights(blocks)
-    scale_type = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4", np.dtype(np.int8): "i1"}[pw.scales.dtype]
-    inputs = [x, g.weight(name + ".codes", [pw.codes], "u1"), g.weight(name + ".scales", [pw.scales], scale_type),
-              g.weight(name + ".offsets", [pw.offsets], scale_type), g.weight(*bias) if bias else "", decode_step(g)]
-    if pw.scale_super is not None:  # two-level scales (K-quants): int8 scales and offsets times these float32
-        inputs += [g.weight(name + ".scale_super", [pw.scale_super]), g.weight(name + ".offset_super", [pw.offset_super])]
+    codes, supers = _panel_inputs(g, name, pw)
+    inputs = [x, *codes, g.weight(*bias) if bias else "", decode_step(g), *supers]
     extra: dict[str, int] = {"prompt_bf16": 1} if bf16 else {}
     if splits is not None:
         return g.op("BlockMatMul", inputs, num_outputs=len(splits), domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,
                     block_size=pw.block_size, splits=splits, **extra)
     return [emit(g, "BlockMatMul", inputs, output, domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,
                   block_size=pw.block_size, **extra)]
+
+
+def _panel_inputs(g: Graph, name: str, pw: PanelWeights) -> tuple[list[str], list[str]]:
+    """([codes, scales, offsets], [scale_super, offset_super] or []) of PW as initializers NAME.*; written once
+    per NAME (a tied model's embedding blocks serve BlockGather and the lm_head's BlockMatMul)."""
+    scale_type = {np.dtype(np.float16): "f2", np.dtype(np.float32): "f4", np.dtype(np.int8): "i1"}[pw.scales.dtype]
+    codes = [g.weight_once(name + ".codes", [pw.codes], "u1"), g.weight_once(name + ".scales", [pw.scales], scale_type),
+             g.weight_once(name + ".offsets", [pw.offsets], scale_type)]
+    if pw.scale_super is None:
+        return codes, []
+    # two-level scales (K-quants): int8 scales and offsets times these float32
+    return codes, [g.weight_once(name + ".scale_super", [pw.scale_super]),
+                   g.weight_once(name + ".offset_super", [pw.offset_super])]
+
+
+def block_gather(g: Graph, ids: str, name: str, blocks: Blocks) -> str:
+    """octavo.BlockGather: the rows IDS of BLOCKS ([N, K], a GGUF's token embedding in the file's own blocks),
+    float32 (plugins/onnxruntime/block_gather_op.cc); the initializers are NAME.codes etc., BlockMatMul's layout."""
+    pw = panel_weights(blocks)
+    codes, supers = _panel_inputs(g, name, pw)
+    return g.op1("BlockGather", [ids, *codes, *supers], domain=OP_DOMAIN, K=pw.k, N=pw.n, bits=pw.bits,
+                 block_size=pw.block_size)
 
 
 def _block_sums(g: Graph, x: str, q: BlockQuantized) -> str:

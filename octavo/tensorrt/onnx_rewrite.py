@@ -52,6 +52,8 @@ UNSUPPORTED_DOMAINS = {"com.microsoft": not_on_tensorrt("quantized exports (--we
 EXPORT_DOMAIN = "octavo"  # the exporter's custom-op domain: PagedAttention has a plugin, its other ops do not
 UNSUPPORTED_OPS = {"BlockMatMul": not_on_tensorrt("quantized weights (a GGUF's own blocks, the default for a quantized "
                                                   ".gguf, or --weights int8|int4)", ["BlockMatMul"]),
+                   "BlockGather": not_on_tensorrt("a GGUF's token embedding in the file's own blocks (a quantized .gguf's "
+                                                  "default)", ["octavo.BlockGather"]),
                    "MoE": moe_not_on_tensorrt("the export")}
 
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "block_gather_op.h"
 #include "block_matmul_op.h"
 #include "int8_residual_op.h"
 #include "moe_op.h"
@@ -492,7 +493,7 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
     if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op_schema(kv_type))) return status;
   }
   for (const OrtCustomOp* op : {&octavo::int8_residual_schema(), &octavo::fold_rows_schema(),
-                              &octavo::block_matmul_schema(), &octavo::moe_schema()}) {
+                              &octavo::block_matmul_schema(), &octavo::moe_schema(), &octavo::block_gather_schema()}) {
     if (OrtStatus* status = api->CustomOpDomain_Add(domain, op)) return status;
   }
   return api->AddCustomOpDomain(options, domain);
