@@ -1,10 +1,14 @@
-"""Random paged-attention steps and one-node ONNX models for the op tests and the op benchmark."""
+"""Random paged-attention steps and one-node ONNX models (and sessions) for the op tests and the op benchmark."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from onnx import ModelProto, TensorProto, helper
+from onnx import ModelProto, NodeProto, TensorProto, helper
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 INPUTS = (
     ("query", TensorProto.FLOAT), ("key", TensorProto.FLOAT), ("value", TensorProto.FLOAT),
@@ -107,3 +111,22 @@ def random_case(rng: np.random.Generator, head_dims: list[int], block_sizes: lis
     step = random_step(rng, seqs, num_heads=kv_heads * group, kv_num_heads=kv_heads, head_dim=head_dim,
                        block_size=block_size)
     return seqs, attrs, head_dim, block_size, step
+
+
+def one_node_session(node: NodeProto, inputs: list[tuple[str, int]], outputs: list[str],
+                     initializers: list[TensorProto], threads: int = 2) -> "ort.InferenceSession":
+    """An ONNX Runtime session of NODE alone (octavo's op library registered): INPUTS (name, element type) are
+    the graph's inputs, OUTPUTS its float outputs, INITIALIZERS its constants."""
+    import onnxruntime as ort
+
+    from octavo.runtime.backends.oplib import library_path
+
+    graph = helper.make_graph([node], "one_node", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+                              initializer=initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
+    model.ir_version = 8
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library_path()))
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -14,11 +14,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from op_cases import one_node_session
 from test_gguf_native import _raw_blocks, _reference
 
 from octavo.export.block_layout import PanelWeights, panel_weights
 from octavo.export.gguf_blocks import NATIVE_TYPES, parse_blocks, promote
-from octavo.runtime.backends.oplib import library_path
 
 _K = {t: (512 if t.endswith("_K") else 96) for t in NATIVE_TYPES}
 
@@ -33,14 +33,7 @@ def _session(pw: PanelWeights, **attrs: int) -> ort.InferenceSession:
         names += ["scale_super", "offset_super"]
     node = helper.make_node("BlockGather", names, ["y"], domain="octavo",
                             **{"K": pw.k, "N": pw.n, "bits": pw.bits, "block_size": pw.block_size, **attrs})
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
-    model.ir_version = 8
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library_path()))
-    options.intra_op_num_threads = 2
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return one_node_session(node, [("ids", TensorProto.INT64)], ["y"], inits)
 
 
 def _same_values(got: np.ndarray, want: np.ndarray) -> None:
@@ -126,13 +119,7 @@ def test_an_exported_ggufs_embedding_is_gathered_from_its_blocks(hf_model_dir, t
     want = gguf.quants.dequantize(embd.data, embd.tensor_type).reshape(-1, hidden)
     values = {t.name: numpy_helper.to_array(t, base_dir=str(out)) for t in model.graph.initializer
               if t.name in gathers[0].input}
-    sub = helper.make_graph([gathers[0]], "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, None)],
-                            [helper.make_tensor_value_info(gathers[0].output[0], TensorProto.FLOAT, None)],
-                            initializer=[numpy_helper.from_array(v, k) for k, v in values.items()])
-    sub_model = helper.make_model(sub, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
-    sub_model.ir_version = 8
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library_path()))
-    session = ort.InferenceSession(sub_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = one_node_session(gathers[0], [("input_ids", TensorProto.INT64)], [gathers[0].output[0]],
+                               [numpy_helper.from_array(v, k) for k, v in values.items()])
     ids = np.arange(len(want), dtype=np.int64)
     _same_values(session.run(None, {"input_ids": ids})[0], want.astype(np.float32))

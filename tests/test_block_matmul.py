@@ -238,8 +238,8 @@ def test_two_level_scales_bad_shapes_are_errors_naming_the_input() -> None:
     odd = PanelWeights(pw.codes, pw.scales, pw.offsets, pw.bits, pw.block_size, pw.k, pw.n,
                        np.concatenate([pw.scale_super] * 3, axis=1), np.concatenate([pw.offset_super] * 3, axis=1))
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-                       match=r"octavo\.BlockMatMul: scale_super must be float32 \[2, nb / G, 16\] with G a power of two "
-                             r"dividing nb = 16, got \[2, 6, 16\]"):
+                       match=r"octavo\.BlockMatMul: scale_super and offset_super must be float32 \[2, nb / G, 16\] with G a "
+                             r"power of two dividing nb = 16, got \[2, 6, 16\] and \[2, 6, 16\]"):
         _session(odd).run(None, x)
     floats = PanelWeights(pw.codes, pw.scales.astype(np.float32), pw.offsets.astype(np.float32), pw.bits,
                           pw.block_size, pw.k, pw.n, pw.scale_super, pw.offset_super)

@@ -8,13 +8,14 @@ import onnxruntime as ort
 import pytest
 from moe_reference import moe, route
 from onnx import TensorProto, helper, numpy_helper
+from op_cases import one_node_session
 from test_gguf_native import _raw_blocks, _reference
 
 from octavo.export.gguf_blocks import Blocks, parse_blocks
 from octavo.export.moe_blocks import StackedPanels, stack_experts
-from octavo.runtime.backends.oplib import library_path
 
 ATOL = 2e-5
+XL = [("x", TensorProto.FLOAT), ("logits", TensorProto.FLOAT)]  # the node's graph inputs
 
 
 def _session(gate_up: np.ndarray, down: np.ndarray, top_k: int, normalize: bool,
@@ -22,18 +23,8 @@ def _session(gate_up: np.ndarray, down: np.ndarray, top_k: int, normalize: bool,
     """One MoE node, x and the router logits as graph inputs, the experts as initializers."""
     node = helper.make_node("MoE", ["x", "logits", "gate_up", "down"], ["y"], domain="octavo", top_k=top_k,
                             normalize=int(normalize))
-    graph = helper.make_graph(
-        [node], "moe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        initializer=[numpy_helper.from_array(gate_up, "gate_up"), numpy_helper.from_array(down, "down")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
-    model.ir_version = 8
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library_path()))
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return one_node_session(node, XL, ["y"], [numpy_helper.from_array(gate_up, "gate_up"),
+                                              numpy_helper.from_array(down, "down")], threads)
 
 
 def _experts(rng: np.random.Generator, experts: int, hidden: int, inter: int) -> tuple[np.ndarray, np.ndarray]:
@@ -162,17 +153,7 @@ def _block_session(gate_up: StackedPanels, down: StackedPanels, inter: int, top_
     node = helper.make_node("MoE", names, ["y"], domain="octavo", top_k=top_k, normalize=int(normalize),
                             expert_inter=inter, gate_up_bits=gate_up.bits, gate_up_block_size=gate_up.block_size,
                             down_bits=down.bits, down_block_size=down.block_size)
-    graph = helper.make_graph(
-        [node], "moe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("octavo", 1)])
-    model.ir_version = 8
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library_path()))
-    options.intra_op_num_threads = 2
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return one_node_session(node, XL, ["y"], inits)
 
 
 def _quantized_experts(type_name: str, experts: int, n: int, k: int, seed: int) -> tuple[list[Blocks], np.ndarray]:

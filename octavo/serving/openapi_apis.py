@@ -13,7 +13,6 @@ _STR = {"type": "string", "nullable": True}
 _BOOL = {"type": "boolean", "nullable": True}
 _SSE = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string", "minLength": 1}}}
 _OBJECT = {"type": "object"}
-MAX_DOC_MESSAGES = 32  # list lengths the document allows (the routes take more; the fuzzer needs no more)
 
 
 def _int(lo: int | None, hi: int | None, nullable: bool = True) -> dict[str, Any]:
@@ -56,7 +55,7 @@ def api_schemas(max_tokens_cap: int | None, vocab_size: int | None, hidden_size:
     responses = {"type": "object", "required": ["input"], "properties": {
         "model": _STR, "instructions": _STR, "stream": _BOOL, "parallel_tool_calls": _BOOL,
         "input": {"oneOf": [{"type": "string", "minLength": 1},
-                            {"type": "array", "minItems": 1, "maxItems": MAX_DOC_MESSAGES, "items": text_message}]},
+                            {"type": "array", "minItems": 1, "items": text_message}]},
         "max_output_tokens": _int(1, max_tokens_cap), "temperature": _num(0.0, None), "top_p": _num(0.0, 1.0, True),
         "text": {"type": "object", "nullable": True, "properties": {"format": {
             "type": "object", "required": ["type"], "properties": {"type": {"type": "string",
@@ -65,7 +64,7 @@ def api_schemas(max_tokens_cap: int | None, vocab_size: int | None, hidden_size:
         "role": {"type": "string", "enum": ["user", "assistant"]}, "content": {"type": "string"}}}
     count = {"type": "object", "required": ["messages"], "properties": {
         "model": _STR, "system": _STR,
-        "messages": {"type": "array", "minItems": 1, "maxItems": MAX_DOC_MESSAGES, "items": anthropic_message}}}
+        "messages": {"type": "array", "minItems": 1, "items": anthropic_message}}}
     messages = {"type": "object", "required": ["messages", "max_tokens"], "properties": {
         **count["properties"], "max_tokens": _int(1, max_tokens_cap, nullable=False), "stream": _BOOL,
         "stop_sequences": {"type": "array", "nullable": True, "maxItems": 16, "items": {"type": "string", "minLength": 1}},

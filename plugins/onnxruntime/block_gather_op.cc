@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "block_gather_op.h"
+#include "block_inputs.h"
 #include "half.h"
 #include "op_glue.h"
 
@@ -33,12 +34,6 @@ using octavo::glue::describe;
 using octavo::glue::fail;
 using octavo::glue::Failure;
 using octavo::glue::shape_string;
-
-int64_t attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
-  int64_t value = 0;
-  check(api, api->KernelInfoGetAttribute_int64(info, name, &value));
-  return value;
-}
 
 enum class ParamType { kFloat, kHalf, kInt8 };
 
@@ -133,20 +128,11 @@ struct Kernel {
     if (two_level) {
       if (values[4] == nullptr || values[5] == nullptr) fail("scale_super and offset_super come together");
       if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) fail("with scale_super, scales must be int8");
-      const octavo::glue::TensorInfo ss = describe(api, values[4]), os = describe(api, values[5]);
-      const int64_t supers = ss.dims.size() == 3 ? ss.dims[1] : 0;
-      int shift = 0;
-      while (supers > 0 && (supers << shift) < nb) ++shift;
-      if (ss.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || supers <= 0 || (supers << shift) != nb ||
-          ss.dims != std::vector<int64_t>{panels, supers, kPanel} || os.type != ss.type || os.dims != ss.dims) {
-        fail("scale_super and offset_super must be float32 [" + std::to_string(panels) +
-             ", nb / G, 16] with G a power of two dividing nb = " + std::to_string(nb) + ", got " +
-             shape_string(ss.dims) + " and " + shape_string(os.dims));
-      }
+      w.super_shift = octavo::block_inputs::super_shift(describe(api, values[4]), describe(api, values[5]), {panels},
+                                                        nb, "");
       w.type = ParamType::kInt8;
       w.scale_super = octavo::glue::data_of<const float>(api, values[4]);
       w.offset_super = octavo::glue::data_of<const float>(api, values[5]);
-      w.super_shift = shift;
     } else if (scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
       w.type = ParamType::kHalf;
     } else if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
@@ -203,14 +189,10 @@ struct BlockGatherOp : OrtCustomOp {
     GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
       try {
+        using octavo::block_inputs::attribute;
         const int64_t k = attribute(api, info, "K"), n = attribute(api, info, "N");
         const int64_t bits = attribute(api, info, "bits"), block_size = attribute(api, info, "block_size");
-        if (k <= 0 || n <= 0) fail("K and N must be positive");
-        if (bits != 4 && bits != 8) fail("bits must be 4 or 8, got " + std::to_string(bits));
-        if (block_size <= 0 || block_size % 4 != 0 || k % block_size != 0) {
-          fail("block_size (" + std::to_string(block_size) + ") must be a multiple of 4 that divides K (" +
-               std::to_string(k) + ")");
-        }
+        octavo::block_inputs::check_layout(k, n, bits, block_size);
         *kernel = new Kernel{api, k, n, bits, block_size};
         return nullptr;
       } catch (const Failure& f) {

@@ -610,7 +610,7 @@ OCTAVO_AMX_INT8_TARGET void int_scale(const BlockWeights& w, const Activations& 
   for (int g = 0; g < NP; ++g) {
     const int64_t index = ((p + g) * nb + b) * kPanel;
     const __m512 scale = load_params(w, w.scales, w.scale_super, index);
-  const __m512 offset = load_params(w, w.offsets, w.offset_super, index);
+    const __m512 offset = load_params(w, w.offsets, w.offset_super, index);
     for (int64_t r = 0; r < count; ++r) {
       const __m512i low = _mm512_load_si512(c + g * 256 + r * 16), high = _mm512_load_si512(c + 512 + g * 256 + r * 16);
       const __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "block_inputs.h"
 #include "block_matmul_kernel.h"
 #include "block_matmul_op.h"
 #include "op_glue.h"
@@ -30,12 +31,6 @@ using octavo::glue::describe;
 using octavo::glue::fail;
 using octavo::glue::Failure;
 using octavo::glue::shape_string;
-
-int64_t attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
-  int64_t value = 0;
-  check(api, api->KernelInfoGetAttribute_int64(info, name, &value));
-  return value;
-}
 
 // The int attribute NAME, or FALLBACK where the node has none.
 int64_t optional_int(const OrtApi* api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
@@ -157,23 +152,10 @@ struct Kernel {
     octavo::BlockWeights w;
     if (two_level) {
       if (values[6] == nullptr || values[7] == nullptr) fail("scale_super and offset_super come together");
-      const octavo::glue::TensorInfo ss = describe(api, values[6]), os = describe(api, values[7]);
-      const int64_t supers = ss.dims.size() == 3 ? ss.dims[1] : 0;
-      int shift = 0;
-      while (supers > 0 && (supers << shift) < nb) ++shift;
-      const std::vector<int64_t> want_super{panels, supers, octavo::kPanel};
-      if (ss.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || supers <= 0 || ss.dims != want_super ||
-          (supers << shift) != nb) {
-        fail("scale_super must be float32 [" + std::to_string(panels) + ", nb / G, " + std::to_string(octavo::kPanel) +
-             "] with G a power of two dividing nb = " + std::to_string(nb) + ", got " + shape_string(ss.dims));
-      }
-      if (os.type != ss.type || os.dims != ss.dims) {
-        fail("offset_super must have scale_super's type and shape " + shape_string(ss.dims) + ", got " +
-             shape_string(os.dims));
-      }
+      w.super_shift = octavo::block_inputs::super_shift(describe(api, values[6]), describe(api, values[7]), {panels},
+                                                        nb, "");
       w.scale_super = octavo::glue::data_of<const float>(api, values[6]);
       w.offset_super = octavo::glue::data_of<const float>(api, values[7]);
-      w.super_shift = shift;
     }
     w.codes = octavo::glue::data_of<const uint8_t>(api, values[1]);
     w.scales = octavo::glue::data_of<const void>(api, values[2]);
@@ -253,14 +235,10 @@ struct BlockMatMulOp : OrtCustomOp {
     };
     CreateKernelV2 = [](const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) -> OrtStatus* {
       try {
+        using octavo::block_inputs::attribute;
         const int64_t k = attribute(api, info, "K"), n = attribute(api, info, "N");
         const int64_t bits = attribute(api, info, "bits"), block_size = attribute(api, info, "block_size");
-        if (k <= 0 || n <= 0) fail("K and N must be positive");
-        if (bits != 4 && bits != 8) fail("bits must be 4 or 8, got " + std::to_string(bits));
-        if (block_size <= 0 || block_size % 4 != 0 || k % block_size != 0) {
-          fail("block_size (" + std::to_string(block_size) + ") must be a multiple of 4 that divides K (" +
-               std::to_string(k) + ")");
-        }
+        octavo::block_inputs::check_layout(k, n, bits, block_size);
         std::vector<int64_t> splits = optional_ints(api, info, "splits");
         if (splits.empty()) splits = {n};
         if (splits.size() > static_cast<size_t>(octavo::Outputs::kMax)) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "block_inputs.h"
 #include "moe_blocks.h"
 #include "moe_kernel.h"
 #include "moe_op.h"
@@ -210,20 +211,10 @@ struct Kernel {
       if (values[supers] == nullptr || values[supers + 1] == nullptr) {
         fail(std::string(what) + ": scale_super and offset_super come together");
       }
-      const TensorInfo ss = describe(api, values[supers]), os = describe(api, values[supers + 1]);
-      const int64_t nb = k / block_size, count = ss.dims.size() == 4 ? ss.dims[2] : 0;
-      int shift = 0;
-      while (count > 0 && (count << shift) < nb) ++shift;
-      const std::vector<int64_t> want{experts, panels, count, octavo::kPanel};
-      if (ss.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || count <= 0 || ss.dims != want || (count << shift) != nb ||
-          os.type != ss.type || os.dims != ss.dims) {
-        fail(std::string(what) + " scale_super and offset_super must be float32 [" + std::to_string(experts) + ", " +
-             std::to_string(panels) + ", nb / G, 16] with G a power of two dividing nb = " + std::to_string(nb) +
-             ", got " + shape_string(ss.dims) + " and " + shape_string(os.dims));
-      }
+      e.super_shift = octavo::block_inputs::super_shift(describe(api, values[supers]), describe(api, values[supers + 1]),
+                                                        {experts, panels}, k / block_size, std::string(what) + " ");
       e.scale_super = data_of<const float>(api, values[supers]);
       e.offset_super = data_of<const float>(api, values[supers + 1]);
-      e.super_shift = shift;
     }
     e.codes = data_of<const uint8_t>(api, values[codes]);
     e.scales = data_of<const void>(api, values[scales]);
