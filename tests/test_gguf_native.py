@@ -372,3 +372,33 @@ def test_an_export_newer_than_the_op_library_says_to_rebuild_it(hf_model_dir, tm
     onnx.save(model, str(out / "model.onnx"))
     with pytest.raises(OpLibraryError, match=r"octavo\.BlockMatMulFromTheFuture.*make op"):
         OnnxRuntimeBackend(out, Manifest.load(out), num_blocks=4, block_size=16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_fused_projection_of_two_types_runs_one_node_per_type(hf_model_dir, tmp_path: Path, arch: str) -> None:  # noqa: ANN001
+    """llama.cpp's Q4_K_M keeps attn_v of some layers in Q6_K beside Q4_K q and k; here Q4_0 q/k beside a Q8_0 v
+    (qwen2: with q/k/v biases). The fused q/k/v runs as one 4-bit BlockMatMul writing q and k and one 8-bit one
+    writing v, instead of one node with q and k promoted to v's 8-bit codes; the prefill's logits are still
+    transformers' on the file's dequantized weights."""
+    import torch
+    from test_gguf import _with_random_biases
+
+    src = hf_model_dir(arch)
+    if arch == "qwen2":
+        src = _with_random_biases(src, tmp_path / "biased")
+    path = write_gguf(src, tmp_path / f"{arch}.mixed.gguf", tensor_type="Q4_0", tensor_types={"attn_v.weight": "Q8_0"})
+    manifest = export_model(path, tmp_path / "out", progress=False)
+    graph = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
+    qkv = [n for n in graph.node if n.op_type == "BlockMatMul" and ".qkv_proj." in n.input[1]]
+    bits = sorted((_attr(n, "bits"), len(n.output)) for n in qkv)
+    assert bits == [(4, 2)] * manifest.num_layers + [(8, 1)] * manifest.num_layers
+    assert not [n for n in graph.node if n.op_type == "Split" and any(".qkv_proj." in i for i in n.input)]
+    ids = np.random.default_rng(4).integers(0, manifest.vocab_size, 40).tolist()
+    with torch.no_grad():
+        want = _with_gguf_weights(src, path)(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(prefill_logits(tmp_path / "out", ids), want, atol=ATOL, rtol=0)
+
+
+def _attr(node: onnx.NodeProto, name: str) -> int:
+    """The int attribute NAME of NODE."""
+    return next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name)

@@ -9,6 +9,7 @@ interleaved RoPE layout, dimensions are stored innermost first, the tokenizer go
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ def gguf_tensor_name(hf: str, gemma: bool = False) -> str:
 
 
 def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32", arch: str | None = None,
-               name: str | None = None, tokenizer_pre: str = "default", add_bos_token: bool | None = None) -> Path:
+               name: str | None = None, tokenizer_pre: str = "default", add_bos_token: bool | None = None,
+               tensor_types: Mapping[str, str] | None = None) -> Path:
     """Write HF_DIR (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) to OUT.
 
     tensor_type: F32, F16, Q8_0, Q4_0 or Q4_1 for 2-D weights (norms and biases stay F32, as llama.cpp
@@ -64,7 +66,8 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
     longrope as rope_factors_long/short tensors, partial rotary as rope.dimension_count; smollm3: q/k permuted;
     gemma2 / gemma3: norms stored plus 1 under llama.cpp's names, the keys of octavo.export.gguf_gemma);
     tokenizer_pre: tokenizer.ggml.pre to write; add_bos_token: overrides
-    tokenizer_config.json's add_bos_token."""
+    tokenizer_config.json's add_bos_token; tensor_types: {suffix: type}, 2-D tensors whose GGUF name ends in a
+    suffix ("attn_v.weight") get that type instead (a mix such as llama.cpp's Q4_K_M keeps)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -128,7 +131,10 @@ def write_gguf(hf_dir: str | Path, out: str | Path, *, tensor_type: str = "F32",
             data = data + np.float32(NORM_OFFSET)  # llama.cpp's converter stores Gemma's 1 + w
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             data = permute_qk(data, heads if ".q_proj." in hf else kv_heads)
-        _add_tensor(writer, gguf_tensor_name(hf, gemma), data, qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
+        gguf_name = gguf_tensor_name(hf, gemma)
+        wanted = next((t for suffix, t in (tensor_types or {}).items() if gguf_name.endswith(suffix)), None)
+        own = gguf.GGMLQuantizationType[wanted] if wanted else qtype
+        _add_tensor(writer, gguf_name, data, own if data.ndim == 2 else gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

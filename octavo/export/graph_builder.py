@@ -86,6 +86,11 @@ class CheckpointTensors:
     def blocks(self, parts: list[Part]) -> Blocks | None:
         """The PARTS' own quantized blocks stacked along N in one layout (gguf_blocks.promote), or None
         when any part has none (a float or unmapped type: the caller keeps the projection float)."""
+        found = self.part_blocks(parts)
+        return None if found is None else promote(found)
+
+    def part_blocks(self, parts: list[Part]) -> list[Blocks] | None:
+        """Each of PARTS' own quantized blocks, or None when any part has none."""
         found = []
         for name, shape in parts:
             b = self.checkpoint.blocks(name)
@@ -95,7 +100,7 @@ class CheckpointTensors:
                 raise ModelFormatError(f"{self.checkpoint.source}: tensor {name!r} has shape {(b.n, b.k)}, "
                                        f"the config implies {shape}")
             found.append(b)
-        return promote(found)
+        return found
 
     def bias(self, name: str, size: int) -> np.ndarray | None:
         return self.get(name, (size,)) if name in self.checkpoint.tensor_names else None

@@ -9,7 +9,7 @@ import numpy as np
 from onnx import helper
 
 from octavo.export.block_layout import PANEL, PanelWeights, panel_weights
-from octavo.export.gguf_blocks import Blocks
+from octavo.export.gguf_blocks import Blocks, promote
 from octavo.export.graph_builder import OP_DOMAIN, CheckpointTensors, Graph, Part, emit
 from octavo.export.quantize import MS_DOMAIN, BlockQuantized, QuantConfig, concat, quantize, unpacked
 
@@ -45,7 +45,17 @@ def project_parts(g: Graph, w: CheckpointTensors, x: str, name: str, parts: list
             return _block_matmul(g, x, name, blocks, bias, None, splits=split[1], bf16=quant.prompt_bf16)
         return then_split(_block_matmul(g, x, name, blocks, bias, output, bf16=quant.prompt_bf16)[0])
 
-    blocks = w.blocks(parts) if quant is not None and quant.native else None
+    per_part = w.part_blocks(parts) if quant is not None and quant.native else None
+    if per_part is not None and quant.block_kernel and split is not None:
+        runs = _layout_runs(per_part, split[1])
+        if runs is not None:  # parts of different layouts (Q4_K_M's Q4_K q/k beside a Q6_K v): one node each run
+            outs: list[str] = []
+            for i, (lo, hi) in enumerate(runs):
+                run_bias = (f"{bias[0]}.{i}", bias[1][lo:hi]) if bias else None
+                outs += _block_matmul(g, x, f"{name}.{i}", promote(per_part[lo:hi]), run_bias, None,
+                                      splits=split[1][lo:hi], bf16=quant.prompt_bf16)
+            return outs
+    blocks = None if per_part is None else promote(per_part)
     if blocks is not None:
         if quant.block_kernel:
             return block_matmul(blocks)
@@ -68,6 +78,26 @@ def _matmulnbits(g: Graph, x: str, name: str, q: BlockQuantized, bias: Bias | No
     inputs += ["", g.weight(*bias)] if bias else []  # input 4 (g_idx) unused; 5 is the bias
     return emit(g, "MatMulNBits", inputs, output, domain=MS_DOMAIN, K=q.k, N=q.n, bits=q.bits,
                  block_size=q.block_size, accuracy_level=accuracy_level)
+
+
+def _layout_runs(parts: list[Blocks], sizes: list[int]) -> list[tuple[int, int]] | None:
+    """The runs [lo, hi) of consecutive PARTS that share one block layout (bits, block size), where there are
+    several and each can be one BlockMatMul writing its parts (SIZES: every part but a run's last a multiple of
+    the panel); None where the parts share one layout, or the runs cannot be written so (promote them instead:
+    exact too, but the narrower parts then take the widest codes and the smallest blocks)."""
+    if len(parts) != len(sizes) or any(p.n != size for p, size in zip(parts, sizes)):
+        return None
+    runs: list[tuple[int, int]] = []
+    for i, p in enumerate(parts):
+        if runs and (p.bits, p.block_size) == (parts[runs[-1][0]].bits, parts[runs[-1][0]].block_size):
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    if len(runs) == 1:
+        return None
+    if any(hi - lo > MAX_BLOCK_OUTPUTS or any(s % PANEL for s in sizes[lo:hi - 1]) for lo, hi in runs):
+        return None
+    return runs
 
 
 def project_blocks(g: Graph, x: str, name: str, blocks: Blocks, bias: Bias | None, quant: QuantConfig,

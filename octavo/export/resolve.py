@@ -38,7 +38,8 @@ _EDGE = 16 * 2**20
 # bump when the graph the exporter writes changes in a way old cached exports should not be reused
 GRAPH_REVISION = 4  # 2: BlockMatMul takes the decode_step flag (16-bit decode batches); 3: it writes q/k/v, gate/up
 # parts itself; 4: K-quants keep two-level scales (int8 factors of float32 super-block scales, BlockMatMul and MoE)
-# and a GGUF's embedding stays in its blocks (octavo.BlockGather; a tied lm_head shares them)
+# and a GGUF's embedding stays in its blocks (octavo.BlockGather; a tied lm_head shares them), and a fused
+# projection of two block layouts runs one BlockMatMul per layout (no promotion)
 
 
 def cache_root() -> Path:
