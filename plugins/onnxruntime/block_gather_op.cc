@@ -8,8 +8,9 @@
 //             -> y [..., K] float;  attributes K, N (the rows: an id must lie in [0, N)), bits (4 or 8), block_size.
 // Each value is fma(code, scale, offset) in float32 (one rounding; the file's exact value for every GGML type the
 // exporter maps, as BlockMatMul's float path computes it), so y has the values of a Gather over a float32 copy
-// (a zero may carry the other sign: 8d - 8d is +0 where (8 - 8) * d is -0 for d < 0). Portable scalar code: a step gathers at most its tokens' rows, K values each, which costs microseconds
-// beside the step's matmuls; tokens are split over ORT's threads.
+// (a zero may carry the other sign: 8d - 8d is +0 where (8 - 8) * d is -0 for d < 0). Portable scalar code (the
+// layout's scalar accessors code_at / param_at): a step gathers at most its tokens' rows, K values each, which costs
+// microseconds beside the step's matmuls; tokens are split over ORT's threads.
 #include <onnxruntime_c_api.h>
 
 #include <cmath>
@@ -20,13 +21,12 @@
 
 #include "block_gather_op.h"
 #include "block_inputs.h"
-#include "half.h"
+#include "block_matmul_kernel.h"
 #include "op_glue.h"
 
 namespace {
 
 constexpr const char* kPrefix = "octavo.BlockGather: ";
-constexpr int kPanel = 16;
 constexpr int64_t kTokensPerTask = 16;
 
 using octavo::glue::check;
@@ -35,59 +35,23 @@ using octavo::glue::fail;
 using octavo::glue::Failure;
 using octavo::glue::shape_string;
 
-enum class ParamType { kFloat, kHalf, kInt8 };
-
-struct Matrix {
-  const uint8_t* codes = nullptr;
-  const void* scales = nullptr;
-  const void* offsets = nullptr;
-  const float* scale_super = nullptr;  // two-level scales (kInt8): scale = int8 * super of its 2^shift blocks
-  const float* offset_super = nullptr;
-  ParamType type = ParamType::kFloat;
-  int super_shift = 0;
-  int64_t k = 0, n = 0, bits = 4, block_size = 32;
-
-  // The float32 scale (or offset: OFFSET) of column c of panel p, block b.
-  float param(bool offset, int64_t p, int64_t b, int c) const {
-    const int64_t nb = k / block_size, index = (p * nb + b) * kPanel + c;
-    const void* base = offset ? offsets : scales;
-    switch (type) {
-      case ParamType::kHalf: return octavo::half::to_float(static_cast<const uint16_t*>(base)[index]);
-      case ParamType::kInt8: {
-        const float* super = offset ? offset_super : scale_super;
-        const int64_t s = (((p * nb + b) >> super_shift) * kPanel) + c;
-        return static_cast<float>(static_cast<const int8_t*>(base)[index]) * super[s];
-      }
-      default: return static_cast<const float*>(base)[index];
+// Row ROW of W into OUT (K floats).
+void gather_row(const octavo::BlockWeights& w, int64_t row, float* out) {
+  const int64_t p = row / octavo::kPanel, nb = w.k / w.block_size;
+  const int c = static_cast<int>(row % octavo::kPanel);
+  const uint8_t* panel = w.codes + p * (w.k / 2) * (32 * w.bits / 8);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t index = (p * nb + b) * octavo::kPanel + c;
+    const float scale = octavo::param_at(w, w.scales, w.scale_super, index);
+    const float offset = octavo::param_at(w, w.offsets, w.offset_super, index);
+    for (int64_t k = b * w.block_size; k < (b + 1) * w.block_size; ++k) {
+      out[k] = std::fma(static_cast<float>(octavo::code_at(panel, w.bits, c, k)), scale, offset);
     }
   }
-
-  // Row N of W into OUT (K floats).
-  void row(int64_t row, float* out) const {
-    const int64_t p = row / kPanel;
-    const int c = static_cast<int>(row % kPanel);
-    const int64_t pair_bytes = 32 * bits / 8;
-    const uint8_t* panel = codes + p * (k / 2) * pair_bytes;
-    const int lane = c < 8 ? 2 * c : 16 + 2 * (c - 8);  // element of (column c, even k) in a pair's 32
-    for (int64_t b = 0; b < k / block_size; ++b) {
-      const float scale = param(false, p, b, c), offset = param(true, p, b, c);
-      for (int64_t kk = b * block_size; kk < (b + 1) * block_size; ++kk) {
-        const int e = lane + static_cast<int>(kk & 1);
-        int code;
-        if (bits == 8) {
-          code = panel[(kk / 2) * pair_bytes + e];
-        } else {  // byte i of a pair holds codes i (low nibble) and i + 16; pairs 2j, 2j+1 interleave their bytes
-          const uint8_t byte = panel[(kk / 4) * 32 + 2 * (e % 16) + (kk / 2) % 2];
-          code = e < 16 ? (byte & 15) : (byte >> 4);
-        }
-        out[kk] = std::fma(static_cast<float>(code), scale, offset);
-      }
-    }
-  }
-};
+}
 
 struct Job {
-  const Matrix* w;
+  const octavo::BlockWeights* w;
   const int64_t* ids;
   int64_t count;
   float* y;
@@ -96,7 +60,7 @@ struct Job {
 void gather_task(void* data, size_t i) {
   const auto* job = static_cast<const Job*>(data);
   const int64_t t0 = static_cast<int64_t>(i) * kTokensPerTask;
-  for (int64_t t = t0; t < job->count && t < t0 + kTokensPerTask; ++t) job->w->row(job->ids[t], job->y + t * job->w->k);
+  for (int64_t t = t0; t < job->count && t < t0 + kTokensPerTask; ++t) gather_row(*job->w, job->ids[t], job->y + t * job->w->k);
 }
 
 struct Kernel {
@@ -114,15 +78,15 @@ struct Kernel {
     const octavo::glue::TensorInfo ids = describe(api, values[0]), codes = describe(api, values[1]);
     const octavo::glue::TensorInfo scales = describe(api, values[2]), offsets = describe(api, values[3]);
     if (ids.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64) fail("ids must be int64");
-    const int64_t panels = (n + kPanel - 1) / kPanel, nb = k / block_size;
-    const std::vector<int64_t> want_codes{panels, k / 2, 32 * bits / 8}, want_scales{panels, nb, kPanel};
+    const int64_t panels = (n + octavo::kPanel - 1) / octavo::kPanel, nb = k / block_size;
+    const std::vector<int64_t> want_codes{panels, k / 2, 32 * bits / 8}, want_scales{panels, nb, octavo::kPanel};
     if (codes.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || codes.dims != want_codes) {
       fail("codes must be uint8 " + shape_string(want_codes) + ", got " + shape_string(codes.dims));
     }
-    Matrix w;
+    octavo::BlockWeights w;
     w.k = k;
     w.n = n;
-    w.bits = bits;
+    w.bits = static_cast<int>(bits);
     w.block_size = block_size;
     const bool two_level = values[4] != nullptr || values[5] != nullptr;
     if (two_level) {
@@ -130,11 +94,10 @@ struct Kernel {
       if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) fail("with scale_super, scales must be int8");
       w.super_shift = octavo::block_inputs::super_shift(describe(api, values[4]), describe(api, values[5]), {panels},
                                                         nb, "");
-      w.type = ParamType::kInt8;
       w.scale_super = octavo::glue::data_of<const float>(api, values[4]);
       w.offset_super = octavo::glue::data_of<const float>(api, values[5]);
     } else if (scales.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
-      w.type = ParamType::kHalf;
+      w.half_scales = true;
     } else if (scales.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
       fail("scales must be float32 or float16 (int8 with scale_super)");
     }

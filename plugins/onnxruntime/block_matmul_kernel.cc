@@ -884,25 +884,9 @@ void run_range(const BlockWeights& w, const Activations& a, const Outputs& y, in
 
 #else  // portable scalar fallback (builds without AVX2 + FMA): float32, one value at a time
 
-// Scalar access to code(column c of panel, k) (the layout in block_matmul_kernel.h).
-inline int code_at(const uint8_t* panel_codes, int bits, int c, int64_t k) {
-  const int e = (c < 8 ? 2 * c : 16 + 2 * (c - 8)) + static_cast<int>(k & 1);
-  if (bits == 8) return panel_codes[(k / 2) * pair_bytes(8) + e];
-  const uint8_t byte = panel_codes[(k / 4) * 32 + 2 * (e % 16) + (k / 2) % 2];
-  return e < 16 ? (byte & 15) : (byte >> 4);
-}
-
 // The float32 scales (or offsets) of panel p, block b (index = (p * nb + b) * kPanel).
 inline void params_at(const BlockWeights& w, const void* base, const float* super, int64_t index, float* out) {
-  if (super != nullptr) {  // two-level scales, as load_params
-    const int8_t* q = static_cast<const int8_t*>(base) + index;
-    const float* s = w.super_at(super, index);
-    for (int c = 0; c < kPanel; ++c) out[c] = static_cast<float>(q[c]) * s[c];
-  } else if (w.half_scales) {
-    half::to_floats(static_cast<const uint16_t*>(base) + index, out, kPanel);
-  } else {
-    std::memcpy(out, static_cast<const float*>(base) + index, kPanel * sizeof(float));
-  }
+  for (int c = 0; c < kPanel; ++c) out[c] = param_at(w, base, super, index + c);
 }
 
 template <int Bits>

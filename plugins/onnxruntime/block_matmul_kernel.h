@@ -40,6 +40,7 @@
 #include <memory>
 
 #include "amx.h"
+#include "half.h"
 
 namespace octavo {
 
@@ -67,6 +68,25 @@ struct BlockWeights {
     return super + ((index / kPanel) >> super_shift) * kPanel;
   }
 };
+
+// Scalar access to the layout (the portable fallback, octavo.BlockGather): the code of column C of a panel whose
+// codes start at PANEL_CODES, at k.
+inline int code_at(const uint8_t* panel_codes, int bits, int c, int64_t k) {
+  const int e = (c < 8 ? 2 * c : 16 + 2 * (c - 8)) + static_cast<int>(k & 1);
+  if (bits == 8) return panel_codes[(k / 2) * 32 + e];  // 32 bytes a pair of k
+  const uint8_t byte = panel_codes[(k / 4) * 32 + 2 * (e % 16) + (k / 2) % 2];
+  return e < 16 ? (byte & 15) : (byte >> 4);
+}
+
+// The float32 scale (BASE = w.scales, SUPER = w.scale_super) or offset (w.offsets, w.offset_super) of one column:
+// INDEX = (p * nb + b) * kPanel + c. Two-level scales: one float32 product, as the vector loads form it.
+inline float param_at(const BlockWeights& w, const void* base, const float* super, int64_t index) {
+  if (super != nullptr) {
+    return static_cast<float>(static_cast<const int8_t*>(base)[index]) * w.super_at(super, index)[index % kPanel];
+  }
+  if (w.half_scales) return half::to_float(static_cast<const uint16_t*>(base)[index]);
+  return static_cast<const float*>(base)[index];
+}
 
 // y's N columns, as one tensor or split at panel boundaries into up to kMax tensors (the fused q/k/v or gate/up
 // projections' parts, written where the graph reads them: no Split after the op). Each is row-major [rows,
