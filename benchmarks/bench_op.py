@@ -2,7 +2,7 @@
 com.microsoft.GroupQueryAttention (contiguous KV, CPU) on the same shapes. Prints µs per call and
 the ratio; both run in this process with the same thread count. Not a test.
 
---large: decode at batch 64 over pools far beyond the last-level cache, float32 and float16 pools
+--large: decode at batch 64 over pools far beyond the last-level cache, float32, float16 and int8 pools
 (issue 9's model shape: 8 query / 4 kv heads, head_dim 64, block 16). Each call uses the next of
 several "layers" (own pools, same shapes) so nothing stays cached between calls, as in a real
 model; blocks are scattered over each pool. Prints µs per call and the KV bytes read per second.
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from op_cases import paged_attention_model, random_step  # noqa: E402
 
 from octavo.runtime.backends.oplib import library_path  # noqa: E402
+from octavo.export.manifest import kv_head_bytes  # noqa: E402
 from octavo.runtime.backends.ort_kv_pools import set_cache_dtype  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
@@ -145,10 +146,17 @@ class LayerCycle:
         self.next = (self.next + 1) % len(self.bindings)
 
 
+def int8_pool(pool: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """An int8 pool of POOL's shape (head rows + their 2 scale bytes): random codes, every scale 1/64."""
+    out = rng.integers(-127, 128, (*pool.shape[:-1], pool.shape[-1] + 2), dtype=np.int8)
+    out[..., -2:] = np.array([1 / 64], np.float16).view(np.int8)
+    return out
+
+
 def large_cycle(context: int, dtype: str, threads: int, library: str | None) -> LayerCycle:
     """Decode B=64 at CONTEXT tokens each; enough layers that their pools total LARGE_MIN_BYTES."""
-    itemsize = 2 if dtype == "float16" else 4
-    row_bytes = 2 * LARGE_KV_HEADS * HEAD_DIM * itemsize  # key + value of one token, one layer
+    head_bytes = kv_head_bytes(dtype, HEAD_DIM)  # int8: the codes and the row's scale
+    row_bytes = 2 * LARGE_KV_HEADS * head_bytes  # key + value of one token, one layer
     per_layer = LARGE_BATCH * context * row_bytes
     layers = max(2, -(-LARGE_MIN_BYTES // per_layer))
     model = paged_attention_model(num_heads=LARGE_HEADS, kv_num_heads=LARGE_KV_HEADS, scale=HEAD_DIM ** -0.5,
@@ -163,7 +171,7 @@ def large_cycle(context: int, dtype: str, threads: int, library: str | None) -> 
         binding = sess.io_binding()
         for name, array in step.feeds().items():
             if name in ("key_cache", "value_cache"):
-                array = array.astype(dtype)
+                array = int8_pool(array, rng) if dtype == "int8" else array.astype(dtype)
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         binding.bind_output("output")
         bindings.append(binding)
@@ -184,7 +192,7 @@ def run_large(threads: int, rounds: int, other: str | None) -> None:
     print(f"\nlarge pools: decode B={LARGE_BATCH}, {LARGE_HEADS}q/{LARGE_KV_HEADS}kv heads, head_dim {HEAD_DIM}, "
           f"block {BLOCK}, >= {LARGE_MIN_BYTES >> 20} MiB of pools cycled per shape")
     for context in (128, 256, 512, 1024):
-        for dtype in ("float32", "float16"):
+        for dtype in ("float32", "float16", "int8"):
             cycles = {"current": large_cycle(context, dtype, threads, None)}
             if other is not None:
                 try:

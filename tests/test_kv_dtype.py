@@ -131,10 +131,10 @@ def test_kv_cache_memory_gives_twice_the_blocks(model) -> None:  # noqa: ANN001
     assert capped16 in (2 * capped32, 2 * capped32 + 1)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "fp16", "Float32", ""])
+@pytest.mark.parametrize("dtype", ["q8_0", "bfloat16", "fp16", "Float32", "INT8", ""])
 def test_unknown_kv_cache_dtype_refused(model, dtype: str) -> None:  # noqa: ANN001
     _, folder = model
-    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be 'auto'.*'float32' or 'float16'"):
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be 'auto'.*'float32', 'float16' or 'int8'"):
         EngineArgs(model=str(folder), kv_cache_dtype=dtype).validate()
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         LLM(str(folder), kv_cache_dtype=dtype)
@@ -173,8 +173,9 @@ def test_cli_flag_reaches_engine_args() -> None:
     assert engine_args(parser.parse_args(["m"])).kv_cache_dtype == "auto"
     assert engine_args(parser.parse_args(["m", "--kv-cache-dtype", "float16"])).kv_cache_dtype == "float16"
     assert engine_args(parser.parse_args(["m", "--kv-cache-dtype", "float32"])).kv_cache_dtype == "float32"
+    assert engine_args(parser.parse_args(["m", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
     with pytest.raises((argparse.ArgumentError, SystemExit)):
-        parser.parse_args(["m", "--kv-cache-dtype", "int8"])
+        parser.parse_args(["m", "--kv-cache-dtype", "q8_0"])
 
 
 def test_tensorrt_pool_dtype_comes_from_the_engine(model, tmp_path) -> None:  # noqa: ANN001

@@ -428,6 +428,14 @@ def test_portable_builds_match_reference(arch: str, tmp_path) -> None:  # noqa: 
         test_op_matches_reference_float16_pools_random_shapes(library, seed)
     for head_dim in (4, 16, 28):
         test_float16_pool_round_trip_is_numpys_rounding(library, head_dim)
+    from test_kv_int8 import CASES as INT8_CASES
+    from test_kv_int8 import test_op_matches_reference as int8_case
+    from test_kv_int8 import test_op_matches_reference_on_random_shapes as int8_random_case
+
+    for name in sorted(INT8_CASES):  # int8 pools: the row quantizer and dequantizer at each width
+        int8_case(library, name)
+    for seed in range(8):
+        int8_random_case(library, seed)
     if arch == "x86-64-v4":  # the bfloat16 paths are built into the AVX-512 builds only (amx.h)
         for name in sorted(CASES):
             for kv_dtype in ("float32", "float16"):

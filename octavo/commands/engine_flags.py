@@ -61,7 +61,7 @@ HELP: dict[str, str] = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                           "(prompt lookup) or '{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft model; "
                           "docs/engine.md)",
-    "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, or float16 (half the memory)",
+    "kv_cache_dtype": "KV pool element type: auto (float16 for a GGUF's own quantized blocks, as llama.cpp; else float32), float32, float16 (half the memory), or int8 (onnxruntime: 8-bit codes + a float16 scale per head row, ~0.52x float16's memory)",
     "ort_fusions": "onnxruntime: fuse RoPE into ONNX Runtime's RotaryEmbedding and then into PagedAttention when "
                    "loading the graph (same logits, fewer nodes)",
     "ort_spinning": "onnxruntime: how its threads wait: run (spin during a step, stop after it), 0 (block), 1 (spin "

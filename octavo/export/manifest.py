@@ -13,7 +13,15 @@ MAGIC = "octavo-model"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "octavo.json"
 WEIGHT_FORMATS = ("fp32", "int8", "int4", "gguf")  # Manifest.weights (octavo.export.quantize)
-KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per K/V element, by pool dtype
+KV_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}  # bytes per K/V element, by pool dtype
+KV_INT8_SCALE_BYTES = 2  # an int8 pool's head row ends in its float16 scale (plugins/onnxruntime/kv_int8.h)
+
+
+def kv_head_bytes(dtype: str, head_dim: int) -> int:
+    """Bytes of one token's K (or V) row of one kv head in a pool of DTYPE: int8 rows carry their scale."""
+    if dtype not in KV_ITEMSIZE:
+        raise InvalidRequestError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_ITEMSIZE)}")
+    return head_dim * KV_ITEMSIZE[dtype] + (KV_INT8_SCALE_BYTES if dtype == "int8" else 0)
 
 
 @dataclass(slots=True)
@@ -57,10 +65,7 @@ class Manifest:
     def kv_bytes_per_block(self, block_size: int, dtype: str | None = None) -> int:
         """Bytes one KV block takes over all layers (key + value pools) when the pool holds DTYPE
         (None: the manifest's dtype)."""
-        dtype = dtype or self.dtype
-        if dtype not in KV_ITEMSIZE:
-            raise InvalidRequestError(f"unknown KV cache dtype {dtype!r}; expected one of {sorted(KV_ITEMSIZE)}")
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * KV_ITEMSIZE[dtype]
+        return 2 * self.num_layers * block_size * self.num_kv_heads * kv_head_bytes(dtype or self.dtype, self.head_dim)
 
     def save(self, folder: str | Path) -> Path:
         path = Path(folder) / MANIFEST_NAME

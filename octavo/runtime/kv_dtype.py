@@ -1,8 +1,12 @@
 """KV cache element types: what `EngineArgs.kv_cache_dtype` accepts and which dtype a pool then holds.
 Bytes per block: Manifest.kv_bytes_per_block; the onnxruntime pools: backends/ort_kv_pools.py.
 
-`EngineArgs.kv_cache_dtype` is "auto", "float32" or "float16" (half the bytes per block; the activations
-stay float32 and the op converts K/V on write and on read). What "auto" picks:
+`EngineArgs.kv_cache_dtype` is "auto", "float32", "float16" (half the bytes per block; the activations
+stay float32 and the op converts K/V on write and on read) or "int8" (onnxruntime only: each token's K and V
+row of each kv head as 8-bit codes with its own float16 scale, head_dim + 2 bytes a row: 0.52x float16's
+bytes at head_dim 64, 0.51x at 128; the op quantizes on write and dequantizes exactly on read, all
+arithmetic float32; plugins/onnxruntime/kv_int8.h; accuracy against float16 KV: docs/engine.md).
+What "auto" picks:
 
 | export                                             | "auto" pool | why                                        |
 | ---                                                | ---         | ---                                        |
@@ -23,14 +27,14 @@ from octavo.export.quantize import GGUF_NATIVE
 if TYPE_CHECKING:
     from octavo.export.manifest import Manifest
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16")  # what EngineArgs.kv_cache_dtype accepts
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8")  # what EngineArgs.kv_cache_dtype accepts
 
 
 def check_kv_cache_dtype(requested: str) -> None:
     """The one rule for a user's kv_cache_dtype (EngineArgs, the CLI's choices)."""
     if requested not in KV_CACHE_DTYPES:
-        raise InvalidRequestError(f"kv_cache_dtype must be 'auto' (the model's default), 'float32' or 'float16', "
-                                  f"got {requested!r}")
+        raise InvalidRequestError(f"kv_cache_dtype must be 'auto' (the model's default), 'float32', 'float16' or "
+                                  f"'int8', got {requested!r}")
 
 
 def auto_kv_cache_dtype(manifest: Manifest) -> str:

@@ -131,6 +131,9 @@ def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_mode
 
         # The pool dtype is the engine's, fixed at build time. Without an engine the backend itself says
         # what is missing (TensorRT, or the engine), so sizing falls back to the manifest's dtype.
+        if args.kv_cache_dtype == "int8":
+            raise InvalidRequestError("kv_cache_dtype='int8' runs on the onnxruntime backend only: the TensorRT "
+                                      "plugin keeps float32, float16 or bfloat16 pools (`octavo build --dtype`)")
         built = (model_dir / BUILD_INFO_NAME).is_file()
         pool_dtype = BuildInfo.load(model_dir).dtype if built else manifest.dtype
         if built and args.kv_cache_dtype not in ("auto", pool_dtype):

@@ -21,6 +21,7 @@
 
 #include "amx.h"
 #include "half.h"
+#include "kv_int8.h"
 #include "paged_attention_kernel.h"
 #include "simd.h"
 
@@ -64,7 +65,7 @@ struct Scratch {
   std::vector<float> alpha;    // [rows_p] rescale factors of the current chunk
   std::vector<float> scores;   // [kKeyChunk][pass width] scores, then probabilities (one head and pass at a time)
   std::vector<float> v_pad;    // [kKeyChunk][dim_p] value rows when head_dim % kWidth != 0
-  std::vector<float> k_conv;   // [kKeyChunk][heads][dim_p] the chunk's key rows, widened (float16 pools)
+  std::vector<float> k_conv;   // [kKeyChunk][heads][dim_p] the chunk's key rows, widened (float16 and int8 pools)
   std::vector<float> v_conv;   // [kKeyChunk][heads][dim_p] ... value rows (padding columns zero)
   std::vector<float> zeros;    // [head_dim] stands in for missing keys of a short chunk
   std::vector<int64_t> slots;  // [kKeyChunk] pool slot of each key of the chunk
@@ -72,6 +73,10 @@ struct Scratch {
   std::vector<const float*> k_rows, v_rows;  // [kKeyChunk] this head's pool rows of the chunk's keys
   std::vector<const uint16_t*> k_rows16, v_rows16;  // ... read straight from a float16 pool (decode)
   std::vector<uint16_t> zeros16;  // [head_dim] float16 zeros
+  std::vector<const int8_t*> k_rows8, v_rows8;  // ... the codes of an int8 pool's rows (decode)
+  std::vector<float> k_scales, v_scales;        // [kKeyChunk] their scales
+  std::vector<float> pv_probs;                  // [rows][kKeyChunk] probabilities times the value rows' scales
+  std::vector<int8_t> zeros8;                   // [head_dim] int8 zeros
   std::vector<int64_t> pf_lines;  // decode: byte offsets of the lines P . V asks for (Prefetches)
 };
 
@@ -120,8 +125,10 @@ void qk_gemm_keys(const float* const* k_rows, const float* q_t, int64_t q_stride
 // pool, widened in registers; both give the same floats.
 inline vf load_row(const float* p) { return simd::load(p); }
 inline vf load_row(const uint16_t* p) { return half::load_widened(p); }
+inline vf load_row(const int8_t* p) { return kv_int8::load_widened(p); }  // an int8 row's codes (scale apart)
 inline float value_of(const float* p) { return *p; }
 inline float value_of(const uint16_t* p) { return half::to_float(*p); }
+inline float value_of(const int8_t* p) { return static_cast<float>(*p); }
 
 // Decode scores of G rows (q: G rows of head_dim, scores: their rows, kKeyChunk apart): kWidth / G keys of all G
 // rows at once share every key load, their sums in one vector register each (lanes past G x kWidth / G stay zero),
@@ -458,13 +465,16 @@ struct ItemShape {
   int64_t rows;            // row m = token (m / group), query head (m % group) of the kv head
   int64_t rows_p;          // rows rounded up to kWidth
   int64_t heads;           // the item's kv heads
-  int64_t kv_row;          // elements of one pool slot (all kv heads)
+  int64_t kv_row;          // elements of one pool slot (all kv heads; float32 and float16 pools)
   int64_t q_stride;        // floats of one token's query (and output) row (all query heads)
-  int64_t itemsize;        // bytes of one pool element
+  int64_t head_bytes;      // bytes of one kv head's row in a pool slot (kv_head_bytes)
+  int64_t slot_bytes;      // bytes of one pool slot (all kv heads)
   int64_t pos_first;       // absolute position of the item's first query token
   int64_t key_lo, key_hi;  // the keys any of its tokens sees (item_keys)
   const int32_t* table;    // its sequence's block table row
   bool f16;                // float16 pools
+  bool q8;                 // int8 pools
+  bool widened;            // the pool rows are widened into k_conv / v_conv before use (f16 or q8; widen_chunk)
   bool direct_v;           // value rows are read straight from the pool (head_dim a multiple of kWidth)
 };
 
@@ -478,7 +488,8 @@ ItemShape item_shape(const StepTensors& t, const AttentionParams& p, const WorkI
   g.heads = item.kv_head_end - item.kv_head_begin;
   g.kv_row = p.kv_num_heads * g.D;
   g.q_stride = p.num_heads * g.D;
-  g.itemsize = kv_itemsize(t.kv_type);
+  g.head_bytes = kv_head_bytes(t.kv_type, g.D);
+  g.slot_bytes = p.kv_num_heads * g.head_bytes;
   const int64_t past = t.past_seqlens[item.seq], seq_begin = t.cumulative_sequence_length[item.seq];
   g.pos_first = past + (item.token_begin - seq_begin);
   const auto [key_lo, key_hi] = item_keys(t, p, item);
@@ -486,14 +497,16 @@ ItemShape item_shape(const StepTensors& t, const AttentionParams& p, const WorkI
   g.key_hi = key_hi;
   g.table = t.block_table + item.seq * t.max_blocks;
   g.f16 = t.kv_type == KvType::kFloat16;
+  g.q8 = t.kv_type == KvType::kInt8;
+  g.widened = g.f16 || g.q8;
   g.direct_v = g.D % kWidth == 0;
   return g;
 }
 
 // The thread's scratch sized for an item of shape G whose queries take Q_SIZE floats a head, its running outputs,
-// maxima and sums reset. F16_DIRECT (decode, float16 pools, head_dim a multiple of the vector width): the pool rows
-// are read in registers; other float16 items widen them into k_conv / v_conv first.
-Scratch& item_scratch(const ItemShape& g, int64_t q_size, bool f16_direct) {
+// maxima and sums reset. DIRECT (decode, float16 or int8 pools, head_dim a multiple of the vector width): the pool
+// rows are read in registers; other float16 / int8 items widen them into k_conv / v_conv first.
+Scratch& item_scratch(const ItemShape& g, int64_t q_size, bool direct) {
   Scratch& s = thread_scratch();
   s.q.assign(g.heads * q_size, 0.0f);
   s.out.assign(g.heads * g.rows * g.dim_p, 0.0f);
@@ -506,13 +519,21 @@ Scratch& item_scratch(const ItemShape& g, int64_t q_size, bool f16_direct) {
   s.k_rows.resize(kKeyChunk);
   s.v_rows.resize(kKeyChunk);
   s.zeros.assign(g.D, 0.0f);
-  if (f16_direct) {
+  if (direct && g.f16) {
     s.k_rows16.resize(kKeyChunk);
     s.v_rows16.resize(kKeyChunk);
     s.zeros16.assign(g.D, 0);
   }
-  if (!g.direct_v && !g.f16) s.v_pad.assign(kKeyChunk * g.dim_p, 0.0f);
-  if (g.f16 && !f16_direct) {
+  if (direct && g.q8) {
+    s.k_rows8.resize(kKeyChunk);
+    s.v_rows8.resize(kKeyChunk);
+    s.k_scales.resize(kKeyChunk);
+    s.v_scales.resize(kKeyChunk);
+    s.pv_probs.resize(g.rows * kKeyChunk);
+    s.zeros8.assign(g.D, 0);
+  }
+  if (!g.direct_v && !g.widened) s.v_pad.assign(kKeyChunk * g.dim_p, 0.0f);
+  if (g.widened && !direct) {
     s.k_conv.resize(kKeyChunk * g.dim_p * g.heads);
     s.v_conv.resize(kKeyChunk * g.dim_p * g.heads);
     if (!g.direct_v) std::fill(s.v_conv.begin(), s.v_conv.end(), 0.0f);
@@ -552,19 +573,31 @@ int64_t step_slots(const StepTensors& t, const WorkItem& item, const ItemShape& 
     std::swap(s.slots, s.next_slots);  // found by the previous chunk
   } else {
     chunk_slots(t, g.table, c0, keys, s.slots.data());
-    prefetch_rows(t, g.kv_row * g.itemsize, s.slots.data(), keys, item.kv_head_begin * g.D * g.itemsize,
-                  g.heads * g.D * g.itemsize);
+    prefetch_rows(t, g.slot_bytes, s.slots.data(), keys, item.kv_head_begin * g.head_bytes, g.heads * g.head_bytes);
   }
   const int64_t next_keys = std::min(g.key_hi - (c0 + kKeyChunk), kKeyChunk);
   if (next_keys > 0) chunk_slots(t, g.table, c0 + kKeyChunk, next_keys, s.next_slots.data());
   return next_keys;
 }
 
-// float16 pools: the chunk's key and value rows of all the item's heads widened into k_conv / v_conv
+// float16 and int8 pools: the chunk's key and value rows of all the item's heads widened into k_conv / v_conv
 // ([key][head][dim_p]), walking each slot row in pool order (one contiguous run per slot, consecutive slots of a
 // block adjacent), which the hardware prefetchers follow far better than a head-by-head stride (~12% faster decode
-// from DRAM than widening per head, scripts/bench_op.py --large).
+// from DRAM than widening per head, scripts/bench_op.py --large). int8 rows are dequantized (exact: kv_int8.h).
 void widen_chunk(const StepTensors& t, const WorkItem& item, const ItemShape& g, int64_t keys, Scratch& s) {
+  if (g.q8) {
+    const uint8_t* const key_q8 = static_cast<const uint8_t*>(t.key_cache);
+    const uint8_t* const value_q8 = static_cast<const uint8_t*>(t.value_cache);
+    const int64_t first = item.kv_head_begin * g.head_bytes;
+    for (int64_t j = 0; j < keys; ++j) {
+      const int64_t row0 = s.slots[j] * g.slot_bytes + first;
+      for (int64_t h = 0; h < g.heads; ++h) {
+        kv_int8::dequantize_row(key_q8 + row0 + h * g.head_bytes, g.D, s.k_conv.data() + (j * g.heads + h) * g.dim_p);
+        kv_int8::dequantize_row(value_q8 + row0 + h * g.head_bytes, g.D, s.v_conv.data() + (j * g.heads + h) * g.dim_p);
+      }
+    }
+    return;
+  }
   const uint16_t* const key_f16 = static_cast<const uint16_t*>(t.key_cache);
   const uint16_t* const value_f16 = static_cast<const uint16_t*>(t.value_cache);
   const int64_t D = g.D, dim_p = g.dim_p, heads = g.heads, kv_row = g.kv_row;
@@ -584,20 +617,33 @@ void widen_chunk(const StepTensors& t, const WorkItem& item, const ItemShape& g,
   }
 }
 
-// The item's head H's rows of the chunk's KEYS keys: float16 pool rows in s.k_rows16 / s.v_rows16 (F16_DIRECT),
-// else float rows in s.k_rows / s.v_rows: the widened ones (float16 pools) or a float32 pool's own, value rows
-// copied into v_pad when head_dim is not a multiple of kWidth (widened rows are already padded to dim_p).
+// The item's head H's rows of the chunk's KEYS keys: with DIRECT, float16 pool rows in s.k_rows16 / s.v_rows16 or
+// int8 pool rows' codes in s.k_rows8 / s.v_rows8 and their scales in s.k_scales / s.v_scales; else float rows in
+// s.k_rows / s.v_rows: the widened ones (float16 and int8 pools) or a float32 pool's own, value rows copied into
+// v_pad when head_dim is not a multiple of kWidth (widened rows are already padded to dim_p).
 void head_rows(const StepTensors& t, const WorkItem& item, const ItemShape& g, int64_t h, int64_t keys,
-               bool f16_direct, Scratch& s) {
+               bool direct, Scratch& s) {
   const int64_t head_offset = (item.kv_head_begin + h) * g.D;
-  if (f16_direct) {
+  if (direct && g.q8) {
+    const uint8_t* const key_q8 = static_cast<const uint8_t*>(t.key_cache);
+    const uint8_t* const value_q8 = static_cast<const uint8_t*>(t.value_cache);
+    const int64_t head_byte = (item.kv_head_begin + h) * g.head_bytes;
+    for (int64_t j = 0; j < keys; ++j) {
+      const uint8_t* k = key_q8 + s.slots[j] * g.slot_bytes + head_byte;
+      const uint8_t* v = value_q8 + s.slots[j] * g.slot_bytes + head_byte;
+      s.k_rows8[j] = reinterpret_cast<const int8_t*>(k);
+      s.v_rows8[j] = reinterpret_cast<const int8_t*>(v);
+      s.k_scales[j] = kv_int8::scale_of(k, g.D);
+      s.v_scales[j] = kv_int8::scale_of(v, g.D);
+    }
+  } else if (direct) {
     const uint16_t* const key_f16 = static_cast<const uint16_t*>(t.key_cache);
     const uint16_t* const value_f16 = static_cast<const uint16_t*>(t.value_cache);
     for (int64_t j = 0; j < keys; ++j) {
       s.k_rows16[j] = key_f16 + s.slots[j] * g.kv_row + head_offset;
       s.v_rows16[j] = value_f16 + s.slots[j] * g.kv_row + head_offset;
     }
-  } else if (g.f16) {  // widened by widen_chunk, [key][head][dim_p]
+  } else if (g.widened) {  // widened by widen_chunk, [key][head][dim_p]
     for (int64_t j = 0; j < keys; ++j) {
       s.k_rows[j] = s.k_conv.data() + (j * g.heads + h) * g.dim_p;
       s.v_rows[j] = s.v_conv.data() + (j * g.heads + h) * g.dim_p;
@@ -653,11 +699,11 @@ void write_item(const StepTensors& t, const WorkItem& item, const ItemShape& g, 
 
 // Prefill, step 1 of a pass: the raw scores^T [pass_keys][width] of the pass's WIDTH columns QP of Q^T (rows_p
 // apart), a tile of kKeysPerTile keys at a time. ASK (the last pass of the head): asks for the next chunk's rows of
-// this head (at HEAD_OFFSET in a slot) on the way, a key tile at a time.
+// this kv HEAD on the way, a key tile at a time.
 void gemm_scores(const StepTensors& t, const ItemShape& g, Scratch& s, const float* qp, int64_t width,
-                 int64_t pass_keys, int64_t head_offset, bool ask) {
+                 int64_t pass_keys, int64_t head, bool ask) {
   const int64_t* const next = s.next_slots.data();
-  const int64_t slot_bytes = g.kv_row * g.itemsize, head_bytes = head_offset * g.itemsize, row_bytes = g.D * g.itemsize;
+  const int64_t slot_bytes = g.slot_bytes, head_bytes = head * g.head_bytes, row_bytes = g.head_bytes;
   float* const scores = s.scores.data();
   int64_t j = 0;
   for (; j + kKeysPerTile <= pass_keys; j += kKeysPerTile) {
@@ -697,7 +743,7 @@ void prefill_head_chunk(const StepTensors& t, const AttentionParams& p, const Wo
     if (c0 > last || (window > 0 && c0 + keys - 1 <= first - window)) continue;  // sees none of it
     const int64_t pass_keys = std::min(keys, last + 1 - c0);  // keys after the pass's last token: unseen
     // 1. Raw scores (the last pass asks for the next chunk's rows).
-    gemm_scores(t, g, s, q + r0, width, pass_keys, (item.kv_head_begin + h) * g.D, r0 + width == rows_p);
+    gemm_scores(t, g, s, q + r0, width, pass_keys, item.kv_head_begin + h, r0 + width == rows_p);
     // 2. Softcap, mask and online softmax (scores become probabilities).
     if (p.softcap > 0.0f) apply_softcap(scores, pass_keys * width, p);
     // Whether some row of the pass cannot see some key of this chunk.
@@ -720,7 +766,7 @@ void run_prefill_item(const StepTensors& t, const AttentionParams& p, const Work
     const int64_t keys = std::min(g.key_hi - c0, kKeyChunk);
     const int64_t next_keys = step_slots(t, item, g, c0, keys, s);
     std::fill(s.next_slots.begin() + std::max<int64_t>(next_keys, 0), s.next_slots.end(), -1);  // none to ask for
-    if (g.f16) widen_chunk(t, item, g, keys, s);
+    if (g.widened) widen_chunk(t, item, g, keys, s);
     for (int64_t h = 0; h < g.heads; ++h) {
       head_rows(t, item, g, h, keys, false, s);
       prefill_head_chunk(t, p, item, g, s, h, c0, keys);
@@ -734,7 +780,7 @@ void run_prefill_item(const StepTensors& t, const AttentionParams& p, const Work
 // this chunk's P . V, head by head.
 void decode_lines(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const WorkItem* next,
                   const ItemShape& g, int64_t next_keys, Scratch& s) {
-  const int64_t slot_bytes = g.kv_row * g.itemsize, head_bytes = g.D * g.itemsize;
+  const int64_t slot_bytes = g.slot_bytes, head_bytes = g.head_bytes;
   s.pf_lines.clear();
   if (next_keys > 0) {
     slot_lines(s.next_slots.data(), next_keys, slot_bytes, item.kv_head_begin * head_bytes, g.heads * head_bytes,
@@ -750,18 +796,25 @@ void decode_lines(const StepTensors& t, const AttentionParams& p, const WorkItem
   }
 }
 
-// Decode: the item's head H over the chunk at C0 (KEYS keys; float16 pool rows in s.k_rows16 / s.v_rows16 when
-// F16_DIRECT, else float rows in s.k_rows / s.v_rows): 1. raw scores, 2. softcap, mask and online softmax,
-// 3. out += probabilities x values, asking on the way for the head's share of s.pf_lines.
+// Decode: the item's head H over the chunk at C0 (KEYS keys; with DIRECT, the pool rows head_rows left: float16
+// rows or int8 codes and scales, else float rows in s.k_rows / s.v_rows): 1. raw scores, 2. softcap, mask and
+// online softmax, 3. out += probabilities x values, asking on the way for the head's share of s.pf_lines.
+// int8 rows: a key's scale multiplies its row's dot product with the codes, a value's scale its probability
+// (the softmax sums stay the unscaled probabilities').
 void decode_head_chunk(const StepTensors& t, const AttentionParams& p, const ItemShape& g, Scratch& s, int64_t h,
-                       int64_t c0, int64_t keys, bool f16_direct) {
+                       int64_t c0, int64_t keys, bool direct) {
   const int64_t rows = g.rows, dim_p = g.dim_p, heads = g.heads;
   float* const scores = s.scores.data();
   float* const out = s.out.data() + h * rows * dim_p;
   const float* const q = s.q.data() + h * rows * g.D;
   float* const row_max = s.row_max.data() + h * g.rows_p;
   float* const row_sum = s.row_sum.data() + h * g.rows_p;
-  if (f16_direct) {
+  if (direct && g.q8) {
+    qk_dot(s.k_rows8.data(), s.zeros8.data(), q, rows, g.D, keys, scores);
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t j = 0; j < keys; ++j) scores[m * kKeyChunk + j] *= s.k_scales[j];
+    }
+  } else if (direct) {
     qk_dot(s.k_rows16.data(), s.zeros16.data(), q, rows, g.D, keys, scores);
   } else {
     qk_dot(s.k_rows.data(), s.zeros.data(), q, rows, g.D, keys, scores);
@@ -774,7 +827,13 @@ void decode_head_chunk(const StepTensors& t, const AttentionParams& p, const Ite
   const int64_t share = (lines + heads - 1) / heads, l0 = std::min(lines, h * share);
   const Prefetches pf{static_cast<const char*>(t.key_cache), static_cast<const char*>(t.value_cache),
                       s.pf_lines.data() + l0, std::min(lines - l0, share), (share + keys - 1) / keys};
-  if (f16_direct) {
+  if (direct && g.q8) {
+    float* const probs = s.pv_probs.data();
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t j = 0; j < keys; ++j) probs[m * kKeyChunk + j] = scores[m * kKeyChunk + j] * s.v_scales[j];
+    }
+    pv_chunk<int8_t, true>(probs, layout, s.v_rows8.data(), rows, keys, out, dim_p, pf);
+  } else if (direct) {
     pv_chunk<uint16_t, true>(scores, layout, s.v_rows16.data(), rows, keys, out, dim_p, pf);
   } else {
     pv_chunk<float, true>(scores, layout, s.v_rows.data(), rows, keys, out, dim_p, pf);
@@ -784,20 +843,20 @@ void decode_head_chunk(const StepTensors& t, const AttentionParams& p, const Ite
 // A decode item (< kGemmRows rows: a token's GQA group, a few tokens): per key chunk, kWidth-wide dot products.
 void run_decode_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item,
                      const PartialResults& partials, const WorkItem* next, const ItemShape& g) {
-  // float16 pools are read in registers; when head_dim is not a multiple of the vector width they are widened
-  // into k_conv / v_conv first, as the GEMM path does.
-  const bool f16_direct = g.f16 && g.direct_v;
+  // float16 and int8 pools are read in registers; when head_dim is not a multiple of the vector width they are
+  // widened into k_conv / v_conv first, as the GEMM path does.
+  const bool direct = g.widened && g.direct_v;
   const int64_t q_size = g.rows * g.D;
-  Scratch& s = item_scratch(g, q_size, f16_direct);
+  Scratch& s = item_scratch(g, q_size, direct);
   scale_queries<false>(t, p, item, g, q_size, s.q.data());
   for (int64_t c0 = g.key_lo; c0 < g.key_hi; c0 += kKeyChunk) {
     const int64_t keys = std::min(g.key_hi - c0, kKeyChunk);
     const int64_t next_keys = step_slots(t, item, g, c0, keys, s);
     decode_lines(t, p, item, next, g, next_keys, s);
-    if (g.f16 && !f16_direct) widen_chunk(t, item, g, keys, s);
+    if (g.widened && !direct) widen_chunk(t, item, g, keys, s);
     for (int64_t h = 0; h < g.heads; ++h) {
-      head_rows(t, item, g, h, keys, f16_direct, s);
-      decode_head_chunk(t, p, g, s, h, c0, keys, f16_direct);
+      head_rows(t, item, g, h, keys, direct, s);
+      decode_head_chunk(t, p, g, s, h, c0, keys, direct);
     }
   }
   write_item(t, item, g, partials, s);
@@ -1230,7 +1289,7 @@ void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkIte
   const ItemShape g = item_shape(t, p, item);
   const bool gemm = gemm_rows(g.rows);
 #if defined(OCTAVO_AMX)
-  if (p.prompt_bf16 && gemm && g.D % 32 == 0) {
+  if (p.prompt_bf16 && gemm && g.D % 32 == 0 && !g.q8) {  // int8 pools: the float32 path
     if (amx_bf16_usable()) {
       if (g.f16) return run_amx_item<uint16_t, true>(t, p, item, partials);
       return run_amx_item<float, true>(t, p, item, partials);

@@ -1,8 +1,10 @@
 // octavo.PagedAttention — the attention math, independent of ONNX Runtime.
 //
-// Layout (row-major; activations float32, pools float32 or float16):
+// Layout (row-major; activations float32, pools float32, float16 or int8):
 //   query  [T, num_heads * head_dim]        key/value [T, kv_num_heads * head_dim]
-//   pools  [num_blocks, block_size, kv_num_heads, head_dim]  (slot s = block * block_size + offset)
+//   pools  [num_blocks, block_size, kv_num_heads, head_dim]  (slot s = block * block_size + offset);
+//          int8 pools [num_blocks, block_size, kv_num_heads, head_dim + 2]: each head row's codes, then its scale
+//          (kv_int8.h)
 //   cumulative_sequence_length int32 [B+1], past_seqlens int32 [B],
 //   block_table int32 [B, max_blocks], slot_mapping int64 [T]
 // Token i of sequence b has absolute position past_seqlens[b] + i and attends causally over
@@ -28,17 +30,25 @@ struct AttentionParams {
 };
 
 // Element type of the KV pools. float16 pools hold IEEE binary16 bits: new K/V are rounded to
-// nearest even on write and widened to float32 on read; all arithmetic stays float32.
-enum class KvType { kFloat32, kFloat16 };
+// nearest even on write and widened to float32 on read; int8 pools hold each head row quantized with its own
+// scale (kv_int8.h), dequantized to float32 on read. All arithmetic stays float32.
+enum class KvType { kFloat32, kFloat16, kInt8 };
 
-inline int64_t kv_itemsize(KvType type) { return type == KvType::kFloat16 ? 2 : 4; }
+// Bytes of one (slot, kv head) row of HEAD_DIM values in a pool of TYPE.
+inline int64_t kv_head_bytes(KvType type, int64_t head_dim) {
+  switch (type) {
+    case KvType::kFloat16: return 2 * head_dim;
+    case KvType::kInt8: return head_dim + 2;
+    default: return 4 * head_dim;
+  }
+}
 
 // Borrowed pointers to one call's tensors plus their sizes.
 struct StepTensors {
   const float* query = nullptr;
   const float* key = nullptr;
   const float* value = nullptr;
-  void* key_cache = nullptr;    // float* (kFloat32) or uint16_t* (kFloat16)
+  void* key_cache = nullptr;    // float* (kFloat32), uint16_t* (kFloat16) or uint8_t* rows (kInt8)
   void* value_cache = nullptr;
   KvType kv_type = KvType::kFloat32;
   const int32_t* cumulative_sequence_length = nullptr;
@@ -101,7 +111,7 @@ struct WorkPlan {
 std::string validate_indices(const StepTensors& t);
 
 // Copies the new tokens' K/V rows into the pools at slot_mapping (negative slots are skipped),
-// rounded to fp16 for float16 pools.
+// rounded to fp16 for float16 pools, quantized per head row for int8 pools.
 void write_new_kv(const StepTensors& t, const AttentionParams& p);
 
 // Splits the step into independent work items. When there are too few (small batches, long

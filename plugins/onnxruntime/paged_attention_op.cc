@@ -1,9 +1,10 @@
 // ONNX Runtime glue for octavo.PagedAttention: the OrtCustomOp schema (with the pool inputs aliased
 // to the pool outputs, so the caller's KV pool is written in place and never copied), input checks
 // that turn bad shapes into an ORT error status, and the thread-pool fan-out of the work items.
-// The op is registered twice under the same name, once with float32 and once with float16 pools
-// (key_cache, value_cache and their aliased outputs); ORT merges the two into one schema whose pool
-// type is a constraint and picks the kernel by the graph's pool type.
+// The op is registered three times under the same name, with float32, float16 and int8 pools (key_cache,
+// value_cache and their aliased outputs); ORT merges them into one schema whose pool type is a constraint and
+// picks the kernel by the graph's pool type. int8 pools carry a 2-byte scale after each head row, so their
+// last dimension is head_dim + 2 (kv_int8.h); head_dim is then the pool's last dimension minus 2.
 // Optional inputs 9-11 (position_ids int64 [T], cos_cache and sin_cache float32 [P, head_dim / 2]): the rotary
 // embedding of query and key in rotate-half form, applied here before anything reads them (the ONNX Runtime
 // backend's rewrite, octavo/runtime/backends/ort_fusions.py, moves the graph's RotaryEmbedding nodes into this
@@ -46,7 +47,11 @@ const char* const kInputNames[kNumAllInputs] = {"query", "key", "value", "key_ca
                                                 "slot_mapping", "position_ids", "cos_cache", "sin_cache"};
 
 ONNXTensorElementDataType pool_type(octavo::KvType kv_type) {
-  return kv_type == octavo::KvType::kFloat16 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  switch (kv_type) {
+    case octavo::KvType::kFloat16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    case octavo::KvType::kInt8: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
 }
 
 ONNXTensorElementDataType input_type(size_t index, octavo::KvType kv_type) {
@@ -184,8 +189,8 @@ struct PagedAttentionKernel {
     octavo::write_new_kv(t, params);
     if (t.num_tokens > 0) attend(context, t);
 
-    const size_t pool_bytes = static_cast<size_t>(octavo::kv_itemsize(kv_type) * t.num_blocks * t.block_size *
-                                                  params.kv_num_heads * t.head_dim);
+    const size_t pool_bytes = static_cast<size_t>(octavo::kv_head_bytes(kv_type, t.head_dim) * t.num_blocks *
+                                                  t.block_size * params.kv_num_heads);
     void* key_out_data = data_of<void>(api, key_out);
     void* value_out_data = data_of<void>(api, value_out);
     if (key_out_data != t.key_cache && pool_bytes) std::memcpy(key_out_data, t.key_cache, pool_bytes);
@@ -208,21 +213,26 @@ struct PagedAttentionKernel {
       infos[i] = describe(api, inputs[i]);
       if (infos[i].type != input_type(i, kv_type)) {
         fail(std::string(kInputNames[i]) + " has element type " + std::to_string(infos[i].type) + ", expected " +
-             std::to_string(input_type(i, kv_type)) + " (1=float32, 10=float16, 6=int32, 7=int64)");
+             std::to_string(input_type(i, kv_type)) + " (1=float32, 10=float16, 3=int8, 6=int32, 7=int64)");
       }
     }
     return input_count;
   }
 
   // The step's tensors (all but the output) from the required inputs, their shapes and indices checked.
-  // Shapes: pools fix head_dim and kv heads; everything else must agree with them.
+  // Shapes: pools fix head_dim (int8 pools: their last dimension minus the scale's 2 bytes) and kv heads;
+  // everything else must agree with them.
   octavo::StepTensors step_tensors(const OrtValue* const* inputs, const TensorInfo* infos) const {
     expect_rank(infos[kKeyCache], kKeyCache, 4);
     const int64_t num_blocks = infos[kKeyCache].dims[0];
     const int64_t block_size = infos[kKeyCache].dims[1];
-    const int64_t head_dim = infos[kKeyCache].dims[3];
+    const int64_t head_dim = infos[kKeyCache].dims[3] - (kv_type == octavo::KvType::kInt8 ? 2 : 0);
     expect_dim(infos[kKeyCache], kKeyCache, 2, params.kv_num_heads, "kv_num_heads attribute");
-    if (block_size <= 0 || head_dim <= 0) fail("key_cache has an empty dimension: " + shape_string(infos[kKeyCache].dims));
+    if (block_size <= 0 || head_dim <= 0) {
+      fail("key_cache has an empty dimension: " + shape_string(infos[kKeyCache].dims) +
+           (kv_type == octavo::KvType::kInt8 ? " (an int8 pool's last dimension is head_dim + 2: codes, then a float16 "
+                                               "scale)" : ""));
+    }
     if (infos[kValueCache].dims != infos[kKeyCache].dims) {
       fail("value_cache shape " + shape_string(infos[kValueCache].dims) + " differs from key_cache shape " +
            shape_string(infos[kKeyCache].dims));
@@ -427,7 +437,12 @@ struct PagedAttentionOp : OrtCustomOp {
 const PagedAttentionOp& op_schema(octavo::KvType kv_type) {
   static const PagedAttentionOp float32_op(octavo::KvType::kFloat32);
   static const PagedAttentionOp float16_op(octavo::KvType::kFloat16);
-  return kv_type == octavo::KvType::kFloat16 ? float16_op : float32_op;
+  static const PagedAttentionOp int8_op(octavo::KvType::kInt8);
+  switch (kv_type) {
+    case octavo::KvType::kFloat16: return float16_op;
+    case octavo::KvType::kInt8: return int8_op;
+    default: return float32_op;
+  }
 }
 
 // Domains must outlive every session that uses them; they are released when the library unloads.
@@ -489,7 +504,7 @@ OrtStatus* register_ops(OrtSessionOptions* options, const OrtApi* api) {
     std::lock_guard<std::mutex> lock(r.mutex);
     r.domains.emplace_back(api, domain);
   }
-  for (octavo::KvType kv_type : {octavo::KvType::kFloat32, octavo::KvType::kFloat16}) {
+  for (octavo::KvType kv_type : {octavo::KvType::kFloat32, octavo::KvType::kFloat16, octavo::KvType::kInt8}) {
     if (OrtStatus* status = api->CustomOpDomain_Add(domain, &op_schema(kv_type))) return status;
   }
   for (const OrtCustomOp* op : {&octavo::int8_residual_schema(), &octavo::fold_rows_schema(),

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "half.h"
+#include "kv_int8.h"
 #include "paged_attention_kernel.h"
 
 namespace octavo {
@@ -92,7 +93,15 @@ void write_new_kv(const StepTensors& t, const AttentionParams& p) {
   for (int64_t i = 0; i < t.num_tokens; ++i) {
     const int64_t slot = t.slot_mapping[i];
     if (slot < 0) continue;
-    if (t.kv_type == KvType::kFloat16) {
+    if (t.kv_type == KvType::kInt8) {
+      const int64_t head_bytes = kv_int8::row_bytes(t.head_dim), slot_bytes = p.kv_num_heads * head_bytes;
+      for (int64_t h = 0; h < p.kv_num_heads; ++h) {
+        kv_int8::quantize_row(t.key + i * row + h * t.head_dim, t.head_dim,
+                              static_cast<uint8_t*>(t.key_cache) + slot * slot_bytes + h * head_bytes);
+        kv_int8::quantize_row(t.value + i * row + h * t.head_dim, t.head_dim,
+                              static_cast<uint8_t*>(t.value_cache) + slot * slot_bytes + h * head_bytes);
+      }
+    } else if (t.kv_type == KvType::kFloat16) {
       half::from_floats(t.key + i * row, static_cast<uint16_t*>(t.key_cache) + slot * row, row);
       half::from_floats(t.value + i * row, static_cast<uint16_t*>(t.value_cache) + slot * row, row);
     } else {

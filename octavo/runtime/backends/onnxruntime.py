@@ -3,8 +3,9 @@
 The KV pools are plain numpy arrays [num_blocks, block_size, kv_heads, head_dim], one key and one
 value pool per layer, float32 (the export's dtype) or, with kv_cache_dtype="float16", float16: then the
 loaded graph's pool declarations are switched to float16 in memory before the session is created (the
-export on disk is unchanged) and the op rounds new K/V to fp16 on write and widens them on read. The
-float16 graph also lists the pool outputs as graph outputs, bound to the pools themselves (see
+export on disk is unchanged) and the op rounds new K/V to fp16 on write and widens them on read.
+kv_cache_dtype="int8" switches them to int8 pools whose head rows end in their scale (head_dim + 2 bytes:
+ort_kv_pools.pool_shape); the op quantizes on write. The switched graph also lists the pool outputs as graph outputs, bound to the pools themselves (see
 ort_kv_pools.expose_pool_outputs for why). They are bound ONCE through IOBinding as OrtValues that wrap the numpy
 memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
 inputs and the logits output are bound.
@@ -39,7 +40,7 @@ from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.longrope_table import select_longrope_factors
 from octavo.runtime.backends.oplib import library_path
 from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention
-from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, set_cache_dtype
+from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, pool_shape, set_cache_dtype
 from octavo.runtime.backends.ort_lora import SLOTS_INPUT, LoraPools, LoraSite, add_lora_branches
 from octavo.runtime.lora import LoRAAdapter
 from octavo.runtime.kv_dtype import resolve_kv_cache_dtype
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 # OrtValue; larger ones (prompt logprobs of a long chunk) let ORT allocate the step's logits.
 _LOGITS_BUFFER_ROWS = 64
 _NUMPY_DTYPE = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32}
-_ORT_KV_TYPE = {"float32": "tensor(float)", "float16": "tensor(float16)"}
+_ORT_KV_TYPE = {"float32": "tensor(float)", "float16": "tensor(float16)", "int8": "tensor(int8)"}
 
 
 class OnnxRuntimeBackend:
@@ -73,7 +74,7 @@ class OnnxRuntimeBackend:
         lora: tuple[int, int] | None = None,
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
-        kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32" or "float16" pools.
+        kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32", "float16" or "int8" pools.
         ort_fusions, ort_spinning, amx: EngineArgs' fields of those names (the graph rewrites at load, how the
         threads wait: module docstring, the op library's AMX switch for the process: oplib.set_amx).
         max_model_len: the engine's context; a longrope model gets the factor set it calls for (longrope_table).
@@ -129,9 +130,9 @@ class OnnxRuntimeBackend:
             raise ModelFormatError(f"ONNX Runtime cannot load {onnx_path}: {exc}") from exc
         self._input_dtypes = self._validate()
 
-        pool_shape = (num_blocks, block_size, manifest.num_kv_heads, manifest.head_dim)
-        self.key_caches = [np.zeros(pool_shape, pool_type) for _ in range(manifest.num_layers)]
-        self.value_caches = [np.zeros(pool_shape, pool_type) for _ in range(manifest.num_layers)]
+        shape = pool_shape(self.kv_cache_dtype, num_blocks, block_size, manifest.num_kv_heads, manifest.head_dim)
+        self.key_caches = [np.zeros(shape, pool_type) for _ in range(manifest.num_layers)]
+        self.value_caches = [np.zeros(shape, pool_type) for _ in range(manifest.num_layers)]
         self._binding = self.session.io_binding()
         self._pool_values: list[ort.OrtValue] = []  # keep the wrappers alive as long as the binding
         pools = [p for pair in zip(self.key_caches, self.value_caches) for p in pair]
@@ -201,12 +202,13 @@ class OnnxRuntimeBackend:
                 f"{self.model_dir}: model.onnx inputs do not match octavo.json ({m.num_layers} layers); "
                 f"expected {expected[:9]}..., found {names[:9]}...; re-export the model"
             )
+        row = pool_shape(self.kv_cache_dtype, 0, 0, m.num_kv_heads, m.head_dim)[2:]  # int8: head_dim + 2 bytes
         for name in cache_input_names(m.num_layers):
             shape = inputs[name].shape
-            if len(shape) != 4 or shape[2:] != [m.num_kv_heads, m.head_dim]:
+            if len(shape) != 4 or tuple(shape[2:]) != row:
                 raise ModelFormatError(
                     f"{self.model_dir}: input {name} has shape {shape}, octavo.json says "
-                    f"[num_blocks, block_size, {m.num_kv_heads}, {m.head_dim}]; re-export the model"
+                    f"[num_blocks, block_size, {row[0]}, {row[1]}]; re-export the model"
                 )
             if inputs[name].type != _ORT_KV_TYPE[self.kv_cache_dtype]:
                 raise ModelFormatError(
