@@ -86,3 +86,52 @@ def test_property_stream_equals_cut_of_the_full_decode(start: int, length: int, 
     expect = full[: i + (len(stop) if include else 0)]
     assert d.text == expect
     assert all(expect.startswith(s) and "\ufffd" not in s for s in shown)
+
+
+@settings(max_examples=80, deadline=None)
+@given(pieces=st.lists(st.text(max_size=6), max_size=30),
+       cuts=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), max_size=10),
+       truncate=st.integers(0, 200))
+def test_text_pieces_slice_and_truncate_like_a_string(pieces: list[str], cuts: list, truncate: int) -> None:
+    """The piece store behind `text` (no `str +=`): slices and cuts equal a plain string's."""
+    d = IncrementalDetokenizer(TOK, [], [])
+    for p in pieces:
+        d._append(p)
+    whole = "".join(pieces)
+    assert d.length == len(whole)
+    for a, b in cuts:
+        assert d.slice(a, b) == whole[a:b]
+    d._truncate(truncate)
+    whole = whole[:truncate]
+    assert d.length == len(whole)
+    for a, b in cuts:
+        assert d.slice(a, b) == whole[a:b]
+    assert d.text == whole
+    d._append("xyz")
+    assert d.text == whole + "xyz" and d.slice(len(whole), len(whole) + 2) == "xy"
+
+
+def test_a_long_stream_never_joins_the_whole_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a streamed request does per token (add, hold back a stop prefix, send the new slice) never touches
+    the whole text, so the work per token does not grow with the output (the old `text +=` copied it all at
+    every token: quadratic). 20,000 tokens with two stop strings that never match, then one that does."""
+    toks = ids(CORPUS[:4000])
+    n = 20_000
+    stream_ids = (toks * (n // len(toks) + 1))[:n]
+    expect = TOK.decode(stream_ids)
+    d = IncrementalDetokenizer(TOK, ids("Hello"), ["never here", "nor this"])
+
+    def joined(self: IncrementalDetokenizer) -> str:
+        raise AssertionError("the whole text was joined while streaming")
+
+    with monkeypatch.context() as m:
+        m.setattr(IncrementalDetokenizer, "text", property(joined))
+        sent, shown = 0, []
+        for t in stream_ids:
+            assert d.add(t) is None
+            visible = d.visible_length(finished=False)
+            shown.append(d.slice(sent, visible))
+            sent = max(sent, visible)
+        d.flush()
+        shown.append(d.slice(sent, d.visible_length(finished=True)))
+    assert "".join(shown) == d.text == expect

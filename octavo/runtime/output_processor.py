@@ -212,11 +212,11 @@ class OutputProcessor:
         visible = detok.visible_length(done)
         lps = group.logprobs[i] if group.logprobs is not None else None
         if group.output_kind != "delta":
-            return CompletionOutput(index=i, text=detok.text[:visible], token_ids=list(c.output_token_ids),
+            return CompletionOutput(index=i, text=detok.slice(0, visible), token_ids=list(c.output_token_ids),
                                     finish_reason=reason, stop_reason=stop_reason,
                                     logprobs=list(lps) if lps is not None else None, error=error)
         new_ids = c.output_token_ids[group.sent_tokens[i]:]
-        text = detok.text[group.sent_chars[i]:visible] if visible > group.sent_chars[i] else ""
+        text = detok.slice(group.sent_chars[i], visible)  # only the new text: no copy of what was sent
         newly_done = done and not group.sent_final[i]
         if not new_ids and not text and not newly_done:
             return None
