@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--octavo-kernels", default="", metavar="K,K",
                    help="smollm2: extra octavo rows with --quant-kernel K (block-bf16: bfloat16 prompt steps on AMX "
                         "CPUs; matmulnbits) beside its default")
+    p.add_argument("--octavo-prompt-int8", action="store_true",
+                   help="a GGUF: an extra octavo row with --prompt-activations int8 (prompt steps' activations "
+                        "rounded to int8 per 32 values, as llama.cpp multiplies)")
     p.add_argument("--hf-batch", type=int, default=None, help="HF static batch size (default: the workload size)")
     p.add_argument("--genai-batch", type=int, default=None, help="onnxruntime-genai batch size (default: workload size)")
     p.add_argument("--no-hf-sequential", action="store_true", help="skip HF one-request-at-a-time (the reference)")
@@ -464,6 +467,9 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
             for k in extra_kernels:
                 results += worker("octavo", wls, f"octavo-{k}{tag}", rnd, max_num_seqs=args.slots, quant_kernel=k,
                                   name=f"octavo --quant-kernel {k}")
+            if args.octavo_prompt_int8:
+                results += worker("octavo", wls, f"octavo-int8x{tag}", rnd, max_num_seqs=args.slots,
+                                  prompt_activations="int8", name="octavo --prompt-activations int8")
         if want_llama:
             for w in wls:
                 several = len(w.requests) > 1 and len(llama_np) > 1

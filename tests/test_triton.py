@@ -178,6 +178,18 @@ def http_post(server: TritonServer, endpoint: str, body: dict) -> tuple[int, str
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+    except (urllib.error.URLError, OSError) as exc:  # no answer at all: the server's log says why
+        raise AssertionError(f"POST {url} got no response ({exc}); {server_log_tail(server)}") from exc
+
+
+def server_log_tail(server: TritonServer, lines: int = 40) -> str:
+    """The last LINES of the server's log, and whether its process still runs (for a failure message)."""
+    state = "running" if server.process is not None and server.process.poll() is None else "not running"
+    path = server.log_path
+    if path is None or not Path(path).is_file():
+        return f"tritonserver is {state}; no log"
+    tail = Path(path).read_text(errors="replace").splitlines()[-lines:]
+    return f"tritonserver is {state}; the end of {path}:\n" + "\n".join(tail)
 
 
 def sse_events(body: str) -> list[dict]:
@@ -189,8 +201,11 @@ def trace_rows(path: Path) -> list[dict]:
 
 
 def engine_metrics(server: TritonServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        raise AssertionError(f"/metrics got no response ({exc}); {server_log_tail(server)}") from exc
     out = {}
     for line in text.splitlines():
         if line.startswith("octavo_"):

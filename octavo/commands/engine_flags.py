@@ -17,7 +17,7 @@ from typing import Any
 
 from octavo.errors import InvalidRequestError
 from octavo.export.quant_options import QUANT_KERNEL_HELP, QUANT_KERNELS
-from octavo.runtime.engine_args import ENVIRONMENT_DEFAULTS, ORT_SPINNING_MODES, EngineArgs
+from octavo.runtime.engine_args import ENVIRONMENT_DEFAULTS, ORT_SPINNING_MODES, PROMPT_ACTIVATIONS, EngineArgs
 from octavo.runtime.kv_dtype import KV_CACHE_DTYPES
 from octavo.runtime.reasoning import REASONING_PARSERS
 from octavo.serving.engine_params import convert_value, engine_parameter_names
@@ -66,6 +66,9 @@ HELP: dict[str, str] = {
                    "loading the graph (same logits, fewer nodes)",
     "ort_spinning": "onnxruntime: how its threads wait: run (spin during a step, stop after it), 0 (block), 1 (spin "
                     "always)",
+    "prompt_activations": "onnxruntime, a GGUF's 4-bit blocks: a prompt step's activations in float32 (exact "
+                          "weights x float32) or int8 (rounded per 32 values, as llama.cpp: faster prefill on AVX2; "
+                          "decode steps unchanged)",
     "amx": "the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch "
            "per process)",
 }
@@ -92,6 +95,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "weights": ("fp32", "int8", "int4", "gguf"),
     "quant_kernel": QUANT_KERNELS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "prompt_activations": PROMPT_ACTIVATIONS,
     "ort_spinning": ORT_SPINNING_MODES,
     "reasoning_parser": tuple(REASONING_PARSERS),
 }

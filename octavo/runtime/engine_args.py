@@ -30,6 +30,8 @@ ORT_SPINNING_MODES = ("run", "0", "1")
 ENVIRONMENT_DEFAULTS = {"ort_fusions": "OCTAVO_ORT_FUSIONS", "ort_spinning": "OCTAVO_ORT_SPINNING", "amx": "OCTAVO_AMX"}
 
 
+PROMPT_ACTIVATIONS = ("float32", "int8")  # EngineArgs.prompt_activations
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str  # export folder, HF folder or .gguf (the latter two are exported into a cache dir)
@@ -95,6 +97,10 @@ class EngineArgs:
     # the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch per
     # process, set by the last backend made); None = on unless $OCTAVO_AMX is "0"
     amx: bool | None = None
+    # the arithmetic of octavo.BlockMatMul's prompt (and mixed) steps on 4-bit blocks: "float32" (x times the
+    # file's exact weights) or "int8" (x rounded to int8 per 32 values, as llama.cpp multiplies a quantized file:
+    # faster prefill on AVX2; docs/quantization.md). Decode steps keep their 16-bit path either way.
+    prompt_activations: str = "float32"
 
     def kv_events(self) -> KVEventsConfig:
         """kv_events_config parsed (events off when it is None)."""
@@ -120,6 +126,12 @@ class EngineArgs:
         if self.weights not in (None, "fp32", "int8", "int4", "gguf"):
             raise InvalidRequestError(f"weights must be 'fp32', 'int8', 'int4' or 'gguf', got {self.weights!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.prompt_activations not in PROMPT_ACTIVATIONS:
+            raise InvalidRequestError(f"prompt_activations must be one of {PROMPT_ACTIVATIONS}, got "
+                                      f"{self.prompt_activations!r}")
+        if self.prompt_activations != "float32" and self.backend != "onnxruntime":
+            raise InvalidRequestError("prompt_activations applies to the onnxruntime backend's octavo.BlockMatMul "
+                                      f"only, not to backend {self.backend!r}")
         self.constraint_limits().validate()
         if isinstance(self.max_prompt_logprob_entries, bool) or not isinstance(self.max_prompt_logprob_entries, int) \
                 or self.max_prompt_logprob_entries < 1:

@@ -33,6 +33,7 @@
 
 #include <unistd.h>
 
+#include "block_params_avx2.h"
 #include "half.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -68,29 +69,6 @@ static_assert(kChunk % 4 == 0, "chunks of whole 4-k steps (dequantize_chunk)");
 constexpr int kPrefetchBytes = 8192;  // how far ahead of the codes being read the decode path prefetches
 // Largest block whose int32 sums hold 16 x 4-bit codes times 16-bit activations: 2^31 / (32767 * 240) = 273.
 constexpr int64_t kMaxScaledBlock = 256;
-
-struct Vec2 {  // one panel of 16 floats
-  __m256 lo, hi;
-};
-
-// The 16 float32 scales (BASE = w.scales, SUPER = w.scale_super) or offsets (w.offsets, w.offset_super) of the
-// block at INDEX = (p * nb + b) * kPanel. Two-level scales: int8 factor times the super-block's float32, one
-// rounding (exact for a K-quant's values), the float32 a one-level layout stores.
-inline Vec2 load_params(const BlockWeights& w, const void* base, const float* super, int64_t index) {
-  if (super != nullptr) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + index));
-    const float* s = w.super_at(super, index);
-    return {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_loadu_ps(s)),
-            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), _mm256_loadu_ps(s + 8))};
-  }
-  if (w.half_scales) {
-    const auto* h = static_cast<const uint16_t*>(base) + index;
-    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))),
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)))};
-  }
-  const float* f = static_cast<const float*>(base) + index;
-  return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
-}
 
 inline void store_panel(float* dst, int64_t valid, __m256 lo, __m256 hi) {
   if (valid == kPanel) {
@@ -1000,7 +978,7 @@ bool quantize_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t
 }
 
 int64_t block_matmul_task_panels(const Activations& a) {
-  if (a.bf16 || a.split) return 4;
+  if (a.bf16 || a.split || a.int8) return 4;
 #if defined(OCTAVO_BLOCK_AVX2)
   return a.integer && a.rows <= kIntRows ? 1 : kGroup;
 #else
@@ -1012,6 +990,7 @@ int64_t block_matmul_task_panels(const Activations& a) {
 int64_t block_matmul_task_rows(const BlockWeights& w, const Activations& a) {
   if (a.bf16) return bf16_task_rows(a);
   if (a.split) return split_task_rows(w, a);
+  if (a.int8) return int8_task_rows(a);
 #if defined(OCTAVO_BLOCK_AVX2)
   if (a.integer) return std::max<int64_t>(1, a.rows);
   const int64_t x_row_bytes = std::min(w.k, kChunk) * static_cast<int64_t>(sizeof(float));
@@ -1029,6 +1008,7 @@ void block_matmul_panels(const BlockWeights& w, const Activations& a, const Outp
   if (r0 >= r1 || first >= last) return;
   if (a.integer && r0 != 0) return;  // the 16-bit paths run all rows in the first row block's tasks
   if (a.bf16 || a.split) return amx_panels(w, a, y, first, last, r0, r1);
+  if (a.int8) return int8_panels(w, a, y, first, last, r0, r1);
   if (a.amx_int) return amx_int_panels(w, a, y, first, last);
   if (w.bits == 8) {
     run_range<8>(w, a, y, first, last, r0, r1);

@@ -150,6 +150,11 @@ struct Activations {
   // to 16, k], zero rows past rows
   bool amx_int = false;
   ByteBuffer xlo, xhi;
+  // the int8 path (block_matmul_int8.cc): x rounded to int8 per row and 32 values, [rows, k] in quads of k laid as
+  // the 4-bit codes pair them; x8_scale [rows, k / 32]; block_sums [rows, nb] float32 sums of x per block
+  bool int8 = false;
+  std::unique_ptr<int8_t[]> x8;
+  std::unique_ptr<float[]> x8_scale;
 };
 
 // Sizes a's buffers and returns true when the 16-bit path may take this step; quantize_rows then fills rows
@@ -202,6 +207,15 @@ int64_t bf16_task_rows(const Activations& a);  // rows per task: a multiple of 3
 // row's bits still do not depend on its batch). Sets a.amx_int after the 16-bit path took the step; int_rows
 // then fills the bytes of rows [first, last) of the padded rows (concurrent calls on disjoint ranges are safe).
 bool begin_amx_int(const BlockWeights& w, Activations& a);
+// The int8 path (block_matmul_int8.cc; nodes with prompt_int8 = 1, 4-bit codes, blocks of a multiple of 32, AVX2
+// builds): the float32 path's steps with x rounded to int8 per 32 values (as llama.cpp multiplies), exact integer
+// sums scaled in float32. begin_int8 sizes a's buffers (false: not this layout or build); int8_rows fills rows
+// [first, last) (false: a non-finite value, the step takes the float32 path); the caller sets a.int8 to the AND.
+bool begin_int8(const BlockWeights& w, Activations& a);
+bool int8_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
+int64_t int8_task_rows(const Activations& a);
+void int8_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last,
+                 int64_t r0, int64_t r1);
 void int_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 void amx_int_panels(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t first, int64_t last);
 bool begin_split(const BlockWeights& w, Activations& a);

@@ -118,6 +118,7 @@ struct Kernel {
   std::vector<int64_t> splits;  // columns of each output ({N}: one output)
   bool prompt_bf16;             // the float32 path's steps may take the bfloat16 path (block_matmul_kernel.h)
   bool prompt_amx;              // ... or, otherwise, the float32-grade AMX path (block_matmul_kernel.h)
+  bool prompt_int8;             // ... or first, x rounded to int8 per 32 values (block_matmul_int8.cc)
 
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
@@ -198,7 +199,12 @@ struct Kernel {
       activations.integer = for_rows(api, context, w, activations, rows, octavo::quantize_rows);
       if (octavo::begin_amx_int(w, activations)) for_rows(api, context, w, activations, octavo::amx_rows(rows), int_rows);
     }
-    if (prompt_bf16 && !activations.integer && octavo::begin_bf16(w, activations)) {
+    if (prompt_int8 && !activations.integer && octavo::begin_int8(w, activations)) {
+      activations.int8 = for_rows(api, context, w, activations, rows, octavo::int8_rows);
+    }
+    if (activations.int8) {
+      // the int8 path (block_matmul_int8.cc)
+    } else if (prompt_bf16 && !activations.integer && octavo::begin_bf16(w, activations)) {
       for_rows(api, context, w, activations, octavo::amx_rows(rows), bf16_rows);
     } else if (prompt_amx && !activations.integer && octavo::begin_split(w, activations)) {
       // a value the split path refuses (not finite, huge, tiny): the whole step takes the float32 path
@@ -263,7 +269,10 @@ struct BlockMatMulOp : OrtCustomOp {
         if (prompt_bf16 != 0 && prompt_bf16 != 1) fail("prompt_bf16 must be 0 or 1, got " + std::to_string(prompt_bf16));
         const int64_t prompt_amx = optional_int(api, info, "prompt_amx", 1);
         if (prompt_amx != 0 && prompt_amx != 1) fail("prompt_amx must be 0 or 1, got " + std::to_string(prompt_amx));
-        *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits), prompt_bf16 == 1, prompt_amx == 1};
+        const int64_t prompt_int8 = optional_int(api, info, "prompt_int8", 0);
+        if (prompt_int8 != 0 && prompt_int8 != 1) fail("prompt_int8 must be 0 or 1, got " + std::to_string(prompt_int8));
+        *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits), prompt_bf16 == 1, prompt_amx == 1,
+                             prompt_int8 == 1};
         return nullptr;
       } catch (const Failure& f) {
         return api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());

@@ -40,6 +40,7 @@ from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.longrope_table import select_longrope_factors
 from octavo.runtime.backends.oplib import library_path
 from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention
+from octavo.runtime.backends.ort_fusions import set_prompt_int8
 from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, pool_shape, set_cache_dtype
 from octavo.runtime.backends.ort_lora import SLOTS_INPUT, LoraPools, LoraSite, add_lora_branches
 from octavo.runtime.lora import LoRAAdapter
@@ -72,6 +73,7 @@ class OnnxRuntimeBackend:
         amx: bool = True,
         max_model_len: int | None = None,
         lora: tuple[int, int] | None = None,
+        prompt_activations: str = "float32",
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
         kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32", "float16" or "int8" pools.
@@ -91,6 +93,7 @@ class OnnxRuntimeBackend:
         self.vocab_size = manifest.vocab_size
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, manifest)
         self.ort_fusions = ort_fusions
+        self.prompt_activations = prompt_activations
         self.max_model_len = max_model_len or manifest.max_context
         pool_type = pool_dtype(self.kv_cache_dtype)  # fails early for a dtype these pools cannot hold
 
@@ -182,6 +185,8 @@ class OnnxRuntimeBackend:
         if self.ort_fusions:
             if fuse_rotary(model, self.manifest.max_context):
                 fuse_rotary_into_attention(model)
+        if self.prompt_activations == "int8":
+            log.info("int8 prompt activations on %d BlockMatMul nodes", set_prompt_int8(model))
         if self._lora_config is not None:  # after the fusions, which match the export's own pattern
             self._lora_sites = add_lora_branches(model, *self._lora_config)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",

@@ -1,5 +1,6 @@
 """Graph rewrites the ONNX Runtime backend applies to the loaded graph in memory (the export on disk, the
-ONNX contract and the TensorRT path are unchanged).
+ONNX contract and the TensorRT path are unchanged). Besides the rotary fusions below: `set_prompt_int8`, the
+BlockMatMul attribute of EngineArgs.prompt_activations = "int8".
 
 Rotary embedding: the exporter writes RoPE as plain ONNX so that every runtime can read it — per q and k
 of every layer Reshape -> Split -> Neg -> Concat -> Mul(cos) / Mul(sin) -> Add -> Reshape, eight nodes
@@ -304,3 +305,22 @@ def fuse_rotary_into_attention(model: onnx.ModelProto, positions: str = "positio
     _remove_dead(graph)
     log.info("moved the rotary embeddings of %d attention nodes into them", fused)
     return fused
+
+
+def set_prompt_int8(model: onnx.ModelProto) -> int:
+    """Ask every octavo.BlockMatMul node on 4-bit blocks of a multiple of 32 for the int8 path on its prompt
+    steps (the attribute prompt_int8 = 1; plugins/onnxruntime/block_matmul_int8.cc), in place; returns how many.
+    Other nodes (8-bit codes, Q6_K's blocks of 16) keep the float32 path, which the op would take anyway."""
+    count = 0
+    for node in model.graph.node:
+        if (node.domain, node.op_type) != ("octavo", "BlockMatMul"):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if attrs["bits"].i != 4 or attrs["block_size"].i % 32 != 0:
+            continue
+        if "prompt_int8" in attrs:
+            node.attribute.remove(attrs["prompt_int8"])
+        node.attribute.append(helper.make_attribute("prompt_int8", 1))
+        count += 1
+    return count
+
