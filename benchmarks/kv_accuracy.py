@@ -66,6 +66,20 @@ def teacher_forced(llm: LLM, ids: list[int], chunk: int) -> list[tuple[int, floa
     return rows
 
 
+def forced_runs(model: str, variants: dict[str, dict], positions: int = 600, chunk: int = 128,
+                threads: int | None = 2) -> dict[str, list[tuple[int, float]]]:
+    """teacher_forced over TEXT's first POSITIONS tokens in prompt steps of CHUNK, one engine per variant (its
+    LLM keywords: e.g. {"int8": {"kv_cache_dtype": "int8"}}), each alone in turn."""
+    rows: dict[str, list[tuple[int, float]]] = {}
+    ids: list[int] = []
+    for name, options in variants.items():
+        llm = LLM(model, max_num_batched_tokens=chunk, num_threads=threads, enable_prefix_caching=False, **options)
+        ids = ids or llm.get_tokenizer().encode(TEXT)[:positions]
+        rows[name] = teacher_forced(llm, ids, chunk)
+        llm.close()
+    return rows
+
+
 def run(model: str, dtype: str, ids: list[int], chunk: int, max_tokens: int, threads: int | None) -> dict:
     llm = LLM(model, kv_cache_dtype=dtype, num_threads=threads, max_num_batched_tokens=chunk,
               enable_prefix_caching=False)

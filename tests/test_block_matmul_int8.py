@@ -194,18 +194,9 @@ def test_smollm2_int8_prompts_against_float32() -> None:
     positions and move the actual next token's logprob by < 0.15 on average (measured: 97.2 %, 0.085, at most 4.0:
     rounding x per 32 values costs about what llama.cpp's Q8 activations cost; the bound guards against a regression,
     docs/quantization.md has the numbers)."""
-    from benchmarks.kv_accuracy import TEXT, teacher_forced
+    from benchmarks.kv_accuracy import forced_runs
 
-    from octavo import LLM
-
-    rows = {}
-    for mode in ("float32", "int8"):
-        llm = LLM("smollm2-135m-instruct", prompt_activations=mode, max_num_batched_tokens=128, num_threads=2,
-                  enable_prefix_caching=False)
-        if mode == "float32":
-            ids = llm.get_tokenizer().encode(TEXT)[:600]
-        rows[mode] = teacher_forced(llm, ids, 128)
-        llm.close()
+    rows = forced_runs("smollm2-135m-instruct", {m: {"prompt_activations": m} for m in ("float32", "int8")})
     change = np.abs(np.array([lp for _, lp in rows["int8"]]) - np.array([lp for _, lp in rows["float32"]]))
     agree = np.mean([a == b for (a, _), (b, _) in zip(rows["float32"], rows["int8"])])
     assert agree >= 0.95 and 0 < change.mean() < 0.15, (agree, change.mean(), change.max())

@@ -20,9 +20,10 @@ import math
 import numpy as np
 import onnxruntime as ort
 import pytest
-from engine_helpers import exported, hf_reference, random_requests
+from engine_helpers import hf_reference, random_requests
 from op_cases import paged_attention_model, random_case, random_step
 from step_inputs import one_sequence
+from test_kv_dtype import _hf_logits, model  # noqa: F401 - model: the llama / qwen2 exports, a shared fixture
 
 from octavo import LLM, SamplingParams
 from octavo import oplib_build as build_op
@@ -74,9 +75,9 @@ def make_session(library: str, **attrs: object) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)
     options.intra_op_num_threads = 2
-    model = paged_attention_model(**attrs)  # type: ignore[arg-type]
-    set_cache_dtype(model, "int8")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    graph = paged_attention_model(**attrs)  # type: ignore[arg-type]
+    set_cache_dtype(graph, "int8")
+    return ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def int8_feeds(step) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:  # noqa: ANN001
@@ -213,22 +214,8 @@ def test_pool_shape_and_type_are_checked(library: str) -> None:
 LOGIT_ATOL = 4.0  # int8 pools vs HF fp32 logits on the sensitive tiny models (measured max 1.9)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model(request, hf_model_dir):  # noqa: ANN001, ANN201
-    hf = hf_model_dir(request.param)
-    return hf, exported(hf)
 
-
-def _hf_logits(hf_dir, tokens: list[int]) -> np.ndarray:  # noqa: ANN001
-    import torch
-    from models import load_hf
-
-    hf_model = load_hf(hf_dir)[0]
-    with torch.no_grad():
-        return hf_model(torch.tensor([tokens])).logits[0].numpy()
-
-
-def test_logits_close_to_hf(model) -> None:  # noqa: ANN001
+def test_logits_close_to_hf(model) -> None:  # noqa: ANN001, F811
     """Prefill 300 tokens (every position's logits), then 6 decode steps reading the int8 history: within
     LOGIT_ATOL of HF, and within a few times float16 pools' error; layer 0's pools hold exactly the reference
     quantization of what float32 pools hold (its K/V do not depend on the pool type)."""
@@ -268,7 +255,7 @@ def _generate(llm: LLM, reqs: list[tuple[list[int], int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_batched_greedy_tokens_are_each_requests_alone(model) -> None:  # noqa: ANN001
+def test_batched_greedy_tokens_are_each_requests_alone(model) -> None:  # noqa: ANN001, F811
     """16 random requests at once on int8 pools give each request's tokens alone (the quantization of a row
     depends on that row only); no block leaks."""
     _, folder = model
@@ -285,16 +272,9 @@ def test_smollm2_int8_against_float16_kv() -> None:
     chunks of 128 (later chunks read their history from the pool): int8 KV picks the float16 pools' top-1 token
     at >= 99 % of positions and moves the actual next token's logprob by < 0.03 on average (measured: 99.8 %,
     0.013 over 1,000 positions, benchmarks/kv_accuracy.py); float32 pools move it far less than int8 does."""
-    from benchmarks.kv_accuracy import TEXT, teacher_forced
+    from benchmarks.kv_accuracy import forced_runs
 
-    rows = {}
-    for dtype in ("float16", "int8", "float32"):
-        llm = LLM("smollm2-135m-instruct", kv_cache_dtype=dtype, max_num_batched_tokens=128, num_threads=2,
-                  enable_prefix_caching=False)
-        if dtype == "float16":
-            ids = llm.get_tokenizer().encode(TEXT)[:600]
-        rows[dtype] = teacher_forced(llm, ids, 128)
-        llm.close()
+    rows = forced_runs("smollm2-135m-instruct", {d: {"kv_cache_dtype": d} for d in ("float16", "int8", "float32")})
     ref = np.array([lp for _, lp in rows["float16"]])
     change = {d: np.abs(np.array([lp for _, lp in rows[d]]) - ref) for d in ("int8", "float32")}
     agree = np.mean([a == b for (a, _), (b, _) in zip(rows["float16"], rows["int8"])])
@@ -302,7 +282,7 @@ def test_smollm2_int8_against_float16_kv() -> None:
     assert 0 < change["float32"].mean() < change["int8"].mean() / 4
 
 
-def test_prefix_cache_preemption_and_beam_search_on_int8_pools(model) -> None:  # noqa: ANN001
+def test_prefix_cache_preemption_and_beam_search_on_int8_pools(model) -> None:  # noqa: ANN001, F811
     """A pool small enough to preempt, prefix caching on, chunked prefill: the same tokens as a roomy int8
     engine; beam search (copy on write of whole int8 blocks, scales included) gives the same beams as on the
     roomy engine; no block leaks."""
@@ -327,7 +307,7 @@ def test_prefix_cache_preemption_and_beam_search_on_int8_pools(model) -> None:  
     tight.close()
 
 
-def test_kv_cache_memory_gives_the_blocks_of_its_bytes(model) -> None:  # noqa: ANN001
+def test_kv_cache_memory_gives_the_blocks_of_its_bytes(model) -> None:  # noqa: ANN001, F811
     """Per token, an int8 pool takes (head_dim + 2) / (2 * head_dim) of float16's bytes: a memory budget holds
     that many more blocks, and the pools made take no more than the budget."""
     _, folder = model
@@ -341,7 +321,7 @@ def test_kv_cache_memory_gives_the_blocks_of_its_bytes(model) -> None:  # noqa: 
     assert sum(p.nbytes for p in pools) == engine.num_blocks * manifest.kv_bytes_per_block(16, "int8") <= memory
 
 
-def test_tensorrt_refuses_int8(model, tmp_path) -> None:  # noqa: ANN001
+def test_tensorrt_refuses_int8(model, tmp_path) -> None:  # noqa: ANN001, F811
     _, folder = model
     manifest = Manifest.load(folder)
     args = EngineArgs(model=str(folder), backend="tensorrt", kv_cache_dtype="int8")
