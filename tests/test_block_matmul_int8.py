@@ -179,12 +179,16 @@ def test_set_prompt_int8_marks_only_4bit_blocks_of_32() -> None:
     nodes = [helper.make_node("BlockMatMul", ["x"], [f"y{i}"], domain="octavo", K=64, N=16, bits=bits, block_size=bs)
              for i, (bits, bs) in enumerate([(4, 32), (8, 32), (4, 16), (4, 64)])]
     nodes.append(helper.make_node("MatMul", ["x", "w"], ["z"]))
+    moe = {"top_k": 2, "expert_inter": 64, "gate_up_block_size": 32, "down_block_size": 32}
+    nodes.append(helper.make_node("MoE", ["x"], ["m0"], domain="octavo", gate_up_bits=4, down_bits=8, **moe))
+    nodes.append(helper.make_node("MoE", ["x"], ["m1"], domain="octavo", gate_up_bits=8, down_bits=8, **moe))
+    nodes.append(helper.make_node("MoE", ["x"], ["m2"], domain="octavo", top_k=2))  # float experts
     graph = helper.make_graph(nodes, "g", [], [])
     model = helper.make_model(graph)
-    assert set_prompt_int8(model) == 2
+    assert set_prompt_int8(model) == 3
     marked = [any(a.name == "prompt_int8" and a.i == 1 for a in n.attribute) for n in model.graph.node]
-    assert marked == [True, False, False, True, False]
-    assert set_prompt_int8(model) == 2  # idempotent: one attribute per node
+    assert marked == [True, False, False, True, False, True, False, False]
+    assert set_prompt_int8(model) == 3  # idempotent: one attribute per node
     assert sum(a.name == "prompt_int8" for a in model.graph.node[0].attribute) == 1
 
 
@@ -200,3 +204,47 @@ def test_smollm2_int8_prompts_against_float32() -> None:
     change = np.abs(np.array([lp for _, lp in rows["int8"]]) - np.array([lp for _, lp in rows["float32"]]))
     agree = np.mean([a == b for (a, _), (b, _) in zip(rows["float32"], rows["int8"])])
     assert agree >= 0.95 and 0 < change.mean() < 0.15, (agree, change.mean(), change.max())
+
+
+@pytest.mark.parametrize(("gu_type", "down_type", "exact_x"), [("Q4_0", "Q4_1", False), ("Q4_K", "Q6_K", True)])
+def test_moe_experts_take_the_int8_path(gu_type: str, down_type: str, exact_x: bool) -> None:
+    """octavo.MoE with prompt_int8 = 1: a prompt chunk's 4-bit experts take the int8 path; 8-bit experts (Q6_K's
+    down), decode-only steps and steps of <= 8 tokens keep their paths bit for bit. EXACT_X: every 32-group of x is
+    k / 127 of its largest value (k integer), so rounding it to int8 loses nothing and the int8 gate/up (Q4_K) then
+    down (Q6_K, float32) must give the float reference to float32 rounding; otherwise both stages round (Q4_0, Q4_1)
+    and the outputs move by ~2 % of their RMS, where a wrong code, scale or row would move them by ~100 %."""
+    from moe_reference import moe
+    from test_moe_op import _block_session, _quantized_experts, _run
+
+    from octavo.export.moe_blocks import stack_experts
+
+    experts, hidden, top_k = 6, 256, 2
+    inter = 256 if down_type.endswith("_K") else 96
+    gate, gate_f = _quantized_experts(gu_type, experts, inter, hidden, 1)
+    up, up_f = _quantized_experts(gu_type, experts, inter, hidden, 2)
+    down, down_f = _quantized_experts(down_type, experts, hidden, inter, 3)
+    gate_up = stack_experts([[gate[e], up[e]] for e in range(experts)])
+    stacked_down = stack_experts([[down[e]] for e in range(experts)])
+    rng = np.random.default_rng(7)
+    for tokens, decode in ((40, False), (40, True), (6, False)):
+        if exact_x:
+            x = rng.integers(-127, 128, (tokens, hidden)).astype(np.float32)
+            x[:, ::32] = 127  # each group's max: its scale is exactly 1
+            x *= np.float32(2.0 ** -7)
+        else:
+            x = rng.normal(0, 1, (tokens, hidden)).astype(np.float32)
+        logits = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
+        plain = _run(_block_session(gate_up, stacked_down, inter, top_k, True, decode), x, logits)
+        int8 = _run(_block_session(gate_up, stacked_down, inter, top_k, True, decode, prompt_int8=1), x, logits)
+        if decode or tokens <= MAX_INT_ROWS:
+            np.testing.assert_array_equal(int8, plain)
+            continue
+        want = moe(x, logits, np.concatenate([gate_f, up_f], axis=1), down_f, top_k, True)
+        scale = np.abs(want).max()
+        assert np.abs(plain - want).max() <= 2e-5 * scale
+        if exact_x:
+            assert np.abs(int8 - want).max() <= 2e-5 * scale
+        else:
+            assert not np.array_equal(int8, plain)
+            rms = float(np.sqrt(np.mean(want ** 2)))
+            assert float(np.sqrt(np.mean((int8 - want) ** 2))) <= 0.04 * rms

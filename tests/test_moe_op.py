@@ -132,8 +132,8 @@ def test_bad_shapes_and_attributes_are_clear_errors() -> None:
 
 # ----------------------------------------------------------------------------- block-quantized experts (GGUF's own)
 def _block_session(gate_up: StackedPanels, down: StackedPanels, inter: int, top_k: int, normalize: bool,
-                   decode: bool | None) -> ort.InferenceSession:
-    """One MoE node over stacked panels, as octavo/export/moe_graph.py writes it."""
+                   decode: bool | None, **attrs: int) -> ort.InferenceSession:
+    """One MoE node over stacked panels, as octavo/export/moe_graph.py writes it (ATTRS: more attributes)."""
     names = ["x", "logits", "gu_codes", "down_codes", "gu_scales", "gu_offsets", "down_scales", "down_offsets"]
     arrays = [gate_up.codes, down.codes, gate_up.scales, gate_up.offsets, down.scales, down.offsets]
     inits = [numpy_helper.from_array(a, n) for a, n in zip(arrays, names[2:])]
@@ -152,7 +152,7 @@ def _block_session(gate_up: StackedPanels, down: StackedPanels, inter: int, top_
         names.pop()
     node = helper.make_node("MoE", names, ["y"], domain="octavo", top_k=top_k, normalize=int(normalize),
                             expert_inter=inter, gate_up_bits=gate_up.bits, gate_up_block_size=gate_up.block_size,
-                            down_bits=down.bits, down_block_size=down.block_size)
+                            down_bits=down.bits, down_block_size=down.block_size, **attrs)
     return one_node_session(node, XL, ["y"], inits)
 
 

@@ -30,12 +30,13 @@ BlockWeights BlockExperts::expert(int64_t e) const {
 }
 
 void BlockRun::begin(const Routing& r, const float* x, const BlockExperts& gu_experts, const BlockExperts& down_experts,
-                     bool decode_step, bool integer_path) {
+                     bool decode_step, bool integer_path, bool int8_path) {
   routing = &r;
   gate_up = gu_experts;
   down = down_experts;
   decode = decode_step;
   integer = integer_path;  // BlockMatMul's rule for the step, whatever an expert's rows
+  int8 = int8_path && !integer_path;
   const int64_t rows = r.tokens * r.top_k, h = gu_experts.k, inter = down_experts.k;
   xg.resize(static_cast<size_t>(rows * h));
   gu.resize(static_cast<size_t>(rows * gu_experts.n));
@@ -59,11 +60,12 @@ void BlockRun::prepare(const BlockExperts& w, const float* in, size_t i) {
   const float* x = in + g0 * w.k;
   if (integer && begin_activations(we, x, rows, decode, ae)) {
     ae.integer = quantize_rows(we, ae, 0, rows);
-  } else {
-    ae.x = x;
-    ae.rows = rows;
-    ae.integer = false;
+    return;
   }
+  ae.x = x;
+  ae.rows = rows;
+  ae.integer = false;
+  if (int8 && begin_int8(we, ae)) ae.int8 = int8_rows(we, ae, 0, rows);  // false (non-finite x): float32
 }
 
 void BlockRun::plan(const BlockExperts& w) {

@@ -42,6 +42,7 @@ struct BlockRun {
   BlockExperts gate_up, down;
   bool integer = false;                // the step takes the 16-bit path (decode-only, or at most kIntRows tokens)
   bool decode = false;
+  bool int8 = false;                   // otherwise experts on 4-bit blocks of 32 take the int8 path (prompt_int8)
   std::vector<float> xg, gu, act, out;  // [R, H], [R, 2I], [R, I], [R, H] in grouped order (R = tokens * top_k)
   std::vector<Activations> a;          // per expert: its rows of xg (gate/up phase), then of act (down phase)
   std::vector<int32_t> active;         // experts with at least one row
@@ -49,8 +50,9 @@ struct BlockRun {
 
   // Size the buffers and gather x's rows by expert.
   // INTEGER: the 16-bit path (the caller decides it for the whole step: decode-only, or at most kIntRows tokens).
+  // INT8: where the step is not INTEGER, the int8 path for experts it fits (the node's prompt_int8).
   void begin(const Routing& r, const float* x, const BlockExperts& gu_experts, const BlockExperts& down_experts,
-             bool decode_step, bool integer_path);
+             bool decode_step, bool integer_path, bool int8_path = false);
   // Prepare active expert i's activations of IN (xg for the gate/up phase, act for the down phase); W: the phase's.
   void prepare(const BlockExperts& w, const float* in, size_t i);
   // The tasks of a phase over W's panels (after every prepare of that phase).

@@ -108,6 +108,7 @@ void activate_task(void* data, size_t i) {
 
 struct BlockAttributes {
   int64_t inter = 0, gate_up_bits = 0, gate_up_block_size = 0, down_bits = 0, down_block_size = 0;
+  bool prompt_int8 = false;  // steps off the 16-bit path: 4-bit experts on the int8 path (block_matmul_int8.cc)
 };
 
 struct Kernel {
@@ -252,7 +253,7 @@ struct Kernel {
       octavo::moe::route(logits_data + t0 * experts, n, experts, top_k, normalize, routing);
       octavo::moe::BlockRun run;
       // the path is the step's (all TOKENS), whatever this pass's share of them
-      run.begin(routing, x + t0 * hidden, gu, dn, decode, decode || tokens <= octavo::kIntRows);
+      run.begin(routing, x + t0 * hidden, gu, dn, decode, decode || tokens <= octavo::kIntRows, blocks.prompt_int8);
       block_pass(context, run, y + t0 * hidden);
     }
   }
@@ -317,6 +318,9 @@ struct MoEOp : OrtCustomOp {
           }
           if (blocks.inter % 2 != 0) fail("expert_inter must be even (codes pair k), got " + std::to_string(blocks.inter));
         }
+        const int64_t prompt_int8 = int_attribute(api, info, "prompt_int8", 0);
+        if (prompt_int8 != 0 && prompt_int8 != 1) fail("prompt_int8 must be 0 or 1, got " + std::to_string(prompt_int8));
+        blocks.prompt_int8 = prompt_int8 == 1;
         *kernel = new Kernel{api, top_k, normalize == 1, blocks};
         return nullptr;
       } catch (const Failure& f) {

@@ -5,10 +5,10 @@ value pool per layer, float32 (the export's dtype) or, with kv_cache_dtype="floa
 loaded graph's pool declarations are switched to float16 in memory before the session is created (the
 export on disk is unchanged) and the op rounds new K/V to fp16 on write and widens them on read.
 kv_cache_dtype="int8" switches them to int8 pools whose head rows end in their scale (head_dim + 2 bytes:
-ort_kv_pools.pool_shape); the op quantizes on write. The switched graph also lists the pool outputs as graph outputs, bound to the pools themselves (see
-ort_kv_pools.expose_pool_outputs for why). They are bound ONCE through IOBinding as OrtValues that wrap the numpy
-memory (zero copy); the custom op writes new K/V into them in place. Per step only the small integer
-inputs and the logits output are bound.
+ort_kv_pools.pool_shape); the op quantizes on write. The switched graph also lists the pool outputs as graph
+outputs, bound to the pools themselves (see ort_kv_pools.expose_pool_outputs for why). They are bound ONCE
+through IOBinding as OrtValues that wrap the numpy memory (zero copy); the custom op writes new K/V into them
+in place. Per step only the small integer inputs and the logits output are bound.
 
 ORT's intra-op worker threads, ort_spinning (EngineArgs.ort_spinning, default $OCTAVO_ORT_SPINNING or "run"):
 - "run" (the default since 2026-12-01): they spin-wait between the parallel sections of a step and stop
@@ -39,8 +39,7 @@ from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.longrope_table import select_longrope_factors
 from octavo.runtime.backends.oplib import library_path
-from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention
-from octavo.runtime.backends.ort_fusions import set_prompt_int8
+from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention, set_prompt_int8
 from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, pool_shape, set_cache_dtype
 from octavo.runtime.backends.ort_lora import SLOTS_INPUT, LoraPools, LoraSite, add_lora_branches
 from octavo.runtime.lora import LoRAAdapter
@@ -82,7 +81,7 @@ class OnnxRuntimeBackend:
         max_model_len: the engine's context; a longrope model gets the factor set it calls for (longrope_table).
         lora: (max_loras, max_lora_rank): the graph gets LoRA branches (ort_lora.py) and `load_lora` fills slots."""
         from octavo.runtime.backends.oplib import set_amx
-        from octavo.runtime.engine_args import ORT_SPINNING_MODES
+        from octavo.runtime.engine_args import ORT_SPINNING_MODES, PROMPT_ACTIVATIONS
 
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
@@ -93,6 +92,9 @@ class OnnxRuntimeBackend:
         self.vocab_size = manifest.vocab_size
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, manifest)
         self.ort_fusions = ort_fusions
+        if prompt_activations not in PROMPT_ACTIVATIONS:
+            raise InvalidRequestError(f"prompt_activations must be one of {PROMPT_ACTIVATIONS}, got "
+                                      f"{prompt_activations!r}")
         self.prompt_activations = prompt_activations
         self.max_model_len = max_model_len or manifest.max_context
         pool_type = pool_dtype(self.kv_cache_dtype)  # fails early for a dtype these pools cannot hold
@@ -186,7 +188,11 @@ class OnnxRuntimeBackend:
             if fuse_rotary(model, self.manifest.max_context):
                 fuse_rotary_into_attention(model)
         if self.prompt_activations == "int8":
-            log.info("int8 prompt activations on %d BlockMatMul nodes", set_prompt_int8(model))
+            marked = set_prompt_int8(model)
+            if marked == 0:
+                log.warning("prompt_activations='int8' changes nothing for %s: it has no BlockMatMul node on 4-bit "
+                            "blocks of 32 (a Q4_0 / Q4_1 / Q4_K GGUF's own blocks)", self.model_dir)
+            log.info("int8 prompt activations on %d BlockMatMul nodes", marked)
         if self._lora_config is not None:  # after the fusions, which match the export's own pattern
             self._lora_sites = add_lora_branches(model, *self._lora_config)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",

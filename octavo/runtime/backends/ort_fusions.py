@@ -308,19 +308,24 @@ def fuse_rotary_into_attention(model: onnx.ModelProto, positions: str = "positio
 
 
 def set_prompt_int8(model: onnx.ModelProto) -> int:
-    """Ask every octavo.BlockMatMul node on 4-bit blocks of a multiple of 32 for the int8 path on its prompt
-    steps (the attribute prompt_int8 = 1; plugins/onnxruntime/block_matmul_int8.cc), in place; returns how many.
-    Other nodes (8-bit codes, Q6_K's blocks of 16) keep the float32 path, which the op would take anyway."""
+    """Ask every octavo.BlockMatMul node on 4-bit blocks of a multiple of 32, and every octavo.MoE node with such
+    experts, for the int8 path on its prompt steps (the attribute prompt_int8 = 1;
+    plugins/onnxruntime/block_matmul_int8.cc), in place; returns how many. Other nodes (8-bit codes, Q6_K's blocks
+    of 16, float experts) keep the float32 path, which the op would take anyway."""
     count = 0
     for node in model.graph.node:
-        if (node.domain, node.op_type) != ("octavo", "BlockMatMul"):
-            continue
         attrs = {a.name: a for a in node.attribute}
-        if attrs["bits"].i != 4 or attrs["block_size"].i % 32 != 0:
+        if (node.domain, node.op_type) == ("octavo", "BlockMatMul"):
+            fits = attrs["bits"].i == 4 and attrs["block_size"].i % 32 == 0
+        elif (node.domain, node.op_type) == ("octavo", "MoE") and "expert_inter" in attrs:
+            fits = any(attrs[f"{part}_bits"].i == 4 and attrs[f"{part}_block_size"].i % 32 == 0
+                       for part in ("gate_up", "down"))
+        else:
+            continue
+        if not fits:
             continue
         if "prompt_int8" in attrs:
             node.attribute.remove(attrs["prompt_int8"])
         node.attribute.append(helper.make_attribute("prompt_int8", 1))
         count += 1
     return count
-
