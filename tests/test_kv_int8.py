@@ -23,9 +23,9 @@ import pytest
 from engine_helpers import hf_reference, random_requests
 from op_cases import paged_attention_model, random_case, random_step
 from step_inputs import one_sequence
-from test_kv_dtype import _hf_logits, model  # noqa: F401 - model: the llama / qwen2 exports, a shared fixture
+from test_kv_dtype import _generate, _hf_logits, model  # noqa: F401 - model: the llama / qwen2 exports, a shared fixture
 
-from octavo import LLM, SamplingParams
+from octavo import LLM
 from octavo import oplib_build as build_op
 from octavo.errors import InvalidRequestError
 from octavo.export.manifest import Manifest
@@ -245,14 +245,6 @@ def test_logits_close_to_hf(model) -> None:  # noqa: ANN001, F811
         np.testing.assert_array_equal(mine[used], quantize_rows(full[used]))
     for backend in backends.values():
         backend.close()
-
-
-def _generate(llm: LLM, reqs: list[tuple[list[int], int]]) -> list[list[int]]:
-    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in reqs]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_total_blocks, "blocks leaked"
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_batched_greedy_tokens_are_each_requests_alone(model) -> None:  # noqa: ANN001, F811
