@@ -248,3 +248,23 @@ def test_moe_experts_take_the_int8_path(gu_type: str, down_type: str, exact_x: b
             assert not np.array_equal(int8, plain)
             rms = float(np.sqrt(np.mean(want ** 2)))
             assert float(np.sqrt(np.mean((int8 - want) ** 2))) <= 0.04 * rms
+
+
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_blocks_of_several_32_groups(block_size: int) -> None:
+    """4-bit blocks longer than 32 (an int4 export's --quant-block-size 64, or larger): each 32-group of x keeps
+    its own scale inside the block, the block's weight scale and zero point apply once (the kernel's general
+    branch; GGUF's blocks of 32 take the one-group branch the other tests cover)."""
+    from octavo.export.gguf_blocks import Blocks
+
+    n, k = 23, 512
+    nb = k // block_size
+    rng = np.random.default_rng(block_size)
+    codes = rng.integers(0, 16, (n, nb, block_size)).astype(np.uint8)
+    scales = rng.uniform(0.01, 0.2, (n, nb)).astype(np.float32)
+    zero = rng.integers(0, 16, (n, nb)).astype(np.uint8)
+    blocks = Blocks(codes, scales, zero, None, 4, ("test",))
+    w = blocks.dequantize()
+    bias = rng.standard_normal(n).astype(np.float32)
+    x = (rng.standard_normal((37, k)) * rng.uniform(0.1, 10, (37, 1))).astype(np.float32)
+    _check_int8(_session(panel_weights(blocks), bias, decode=False, prompt_int8=1), x, blocks, w, bias)
