@@ -9,8 +9,9 @@ repeats or edits a text given in the prompt: quote a paragraph, return a code fi
 65-260 tokens of answer from SmolLM2) and "chat" (unrepetitive answers). Every engine gets the same token ids
 (octavo's chat template), so the comparison is the same work.
 
-Per configuration and workload: **decode tok/s**, the rate after the first token (sum of tokens - 1 over the
-sum of last token - first token; llama-server's own `predicted_per_second` is computed the same way), the
+Per configuration and workload: **decode tok/s**, the rate after the first token (octavo: sum of tokens - 1
+over the sum of last token - first token; llama-server: its own `predicted_per_second`, its generation time after
+the prompt, which counts the first token too, so it reads up to 1/n higher than octavo's rule would), the
 end-to-end rate (tokens over the wall time of the requests, prefill included), and the drafts' acceptance.
 Ratios are to octavo without speculation, and octavo's greedy tokens must equal its own without speculation.
 
