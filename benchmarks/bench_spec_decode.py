@@ -128,9 +128,11 @@ def summarize(tokens: list[int], decode_s: list[float], wall_s: list[float], dra
     return out
 
 
-def measure_octavo(model: str, spec: str | None, prompts: dict[str, list[list[int]]], max_tokens: int,
-                   threads: int | None, weights: str | None) -> dict[str, Any]:
+def measure_octavo(model: str, spec: str | None, prompts: dict[str, list[list[int]]] | None, max_tokens: int,
+                   threads: int | None, weights: str | None) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+    """(results per workload, the prompts' token ids: PROMPTS, or made with this model's chat template)."""
     llm = LLM(model, speculative_config=spec, num_threads=threads, weights=weights)
+    prompts = prompts if prompts is not None else prompts_ids(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
     out: dict[str, Any] = {}
@@ -152,7 +154,7 @@ def measure_octavo(model: str, spec: str | None, prompts: dict[str, list[list[in
                               after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
                               after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens, ids)
     llm.engine.close()
-    return out
+    return out, prompts
 
 
 def measure_llama(binary: str, gguf: Path, extra: list[str], prompts: dict[str, list[list[int]]], max_tokens: int,
@@ -223,15 +225,12 @@ def main() -> None:
         specs.append(json.dumps({"model": args.draft_gguf, "num_speculative_tokens": 4}))
         llama_specs.append(["--spec-type", "draft-simple", "-md", args.draft_gguf, "--spec-draft-n-max", "4"])
 
-    probe = LLM(args.model, num_threads=args.num_threads, weights=args.weights)
-    prompts = prompts_ids(probe)
-    probe.engine.close()
     result: dict[str, Any] = {"model": args.model, "weights": args.weights, "max_tokens": args.max_tokens,
                               "threads": args.num_threads, "octavo": {}, "llama-server": {}}
-    base = measure_octavo(args.model, None, prompts, args.max_tokens, args.num_threads, args.weights)
+    base, prompts = measure_octavo(args.model, None, None, args.max_tokens, args.num_threads, args.weights)
     result["octavo"]["none"] = base
     for spec in specs:
-        got = measure_octavo(args.model, spec, prompts, args.max_tokens, args.num_threads, args.weights)
+        got, _ = measure_octavo(args.model, spec, prompts, args.max_tokens, args.num_threads, args.weights)
         for w in WORKLOADS:
             got[w]["same_tokens"] = got[w]["ids"] == base[w]["ids"]
         result["octavo"][spec] = got
@@ -265,10 +264,9 @@ def main() -> None:
             best_l = max(r[w]["decode_tok_s"] or 0 for r in result["llama-server"].values())
             print(f"  best octavo / best llama-server decode: {best_o:.1f} / {best_l:.1f} = {best_o / best_l:.2f}x")
     if args.json:
-        for engine in ("octavo",):
-            for r in result[engine].values():
-                for w in WORKLOADS:
-                    r[w].pop("ids", None)
+        for r in result["octavo"].values():
+            for w in WORKLOADS:
+                r[w].pop("ids", None)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
 
