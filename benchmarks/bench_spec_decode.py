@@ -100,7 +100,6 @@ def ngram(k: int) -> str:
     return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
 
 
-NGRAM = ngram(4)
 DEFAULT_SPECS = [ngram(4), ngram(8), ngram(16)]
 LLAMA_SPECS = [  # llama-server's self-speculation (no draft model): its n-gram kinds, a few draft lengths
     "--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8 --spec-draft-n-max 8",
