@@ -1,7 +1,7 @@
 """Single-user decode speed with and without speculative decoding, octavo beside llama-server, in one run.
 
     python -m benchmarks.bench_spec_decode [--model smollm2-135m-instruct] [--weights fp32] [--max-tokens 384]
-        [--num-threads 2] [--speculative-config JSON ...]
+        [--num-threads 2] [--speculative-config JSON ...] [--decode-activations int16 --decode-activations int8]
         [--llama-server PATH [--gguf FILE] [--llama-spec "ARGS" ...]] [--draft-gguf FILE] [--json out.json]
 
 Two workloads, each request alone (batch 1, greedy, the model's own end of sequence): "repeat" (the answer
@@ -17,7 +17,9 @@ Ratios are to octavo without speculation, and octavo's greedy tokens must equal 
 
 octavo's configurations: no speculation, then each --speculative-config (default: n-gram with 4, 8 and 16
 draft tokens, lookup 2..4). --draft-gguf FILE adds `{"model": FILE, "num_speculative_tokens": 4}` for octavo
-and `--spec-type draft-simple -md FILE` for llama-server.
+and `--spec-type draft-simple -md FILE` for llama-server. Each --decode-activations (default: int16 alone) runs
+all of octavo's configurations again with that EngineArgs.decode_activations (int8: decode and verification on
+int8 activations, as llama.cpp multiplies); tokens are checked against that mode's own run without speculation.
 
 llama-server (with --llama-server; the GGUF is the embedded model's file or --gguf): no speculation, then each
 --llama-spec (its command-line arguments; default: its n-gram kinds at a few draft lengths), and the best
@@ -128,9 +130,11 @@ def summarize(tokens: list[int], decode_s: list[float], wall_s: list[float], dra
 
 
 def measure_octavo(model: str, spec: str | None, prompts: dict[str, list[list[int]]] | None, max_tokens: int,
-                   threads: int | None, weights: str | None) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+                   threads: int | None, weights: str | None,
+                   decode_activations: str = "int16") -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
     """(results per workload, the prompts' token ids: PROMPTS, or made with this model's chat template)."""
-    llm = LLM(model, speculative_config=spec, num_threads=threads, weights=weights)
+    llm = LLM(model, speculative_config=spec, num_threads=threads, weights=weights,
+              decode_activations=decode_activations)
     prompts = prompts if prompts is not None else prompts_ids(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
@@ -215,6 +219,8 @@ def main() -> None:
     ap.add_argument("--llama-spec", action="append", default=None,
                     help="llama-server speculation arguments to try (repeatable; default: its n-gram kinds)")
     ap.add_argument("--draft-gguf", default=None, help="a draft model for both engines (same tokenizer)")
+    ap.add_argument("--decode-activations", action="append", default=None, choices=("int16", "int8"),
+                    help="octavo's decode arithmetic (repeatable: every configuration once per value; default int16)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -226,13 +232,17 @@ def main() -> None:
 
     result: dict[str, Any] = {"model": args.model, "weights": args.weights, "max_tokens": args.max_tokens,
                               "threads": args.num_threads, "octavo": {}, "llama-server": {}}
-    base, prompts = measure_octavo(args.model, None, None, args.max_tokens, args.num_threads, args.weights)
-    result["octavo"]["none"] = base
-    for spec in specs:
-        got, _ = measure_octavo(args.model, spec, prompts, args.max_tokens, args.num_threads, args.weights)
-        for w in WORKLOADS:
-            got[w]["same_tokens"] = got[w]["ids"] == base[w]["ids"]
-        result["octavo"][spec] = got
+    prompts = None
+    for mode in args.decode_activations or ["int16"]:
+        prefix = "" if mode == "int16" else f"decode {mode}: "  # int16's labels as before: "none" and the JSON
+        base, prompts = measure_octavo(args.model, None, prompts, args.max_tokens, args.num_threads, args.weights,
+                                       mode)
+        result["octavo"][prefix + "none"] = base
+        for spec in specs:
+            got, _ = measure_octavo(args.model, spec, prompts, args.max_tokens, args.num_threads, args.weights, mode)
+            for w in WORKLOADS:
+                got[w]["same_tokens"] = got[w]["ids"] == base[w]["ids"]
+            result["octavo"][prefix + spec] = got
     if args.llama_server:
         if args.gguf:
             gguf = Path(args.gguf)
@@ -252,9 +262,9 @@ def main() -> None:
 
     for w in WORKLOADS:
         print(f"{w}:")
-        ob = result["octavo"]["none"][w]
+        ob = next(iter(result["octavo"].values()))[w]  # the first mode without speculation
         for label, r in result["octavo"].items():
-            same = "" if label == "none" else f"  same tokens: {r[w]['same_tokens']}"
+            same = "" if label.endswith("none") else f"  same tokens: {r[w]['same_tokens']}"
             print(row(f"octavo {label}", r[w], ob) + same)
         for label, r in result["llama-server"].items():
             print(row(f"llama-server {label}", r[w], ob))

@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--octavo-prompt-int8", action="store_true",
                    help="a GGUF: an extra octavo row with --prompt-activations int8 (prompt steps' activations "
                         "rounded to int8 per 32 values, as llama.cpp multiplies)")
+    p.add_argument("--octavo-int8", action="store_true",
+                   help="a GGUF: an extra octavo row with --prompt-activations int8 --decode-activations int8 (every "
+                        "step's 4-bit blocks times int8 activations: llama.cpp's arithmetic)")
     p.add_argument("--hf-batch", type=int, default=None, help="HF static batch size (default: the workload size)")
     p.add_argument("--genai-batch", type=int, default=None, help="onnxruntime-genai batch size (default: workload size)")
     p.add_argument("--no-hf-sequential", action="store_true", help="skip HF one-request-at-a-time (the reference)")
@@ -470,6 +473,10 @@ def main_real(args: argparse.Namespace, peers: set[str]) -> int:
             if args.octavo_prompt_int8:
                 results += worker("octavo", wls, f"octavo-int8x{tag}", rnd, max_num_seqs=args.slots,
                                   prompt_activations="int8", name="octavo --prompt-activations int8")
+            if args.octavo_int8:
+                results += worker("octavo", wls, f"octavo-int8all{tag}", rnd, max_num_seqs=args.slots,
+                                  prompt_activations="int8", decode_activations="int8",
+                                  name="octavo --prompt-activations int8 --decode-activations int8")
         if want_llama:
             for w in wls:
                 several = len(w.requests) > 1 and len(llama_np) > 1

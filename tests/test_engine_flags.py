@@ -17,7 +17,7 @@ from octavo.serving.engine_params import engine_args_from_strings, value_text
 # one non-default value per field type; a field of a new type fails here until it has one
 SAMPLE = {int: "32", bool: None, str: None, float: "0.5"}
 STRINGS = {"backend": "tensorrt", "weights": "int4", "kv_cache_dtype": "float16", "trace_path": "t.jsonl",
-           "prompt_activations": "int8",
+           "prompt_activations": "int8", "decode_activations": "int8",
            "quant_kernel": "matmulnbits", "ort_spinning": "0", "reasoning_parser": "deepseek_r1",
            "kv_events_config": "{\"topic\": \"kv\"}",
            "lora_modules": "a=/adapters/a",

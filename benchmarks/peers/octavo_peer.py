@@ -32,7 +32,8 @@ def pool_blocks(workload: IdWorkload, block_size: int = BLOCK_SIZE) -> int:
 def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_caching: bool = True,
                 max_num_seqs: int = 64, name: str = "octavo", profile: bool = False,
                 kv_cache_dtype: str = "auto", weights: str | None = None,
-                quant_kernel: str | None = None, prompt_activations: str = "float32") -> PeerResult:
+                quant_kernel: str | None = None, prompt_activations: str = "float32",
+                decode_activations: str = "int16") -> PeerResult:
     t_load = time.perf_counter()  # imports included (the first workload's load is the cold start)
     from octavo.runtime.llm import LLM
     from octavo.runtime.sampling_params import SamplingParams
@@ -42,7 +43,7 @@ def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_
         chosen["quant_kernel"] = quant_kernel
     llm = LLM(str(octavo_dir), num_threads=threads, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE,
               num_blocks=pool_blocks(workload), enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
-              prompt_activations=prompt_activations, **chosen)
+              prompt_activations=prompt_activations, decode_activations=decode_activations, **chosen)
     load_s = time.perf_counter() - t_load
     try:
         warm = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
@@ -74,6 +75,8 @@ def run_offline(octavo_dir: Path, workload: IdWorkload, *, threads: int, prefix_
         res.extra["quant_kernel"] = quant_kernel
     if prompt_activations != "float32":
         res.extra["prompt_activations"] = prompt_activations
+    if decode_activations != "int16":
+        res.extra["decode_activations"] = decode_activations
     if len(outs) == 1:
         m = outs[0].metrics
         res.extra.update(decode_stats(len(res.outputs[0]), t0_wall, m.first_token_time, m.last_token_time))

@@ -94,7 +94,8 @@ def run_peer(spec: dict[str, Any]) -> list[PeerResult]:
             Path(paths["octavo"]), w, threads=threads, prefix_caching=caching, name=name,
             max_num_seqs=opts.get("max_num_seqs", 64), profile=bool(opts.get("profile")), kv_cache_dtype=kv,
             weights=opts.get("weights"), quant_kernel=opts.get("quant_kernel"),
-            prompt_activations=str(opts.get("prompt_activations", "float32"))))
+            prompt_activations=str(opts.get("prompt_activations", "float32")),
+            decode_activations=str(opts.get("decode_activations", "int16"))))
     if peer == "octavo-online":
         from benchmarks.peers import octavo_peer
 

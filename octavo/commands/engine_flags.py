@@ -17,7 +17,8 @@ from typing import Any
 
 from octavo.errors import InvalidRequestError
 from octavo.export.quant_options import QUANT_KERNEL_HELP, QUANT_KERNELS
-from octavo.runtime.engine_args import ENVIRONMENT_DEFAULTS, ORT_SPINNING_MODES, PROMPT_ACTIVATIONS, EngineArgs
+from octavo.runtime.engine_args import (DECODE_ACTIVATIONS, ENVIRONMENT_DEFAULTS, ORT_SPINNING_MODES, PROMPT_ACTIVATIONS,
+                                        EngineArgs)
 from octavo.runtime.kv_dtype import KV_CACHE_DTYPES
 from octavo.runtime.reasoning import REASONING_PARSERS
 from octavo.serving.engine_params import convert_value, engine_parameter_names
@@ -69,6 +70,9 @@ HELP: dict[str, str] = {
     "prompt_activations": "onnxruntime, a GGUF's 4-bit blocks: a prompt step's activations in float32 (exact "
                           "weights x float32) or int8 (rounded per 32 values, as llama.cpp: faster prefill on AVX2; "
                           "decode steps unchanged)",
+    "decode_activations": "onnxruntime, a GGUF's 4-bit blocks: the activations of decode, decode batches and "
+                          "speculative verification rounded to int16 per block (default) or int8 per 32 values "
+                          "(as llama.cpp: faster decode on AVX2)",
     "amx": "the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch "
            "per process)",
 }
@@ -96,6 +100,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "quant_kernel": QUANT_KERNELS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "prompt_activations": PROMPT_ACTIVATIONS,
+    "decode_activations": DECODE_ACTIVATIONS,
     "ort_spinning": ORT_SPINNING_MODES,
     "reasoning_parser": tuple(REASONING_PARSERS),
 }

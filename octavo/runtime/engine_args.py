@@ -31,6 +31,7 @@ ENVIRONMENT_DEFAULTS = {"ort_fusions": "OCTAVO_ORT_FUSIONS", "ort_spinning": "OC
 
 
 PROMPT_ACTIVATIONS = ("float32", "int8")  # EngineArgs.prompt_activations
+DECODE_ACTIVATIONS = ("int16", "int8")  # EngineArgs.decode_activations
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -101,6 +102,11 @@ class EngineArgs:
     # file's exact weights) or "int8" (x rounded to int8 per 32 values, as llama.cpp multiplies a quantized file:
     # faster prefill on AVX2; docs/quantization.md). Decode steps keep their 16-bit path either way.
     prompt_activations: str = "float32"
+    # the same for the steps octavo.BlockMatMul (and octavo.MoE) run on their 16-bit path (decode, decode batches,
+    # speculative verification, any step of at most 8 tokens): "int16" (x rounded to 16 bits per block, 2^-16 of
+    # its largest value) or "int8" (as above: fewer instructions a weight, faster decode and verification on AVX2;
+    # docs/quantization.md). Both keep a row's bits independent of its batch, so speculation stays exact to it.
+    decode_activations: str = "int16"
 
     def kv_events(self) -> KVEventsConfig:
         """kv_events_config parsed (events off when it is None)."""
@@ -131,6 +137,12 @@ class EngineArgs:
                                       f"{self.prompt_activations!r}")
         if self.prompt_activations != "float32" and self.backend != "onnxruntime":
             raise InvalidRequestError("prompt_activations applies to the onnxruntime backend's octavo.BlockMatMul "
+                                      f"only, not to backend {self.backend!r}")
+        if self.decode_activations not in DECODE_ACTIVATIONS:
+            raise InvalidRequestError(f"decode_activations must be one of {DECODE_ACTIVATIONS}, got "
+                                      f"{self.decode_activations!r}")
+        if self.decode_activations != "int16" and self.backend != "onnxruntime":
+            raise InvalidRequestError("decode_activations applies to the onnxruntime backend's octavo.BlockMatMul "
                                       f"only, not to backend {self.backend!r}")
         self.constraint_limits().validate()
         if isinstance(self.max_prompt_logprob_entries, bool) or not isinstance(self.max_prompt_logprob_entries, int) \

@@ -160,5 +160,6 @@ def make_backend(args: EngineArgs, model_dir: Path, manifest: Manifest, max_mode
                               ort_fusions=bool(args.ort_fusions), ort_spinning=str(args.ort_spinning),
                               amx=bool(args.amx), max_model_len=max_model_len,
                               prompt_activations=args.prompt_activations,
+                              decode_activations=args.decode_activations,
                               lora=(args.max_loras, args.max_lora_rank) if args.lora_modules or args.enable_lora
                               else None)

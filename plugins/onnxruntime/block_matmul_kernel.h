@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 
 #include "amx.h"
 #include "half.h"
@@ -60,6 +61,7 @@ struct BlockWeights {
   int64_t k = 0;
   int64_t n = 0;                  // columns of y (the panels cover n rounded up to kPanel)
   int64_t block_size = 32;        // a multiple of 4 that divides k
+  bool small_codes = false;       // 8-bit codes, every one below 64 (checked by the caller): the int8 path may take them
 
   int64_t panels() const { return (n + kPanel - 1) / kPanel; }
   // The float32 super-block scales (SUPER: scale_super or offset_super) of the block at INDEX = (p * nb + b) *
@@ -110,6 +112,29 @@ struct Outputs {
     stride = columns[count - 1];
     return data[count - 1] + p * kPanel;
   }
+};
+
+bool codes_below_64(const uint8_t* codes, int64_t bytes);  // every byte < 64 (block_matmul_int8.cc)
+
+// Whether a node's 8-bit codes are all below 64 (codes_below_64), scanned once per codes tensor (an initializer's
+// data stays where it is for the session's life) and remembered; safe to call from concurrent runs.
+class SmallCodes {
+ public:
+  bool check(const uint8_t* codes, int64_t bytes) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (codes != codes_ || bytes != bytes_) {
+      small_ = codes_below_64(codes, bytes);
+      codes_ = codes;
+      bytes_ = bytes;
+    }
+    return small_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable const uint8_t* codes_ = nullptr;
+  mutable int64_t bytes_ = 0;
+  mutable bool small_ = false;
 };
 
 // Buffers of the AMX paths: 64-byte aligned, so that every 64-byte tile row is one cache line (new[] gives 16).
@@ -211,6 +236,8 @@ bool begin_amx_int(const BlockWeights& w, Activations& a);
 // builds): the float32 path's steps with x rounded to int8 per 32 values (as llama.cpp multiplies), exact integer
 // sums scaled in float32. begin_int8 sizes a's buffers (false: not this layout or build); int8_rows fills rows
 // [first, last) (false: a non-finite value, the step takes the float32 path); the caller sets a.int8 to the AND.
+// 8-bit codes below 64 (Q6_K, Q5_0, Q5_1, Q5_K; not Q8_0) also take it where the caller has checked them
+// (codes_below_64) and set w.small_codes: the node's decode_int8 steps only, blocks of 16 or a multiple of 32.
 bool begin_int8(const BlockWeights& w, Activations& a);
 bool int8_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 int64_t int8_task_rows(const Activations& a);

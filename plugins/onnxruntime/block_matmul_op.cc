@@ -7,7 +7,9 @@
 //             optional, decode_step bool [1] optional: the step is decode-only, one token per sequence,
 //             scale_super, offset_super float [N/16, nb/G, 16] optional: two-level scales, scales and offsets
 //             then int8 factors of them, G blocks a super-block, a power of two)
-//             -> y [..., N] float;  attributes K, N, bits (4 or 8), block_size (a multiple of 4 that divides K).
+//             -> y [..., N] float;  attributes K, N, bits (4 or 8), block_size (a multiple of 4 that divides K),
+//             optional prompt_int8 / decode_int8 (0 or 1): the float32 path's / the 16-bit path's steps on int8
+//             activations where the codes are 4-bit in blocks of a multiple of 32 (block_matmul_int8.cc).
 // With the attribute splits (ints, summing to N, every one but the last a multiple of the 16-column panel), y is
 // written as that many outputs y_o [..., splits[o]] instead (the fused q/k/v or gate/up projections' parts: the
 // graph needs no Split after the op). Up to 4 parts.
@@ -119,6 +121,8 @@ struct Kernel {
   bool prompt_bf16;             // the float32 path's steps may take the bfloat16 path (block_matmul_kernel.h)
   bool prompt_amx;              // ... or, otherwise, the float32-grade AMX path (block_matmul_kernel.h)
   bool prompt_int8;             // ... or first, x rounded to int8 per 32 values (block_matmul_int8.cc)
+  bool decode_int8;             // the 16-bit path's steps take the int8 path instead (block_matmul_int8.cc)
+  octavo::SmallCodes small_codes{};  // 8-bit codes: whether they are all below 64 (decode_int8 nodes)
 
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
@@ -195,11 +199,20 @@ struct Kernel {
     }
     if (rows == 0) return;
     octavo::Activations activations;
+    bool int8_tried = false;
     if (octavo::begin_activations(w, octavo::glue::data_of<const float>(api, values[0]), rows, decode, activations)) {
-      activations.integer = for_rows(api, context, w, activations, rows, octavo::quantize_rows);
-      if (octavo::begin_amx_int(w, activations)) for_rows(api, context, w, activations, octavo::amx_rows(rows), int_rows);
+      // a step the 16-bit path may take: the int8 path instead where the node asks (a non-finite x: float32)
+      w.small_codes = decode_int8 && bits == 8 &&
+                      small_codes.check(w.codes, panels * (k / 2) * 32);  // scanned once (Q6_K, Q5_x: yes; Q8_0: no)
+      if (decode_int8 && octavo::begin_int8(w, activations)) {
+        int8_tried = true;
+        activations.int8 = for_rows(api, context, w, activations, rows, octavo::int8_rows);
+      } else {
+        activations.integer = for_rows(api, context, w, activations, rows, octavo::quantize_rows);
+        if (octavo::begin_amx_int(w, activations)) for_rows(api, context, w, activations, octavo::amx_rows(rows), int_rows);
+      }
     }
-    if (prompt_int8 && !activations.integer && octavo::begin_int8(w, activations)) {
+    if (prompt_int8 && !int8_tried && !activations.integer && octavo::begin_int8(w, activations)) {
       activations.int8 = for_rows(api, context, w, activations, rows, octavo::int8_rows);
     }
     if (activations.int8) {
@@ -271,8 +284,10 @@ struct BlockMatMulOp : OrtCustomOp {
         if (prompt_amx != 0 && prompt_amx != 1) fail("prompt_amx must be 0 or 1, got " + std::to_string(prompt_amx));
         const int64_t prompt_int8 = optional_int(api, info, "prompt_int8", 0);
         if (prompt_int8 != 0 && prompt_int8 != 1) fail("prompt_int8 must be 0 or 1, got " + std::to_string(prompt_int8));
+        const int64_t decode_int8 = optional_int(api, info, "decode_int8", 0);
+        if (decode_int8 != 0 && decode_int8 != 1) fail("decode_int8 must be 0 or 1, got " + std::to_string(decode_int8));
         *kernel = new Kernel{api, k, n, bits, block_size, std::move(splits), prompt_bf16 == 1, prompt_amx == 1,
-                             prompt_int8 == 1};
+                             prompt_int8 == 1, decode_int8 == 1};
         return nullptr;
       } catch (const Failure& f) {
         return api->CreateStatus(f.code, (std::string(kPrefix) + f.message).c_str());

@@ -22,6 +22,7 @@ BlockWeights BlockExperts::expert(int64_t e) const {
     w.super_shift = super_shift;
   }
   w.half_scales = half_scales;
+  w.small_codes = small_codes;
   w.bits = bits;
   w.k = k;
   w.n = n;
@@ -30,13 +31,13 @@ BlockWeights BlockExperts::expert(int64_t e) const {
 }
 
 void BlockRun::begin(const Routing& r, const float* x, const BlockExperts& gu_experts, const BlockExperts& down_experts,
-                     bool decode_step, bool integer_path, bool int8_path) {
+                     bool decode_step, bool integer_path, bool prompt_int8, bool decode_int8) {
   routing = &r;
   gate_up = gu_experts;
   down = down_experts;
   decode = decode_step;
   integer = integer_path;  // BlockMatMul's rule for the step, whatever an expert's rows
-  int8 = int8_path && !integer_path;
+  int8 = integer_path ? decode_int8 : prompt_int8;
   const int64_t rows = r.tokens * r.top_k, h = gu_experts.k, inter = down_experts.k;
   xg.resize(static_cast<size_t>(rows * h));
   gu.resize(static_cast<size_t>(rows * gu_experts.n));
@@ -58,14 +59,22 @@ void BlockRun::prepare(const BlockExperts& w, const float* in, size_t i) {
   Activations& ae = a[e];
   ae = Activations{};
   const float* x = in + g0 * w.k;
-  if (integer && begin_activations(we, x, rows, decode, ae)) {
-    ae.integer = quantize_rows(we, ae, 0, rows);
+  if (integer) {  // the 16-bit path's step (begin_activations false: the float32 path)
+    if (begin_activations(we, x, rows, decode, ae)) {
+      if (int8 && begin_int8(we, ae)) {
+        ae.int8 = int8_rows(we, ae, 0, rows);  // false (non-finite x): float32
+      } else {
+        ae.integer = quantize_rows(we, ae, 0, rows);
+      }
+    }
     return;
   }
   ae.x = x;
   ae.rows = rows;
   ae.integer = false;
-  if (int8 && begin_int8(we, ae)) ae.int8 = int8_rows(we, ae, 0, rows);  // false (non-finite x): float32
+  BlockWeights prompt = we;
+  prompt.small_codes = false;  // prompt steps: 4-bit experts only
+  if (int8 && begin_int8(prompt, ae)) ae.int8 = int8_rows(prompt, ae, 0, rows);  // false (non-finite x): float32
 }
 
 void BlockRun::plan(const BlockExperts& w) {

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "block_inputs.h"
@@ -109,6 +110,7 @@ void activate_task(void* data, size_t i) {
 struct BlockAttributes {
   int64_t inter = 0, gate_up_bits = 0, gate_up_block_size = 0, down_bits = 0, down_block_size = 0;
   bool prompt_int8 = false;  // steps off the 16-bit path: 4-bit experts on the int8 path (block_matmul_int8.cc)
+  bool decode_int8 = false;  // the 16-bit path's steps: 4-bit experts on the int8 path instead
 };
 
 struct Kernel {
@@ -116,6 +118,7 @@ struct Kernel {
   int64_t top_k;
   bool normalize;
   BlockAttributes blocks;  // inter == 0: the node has float experts
+  octavo::SmallCodes small_gate_up{}, small_down{};  // 8-bit experts: whether their codes are all below 64
 
   void compute(OrtKernelContext* context) const {
     size_t count = 0;
@@ -231,12 +234,18 @@ struct Kernel {
   void compute_blocks(OrtKernelContext* context, const OrtValue* const* values, size_t count, int64_t tokens,
                       int64_t hidden, int64_t experts, float* y) const {
     const int64_t inter = blocks.inter;
-    const octavo::moe::BlockExperts gu = block_experts(values, 2, 4, 9, experts, hidden, 2 * inter,
-                                                       blocks.gate_up_bits, blocks.gate_up_block_size, "gate_up");
+    octavo::moe::BlockExperts gu = block_experts(values, 2, 4, 9, experts, hidden, 2 * inter,
+                                                 blocks.gate_up_bits, blocks.gate_up_block_size, "gate_up");
     // down's codes are input 3, its scales and offsets inputs 6 and 7, its supers 11 and 12
     const OrtValue* down_values[8] = {nullptr, nullptr, nullptr, values[3], values[6], values[7], values[11], values[12]};
-    const octavo::moe::BlockExperts dn = block_experts(down_values, 3, 4, 6, experts, inter, hidden, blocks.down_bits,
-                                                       blocks.down_block_size, "down");
+    octavo::moe::BlockExperts dn = block_experts(down_values, 3, 4, 6, experts, inter, hidden, blocks.down_bits,
+                                                 blocks.down_block_size, "down");
+    if (blocks.decode_int8) {  // 8-bit experts below 64 (Q6_K, Q5_x) may take the int8 path on decode steps
+      for (auto [e, check] : {std::pair{&gu, &small_gate_up}, std::pair{&dn, &small_down}}) {
+        e->small_codes = e->bits == 8 && check->check(e->codes, experts * ((e->n + octavo::kPanel - 1) / octavo::kPanel) *
+                                                                    (e->k / 2) * 32);
+      }
+    }
     bool decode = false;
     if (count > 8 && values[8] != nullptr) {
       const TensorInfo flag = describe(api, values[8]);
@@ -253,7 +262,8 @@ struct Kernel {
       octavo::moe::route(logits_data + t0 * experts, n, experts, top_k, normalize, routing);
       octavo::moe::BlockRun run;
       // the path is the step's (all TOKENS), whatever this pass's share of them
-      run.begin(routing, x + t0 * hidden, gu, dn, decode, decode || tokens <= octavo::kIntRows, blocks.prompt_int8);
+      run.begin(routing, x + t0 * hidden, gu, dn, decode, decode || tokens <= octavo::kIntRows, blocks.prompt_int8,
+                blocks.decode_int8);
       block_pass(context, run, y + t0 * hidden);
     }
   }
@@ -321,6 +331,9 @@ struct MoEOp : OrtCustomOp {
         const int64_t prompt_int8 = int_attribute(api, info, "prompt_int8", 0);
         if (prompt_int8 != 0 && prompt_int8 != 1) fail("prompt_int8 must be 0 or 1, got " + std::to_string(prompt_int8));
         blocks.prompt_int8 = prompt_int8 == 1;
+        const int64_t decode_int8 = int_attribute(api, info, "decode_int8", 0);
+        if (decode_int8 != 0 && decode_int8 != 1) fail("decode_int8 must be 0 or 1, got " + std::to_string(decode_int8));
+        blocks.decode_int8 = decode_int8 == 1;
         *kernel = new Kernel{api, top_k, normalize == 1, blocks};
         return nullptr;
       } catch (const Failure& f) {

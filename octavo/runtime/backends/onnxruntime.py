@@ -39,7 +39,7 @@ from octavo.export.manifest import Manifest
 from octavo.runtime.backends.base import StepInputs
 from octavo.runtime.backends.longrope_table import select_longrope_factors
 from octavo.runtime.backends.oplib import library_path
-from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention, set_prompt_int8
+from octavo.runtime.backends.ort_fusions import fuse_rotary, fuse_rotary_into_attention, set_int8_activations
 from octavo.runtime.backends.ort_kv_pools import expose_pool_outputs, pool_dtype, pool_shape, set_cache_dtype
 from octavo.runtime.backends.ort_lora import SLOTS_INPUT, LoraPools, LoraSite, add_lora_branches
 from octavo.runtime.lora import LoRAAdapter
@@ -73,6 +73,7 @@ class OnnxRuntimeBackend:
         max_model_len: int | None = None,
         lora: tuple[int, int] | None = None,
         prompt_activations: str = "float32",
+        decode_activations: str = "int16",
     ) -> None:
         """profile_prefix: turn on ONNX Runtime's profiler, writing PREFIX_<date>.json at session.end_profiling().
         kv_cache_dtype: "auto" (runtime/kv_dtype.py), "float32", "float16" or "int8" pools.
@@ -81,7 +82,7 @@ class OnnxRuntimeBackend:
         max_model_len: the engine's context; a longrope model gets the factor set it calls for (longrope_table).
         lora: (max_loras, max_lora_rank): the graph gets LoRA branches (ort_lora.py) and `load_lora` fills slots."""
         from octavo.runtime.backends.oplib import set_amx
-        from octavo.runtime.engine_args import ORT_SPINNING_MODES, PROMPT_ACTIVATIONS
+        from octavo.runtime.engine_args import DECODE_ACTIVATIONS, ORT_SPINNING_MODES, PROMPT_ACTIVATIONS
 
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
@@ -96,6 +97,10 @@ class OnnxRuntimeBackend:
             raise InvalidRequestError(f"prompt_activations must be one of {PROMPT_ACTIVATIONS}, got "
                                       f"{prompt_activations!r}")
         self.prompt_activations = prompt_activations
+        if decode_activations not in DECODE_ACTIVATIONS:
+            raise InvalidRequestError(f"decode_activations must be one of {DECODE_ACTIVATIONS}, got "
+                                      f"{decode_activations!r}")
+        self.decode_activations = decode_activations
         self.max_model_len = max_model_len or manifest.max_context
         pool_type = pool_dtype(self.kv_cache_dtype)  # fails early for a dtype these pools cannot hold
 
@@ -187,12 +192,14 @@ class OnnxRuntimeBackend:
         if self.ort_fusions:
             if fuse_rotary(model, self.manifest.max_context):
                 fuse_rotary_into_attention(model)
-        if self.prompt_activations == "int8":
-            marked = set_prompt_int8(model)
+        for knob, steps in (("prompt_activations", "prompt"), ("decode_activations", "decode")):
+            if getattr(self, knob) != "int8":
+                continue
+            marked = set_int8_activations(model, steps)
             if marked == 0:
-                log.warning("prompt_activations='int8' changes nothing for %s: it has no BlockMatMul node on 4-bit "
-                            "blocks of 32 (a Q4_0 / Q4_1 / Q4_K GGUF's own blocks)", self.model_dir)
-            log.info("int8 prompt activations on %d BlockMatMul nodes", marked)
+                log.warning("%s='int8' changes nothing for %s: it has no BlockMatMul node on 4-bit blocks of 32 "
+                            "(a Q4_0 / Q4_1 / Q4_K GGUF's own blocks)", knob, self.model_dir)
+            log.info("int8 %s activations on %d BlockMatMul / MoE nodes", steps, marked)
         if self._lora_config is not None:  # after the fusions, which match the export's own pattern
             self._lora_sites = add_lora_branches(model, *self._lora_config)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",

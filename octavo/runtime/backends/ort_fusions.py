@@ -1,6 +1,6 @@
 """Graph rewrites the ONNX Runtime backend applies to the loaded graph in memory (the export on disk, the
-ONNX contract and the TensorRT path are unchanged). Besides the rotary fusions below: `set_prompt_int8`, the
-BlockMatMul attribute of EngineArgs.prompt_activations = "int8".
+ONNX contract and the TensorRT path are unchanged). Besides the rotary fusions below: `set_int8_activations`, the
+BlockMatMul / MoE attributes of EngineArgs.prompt_activations / decode_activations = "int8".
 
 Rotary embedding: the exporter writes RoPE as plain ONNX so that every runtime can read it — per q and k
 of every layer Reshape -> Split -> Neg -> Concat -> Mul(cos) / Mul(sin) -> Add -> Reshape, eight nodes
@@ -307,25 +307,39 @@ def fuse_rotary_into_attention(model: onnx.ModelProto, positions: str = "positio
     return fused
 
 
-def set_prompt_int8(model: onnx.ModelProto) -> int:
-    """Ask every octavo.BlockMatMul node on 4-bit blocks of a multiple of 32, and every octavo.MoE node with such
-    experts, for the int8 path on its prompt steps (the attribute prompt_int8 = 1;
-    plugins/onnxruntime/block_matmul_int8.cc), in place; returns how many. Other nodes (8-bit codes, Q6_K's blocks
-    of 16, float experts) keep the float32 path, which the op would take anyway."""
+INT8_STEPS = {"prompt": "prompt_int8", "decode": "decode_int8"}  # which steps -> the op's attribute
+
+
+def _int8_fits(bits: int, block_size: int, steps: str) -> bool:
+    """Whether the int8 path can take a layout on STEPS: 4-bit codes in blocks of a multiple of 32; on decode steps
+    also 8-bit codes in blocks of 16 or a multiple of 32 (the op then takes them only if every code is below 64:
+    Q6_K, Q5_x, not Q8_0)."""
+    if bits == 4:
+        return block_size % 32 == 0
+    return steps == "decode" and bits == 8 and (block_size == 16 or block_size % 32 == 0)
+
+
+def set_int8_activations(model: onnx.ModelProto, steps: str = "prompt") -> int:
+    """Ask every octavo.BlockMatMul node, and every octavo.MoE node with block experts, whose layout the int8 path
+    can take (_int8_fits) for it on its STEPS (INT8_STEPS: "prompt", the float32 path's steps, attribute
+    prompt_int8 = 1; "decode", the 16-bit path's, decode_int8 = 1; plugins/onnxruntime/block_matmul_int8.cc), in
+    place; returns how many. Other nodes (float experts, and 8-bit codes on prompt steps) keep their path, which
+    the op would keep anyway."""
+    name = INT8_STEPS[steps]
     count = 0
     for node in model.graph.node:
         attrs = {a.name: a for a in node.attribute}
         if (node.domain, node.op_type) == ("octavo", "BlockMatMul"):
-            fits = attrs["bits"].i == 4 and attrs["block_size"].i % 32 == 0
+            fits = _int8_fits(attrs["bits"].i, attrs["block_size"].i, steps)
         elif (node.domain, node.op_type) == ("octavo", "MoE") and "expert_inter" in attrs:
-            fits = any(attrs[f"{part}_bits"].i == 4 and attrs[f"{part}_block_size"].i % 32 == 0
+            fits = any(_int8_fits(attrs[f"{part}_bits"].i, attrs[f"{part}_block_size"].i, steps)
                        for part in ("gate_up", "down"))
         else:
             continue
         if not fits:
             continue
-        if "prompt_int8" in attrs:
-            node.attribute.remove(attrs["prompt_int8"])
-        node.attribute.append(helper.make_attribute("prompt_int8", 1))
+        if name in attrs:
+            node.attribute.remove(attrs[name])
+        node.attribute.append(helper.make_attribute(name, 1))
         count += 1
     return count
