@@ -172,6 +172,21 @@ def test_decode_int8_takes_8bit_codes_below_64(type_name: str, n: int, k: int, r
     np.testing.assert_array_equal(a, b)
 
 
+def test_decode_int8_leaves_8bit_blocks_of_64_on_sixteen_bits() -> None:
+    """8-bit codes below 64 in blocks of 64 (an int8 export's --quant-block-size 64 could hold them): not the 8-bit
+    int8 tile's layout (one activation scale a block), so the 16-bit path, bit for bit."""
+    from octavo.export.gguf_blocks import Blocks
+
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 64, (21, 4, 64)).astype(np.uint8)
+    blocks = Blocks(codes, rng.uniform(0.01, 0.2, (21, 4)).astype(np.float32), np.full((21, 4), 32, np.uint8), None,
+                    8, ("test",))
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    a = _session(panel_weights(blocks), decode=True, decode_int8=1).run(None, {"x": x})[0]
+    b = _session(panel_weights(blocks), decode=True).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("rows", [1, 12])
 def test_decode_int8_leaves_codes_of_64_and_more_on_sixteen_bits(rows: int) -> None:
     """Q8_0's codes (q + 128) and a Q5_1 layer with one code pushed past 63 (a crafted file): the 16-bit path, bit
@@ -281,8 +296,8 @@ def test_set_prompt_int8_marks_only_4bit_blocks_of_32() -> None:
     assert marked == [True, False, False, True, False, True, False, False]
     assert set_prompt_int8(model) == 3  # idempotent: one attribute per node
     assert sum(a.name == "prompt_int8" for a in model.graph.node[0].attribute) == 1
-    # decode steps: 8-bit codes too (in blocks of 16 or of a multiple of 32; the op checks that they are below 64)
-    assert set_prompt_int8(model, "decode") == 5
+    # decode steps: 8-bit codes too (in blocks of 16 or 32; the op checks that they are below 64)
+    assert set_prompt_int8(model, "decode") == 5  # (8, 32) and the MoE with 8-bit experts join
     marked = [any(a.name == "decode_int8" and a.i == 1 for a in n.attribute) for n in model.graph.node]
     assert marked == [True, True, False, True, False, True, True, False]
 

@@ -207,7 +207,8 @@ bool codes_below_64(const uint8_t* codes, int64_t bytes) {
 
 bool begin_int8(const BlockWeights& w, Activations& a) {
   const bool fits4 = w.bits == 4 && w.block_size % kGroupK == 0;
-  const bool fits8 = w.bits == 8 && w.small_codes && (w.block_size == 16 || w.block_size % kGroupK == 0);
+  // 8-bit: blocks of 16 or 32 (every GGUF type's), one activation scale a block (int8_tile8)
+  const bool fits8 = w.bits == 8 && w.small_codes && (w.block_size == 16 || w.block_size == kGroupK);
   if (!(fits4 || fits8) || a.rows < 1) return false;
   a.x8.reset(new int8_t[static_cast<size_t>(a.rows * w.k)]);
   a.x8_scale.reset(new float[static_cast<size_t>(a.rows * (w.k / kGroupK))]);

@@ -237,7 +237,7 @@ bool begin_amx_int(const BlockWeights& w, Activations& a);
 // sums scaled in float32. begin_int8 sizes a's buffers (false: not this layout or build); int8_rows fills rows
 // [first, last) (false: a non-finite value, the step takes the float32 path); the caller sets a.int8 to the AND.
 // 8-bit codes below 64 (Q6_K, Q5_0, Q5_1, Q5_K; not Q8_0) also take it where the caller has checked them
-// (codes_below_64) and set w.small_codes: the node's decode_int8 steps only, blocks of 16 or a multiple of 32.
+// (codes_below_64) and set w.small_codes: the node's decode_int8 steps only, blocks of 16 or 32.
 bool begin_int8(const BlockWeights& w, Activations& a);
 bool int8_rows(const BlockWeights& w, Activations& a, int64_t first, int64_t last);
 int64_t int8_task_rows(const Activations& a);

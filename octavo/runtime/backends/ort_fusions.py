@@ -312,11 +312,11 @@ INT8_STEPS = {"prompt": "prompt_int8", "decode": "decode_int8"}  # which steps -
 
 def _int8_fits(bits: int, block_size: int, steps: str) -> bool:
     """Whether the int8 path can take a layout on STEPS: 4-bit codes in blocks of a multiple of 32; on decode steps
-    also 8-bit codes in blocks of 16 or a multiple of 32 (the op then takes them only if every code is below 64:
-    Q6_K, Q5_x, not Q8_0)."""
+    also 8-bit codes in blocks of 16 or 32 (the op then takes them only if every code is below 64: Q6_K, Q5_x, not
+    Q8_0)."""
     if bits == 4:
         return block_size % 32 == 0
-    return steps == "decode" and bits == 8 and (block_size == 16 or block_size % 32 == 0)
+    return steps == "decode" and bits == 8 and block_size in (16, 32)
 
 
 def set_int8_activations(model: onnx.ModelProto, steps: str = "prompt") -> int:
