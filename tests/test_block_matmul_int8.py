@@ -202,26 +202,17 @@ def test_decode_int8_leaves_codes_of_64_and_more_on_sixteen_bits(rows: int) -> N
         np.testing.assert_array_equal(a, b)
 
 
-def test_decode_int8_non_finite_x_takes_the_float32_path() -> None:
+@pytest.mark.parametrize("rows,bad,decode,attr", [(20, 17, False, "prompt_int8"), (3, 1, True, "decode_int8")])
+def test_non_finite_x_takes_the_float32_path(rows: int, bad: int, decode: bool, attr: str) -> None:
+    """inf / nan in a prompt's (or a decode step's) x: the step refuses int8 and propagates them as float32 does."""
     blocks, w = _blocks("Q4_0", 16, 64)
-    x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
-    x[1, 3] = np.nan
-    got = _session(panel_weights(blocks), decode=True, decode_int8=1).run(None, {"x": x})[0]
-    plain = _session(panel_weights(blocks), decode=True).run(None, {"x": x})[0]
+    x = np.random.default_rng(9).standard_normal((rows, 64)).astype(np.float32)
+    x[bad, 3] = np.inf if attr == "prompt_int8" else np.nan
+    got = _session(panel_weights(blocks), decode=decode, **{attr: 1}).run(None, {"x": x})[0]
+    plain = _session(panel_weights(blocks), decode=decode).run(None, {"x": x})[0]
     np.testing.assert_array_equal(got, plain)
-    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
-
-
-def test_non_finite_x_takes_the_float32_path() -> None:
-    """inf / nan in a prompt's x: the step refuses int8 and propagates them as float32 does."""
-    blocks, w = _blocks("Q4_0", 16, 64)
-    x = np.random.default_rng(9).standard_normal((20, 64)).astype(np.float32)
-    x[17, 3] = np.inf
-    got = _session(panel_weights(blocks), decode=False, prompt_int8=1).run(None, {"x": x})[0]
-    plain = _session(panel_weights(blocks), decode=False).run(None, {"x": x})[0]
-    np.testing.assert_array_equal(got, plain)
-    finite = np.ones(20, bool)
-    finite[17] = False
+    finite = np.ones(rows, bool)
+    finite[bad] = False
     assert (np.abs(got[finite] - _want(x[finite], w, None)) <= _float_bound(x[finite], w, None)).all()
 
 
@@ -233,18 +224,31 @@ def test_bad_attribute_is_refused() -> None:
         _session(panel_weights(blocks), decode_int8=-1)
 
 
+def _check_knob(model: str, field: str, bad: str) -> None:
+    """EngineArgs FIELD refuses BAD and any backend but onnxruntime, and its flag sets it to int8."""
+    import argparse
+    import dataclasses
+
+    from octavo.commands.serve import add_engine_arguments, engine_args
+    from octavo.errors import InvalidRequestError
+    from octavo.runtime.engine_args import EngineArgs
+
+    with pytest.raises(InvalidRequestError, match=f"{field} must be one of"):
+        EngineArgs(model=model, **{field: bad}).validate()
+    with pytest.raises(InvalidRequestError, match="onnxruntime backend"):
+        dataclasses.replace(EngineArgs(model=model), backend="tensorrt", **{field: "int8"}).validate()
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("model")
+    add_engine_arguments(parser)
+    assert getattr(engine_args(parser.parse_args(["m", "--" + field.replace("_", "-"), "int8"])), field) == "int8"
+
+
 def test_engine_prompt_activations_int8(hf_model_dir, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """EngineArgs.prompt_activations = "int8" on a Q4_0 GGUF: the loaded graph's 4-bit BlockMatMul nodes carry
     prompt_int8 = 1, a prompt's logits move by the rounding of x only (close to float32's, not equal), decode-only
     steps run the 16-bit path as before, and the knob is refused where it cannot apply."""
-    import argparse
-    import dataclasses
-
     from octavo import LLM, SamplingParams
-    from octavo.commands.serve import add_engine_arguments, engine_args
-    from octavo.errors import InvalidRequestError
     from octavo.export.gguf_writer import write_gguf
-    from octavo.runtime.engine_args import EngineArgs
 
     monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
     path = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_0.gguf", tensor_type="Q4_0")
@@ -267,14 +271,7 @@ def test_engine_prompt_activations_int8(hf_model_dir, tmp_path, monkeypatch) -> 
     # models with initializer_range 0.4 amplify any rounding, up to ~1.4 here)
     assert np.abs(logprobs["int8"] - logprobs["float32"]).max() > 1e-3
     assert len(tokens["int8"]) == 12
-    with pytest.raises(InvalidRequestError, match="prompt_activations must be one of"):
-        EngineArgs(model=str(path), prompt_activations="fp8").validate()
-    with pytest.raises(InvalidRequestError, match="onnxruntime backend"):
-        dataclasses.replace(EngineArgs(model=str(path)), backend="tensorrt", prompt_activations="int8").validate()
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    parser.add_argument("model")
-    add_engine_arguments(parser)
-    assert engine_args(parser.parse_args(["m", "--prompt-activations", "int8"])).prompt_activations == "int8"
+    _check_knob(str(path), "prompt_activations", "fp8")
 
 
 def test_set_prompt_int8_marks_only_4bit_blocks_of_32() -> None:
@@ -316,6 +313,30 @@ def test_smollm2_int8_prompts_against_float32() -> None:
     assert agree >= 0.95 and 0 < change.mean() < 0.15, (agree, change.mean(), change.max())
 
 
+def _moe_experts(gu_type: str, down_type: str, experts: int, hidden: int):  # noqa: ANN202
+    """(stacked gate/up, stacked down, inter, gate/up float [E, 2I, H], down float) of random quantized experts."""
+    from test_moe_op import _quantized_experts
+
+    from octavo.export.moe_blocks import stack_experts
+
+    inter = 256 if down_type.endswith("_K") else 96
+    gate, gate_f = _quantized_experts(gu_type, experts, inter, hidden, 1)
+    up, up_f = _quantized_experts(gu_type, experts, inter, hidden, 2)
+    down, down_f = _quantized_experts(down_type, experts, hidden, inter, 3)
+    return (stack_experts([[gate[e], up[e]] for e in range(experts)]), stack_experts([[d] for d in down]), inter,
+            np.concatenate([gate_f, up_f], axis=1), down_f)
+
+
+def _moe_x(rng: np.random.Generator, tokens: int, hidden: int, exact_x: bool) -> np.ndarray:
+    """x for the MoE tests; EXACT_X: each 32-group's max is 127 * 2^-7 and the rest multiples of 2^-7, so rounding
+    to int8 loses nothing."""
+    if not exact_x:
+        return rng.normal(0, 1, (tokens, hidden)).astype(np.float32)
+    x = rng.integers(-127, 128, (tokens, hidden)).astype(np.float32)
+    x[:, ::32] = 127  # each group's max: its scale is exactly 1
+    return x * np.float32(2.0 ** -7)
+
+
 @pytest.mark.parametrize(("gu_type", "down_type", "exact_x"), [("Q4_0", "Q4_1", False), ("Q4_K", "Q6_K", True)])
 def test_moe_experts_take_the_int8_path(gu_type: str, down_type: str, exact_x: bool) -> None:
     """octavo.MoE with prompt_int8 = 1: a prompt chunk's 4-bit experts take the int8 path; 8-bit experts (Q6_K's
@@ -324,32 +345,20 @@ def test_moe_experts_take_the_int8_path(gu_type: str, down_type: str, exact_x: b
     down (Q6_K, float32) must give the float reference to float32 rounding; otherwise both stages round (Q4_0, Q4_1)
     and the outputs move by ~2 % of their RMS, where a wrong code, scale or row would move them by ~100 %."""
     from moe_reference import moe
-    from test_moe_op import _block_session, _quantized_experts, _run
-
-    from octavo.export.moe_blocks import stack_experts
+    from test_moe_op import _block_session, _run
 
     experts, hidden, top_k = 6, 256, 2
-    inter = 256 if down_type.endswith("_K") else 96
-    gate, gate_f = _quantized_experts(gu_type, experts, inter, hidden, 1)
-    up, up_f = _quantized_experts(gu_type, experts, inter, hidden, 2)
-    down, down_f = _quantized_experts(down_type, experts, hidden, inter, 3)
-    gate_up = stack_experts([[gate[e], up[e]] for e in range(experts)])
-    stacked_down = stack_experts([[down[e]] for e in range(experts)])
+    gate_up, stacked_down, inter, gate_up_f, down_f = _moe_experts(gu_type, down_type, experts, hidden)
     rng = np.random.default_rng(7)
     for tokens, decode in ((40, False), (40, True), (6, False)):
-        if exact_x:
-            x = rng.integers(-127, 128, (tokens, hidden)).astype(np.float32)
-            x[:, ::32] = 127  # each group's max: its scale is exactly 1
-            x *= np.float32(2.0 ** -7)
-        else:
-            x = rng.normal(0, 1, (tokens, hidden)).astype(np.float32)
+        x = _moe_x(rng, tokens, hidden, exact_x)
         logits = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
         plain = _run(_block_session(gate_up, stacked_down, inter, top_k, True, decode), x, logits)
         int8 = _run(_block_session(gate_up, stacked_down, inter, top_k, True, decode, prompt_int8=1), x, logits)
         if decode or tokens <= MAX_INT_ROWS:
             np.testing.assert_array_equal(int8, plain)
             continue
-        want = moe(x, logits, np.concatenate([gate_f, up_f], axis=1), down_f, top_k, True)
+        want = moe(x, logits, gate_up_f, down_f, top_k, True)
         scale = np.abs(want).max()
         assert np.abs(plain - want).max() <= 2e-5 * scale
         if exact_x:
@@ -388,25 +397,13 @@ def test_moe_experts_take_the_int8_path_on_decode_steps(gu_type: str, down_type:
     for bit, and a token's output is the same bits alone as in a decode batch of 40. EXACT_X as in the prompt test
     above: with Q8_0's down on the 16-bit path, the int8 gate/up must add no error of its own."""
     from moe_reference import moe
-    from test_moe_op import _block_session, _quantized_experts, _run
-
-    from octavo.export.moe_blocks import stack_experts
+    from test_moe_op import _block_session, _run
 
     experts, hidden, top_k = 6, 256, 2
-    inter = 256 if down_type.endswith("_K") else 96
-    gate, gate_f = _quantized_experts(gu_type, experts, inter, hidden, 1)
-    up, up_f = _quantized_experts(gu_type, experts, inter, hidden, 2)
-    down, down_f = _quantized_experts(down_type, experts, hidden, inter, 3)
-    gate_up = stack_experts([[gate[e], up[e]] for e in range(experts)])
-    stacked_down = stack_experts([[down[e]] for e in range(experts)])
+    gate_up, stacked_down, inter, gate_up_f, down_f = _moe_experts(gu_type, down_type, experts, hidden)
     rng = np.random.default_rng(8)
     for tokens, decode in ((40, True), (6, False), (40, False)):
-        if exact_x:
-            x = rng.integers(-127, 128, (tokens, hidden)).astype(np.float32)
-            x[:, ::32] = 127
-            x *= np.float32(2.0 ** -7)
-        else:
-            x = rng.normal(0, 1, (tokens, hidden)).astype(np.float32)
+        x = _moe_x(rng, tokens, hidden, exact_x)
         logits = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
         plain = _run(_block_session(gate_up, stacked_down, inter, top_k, True, decode), x, logits)
         session = _block_session(gate_up, stacked_down, inter, top_k, True, decode, decode_int8=1)
@@ -414,7 +411,7 @@ def test_moe_experts_take_the_int8_path_on_decode_steps(gu_type: str, down_type:
         if not decode and tokens > MAX_INT_ROWS:
             np.testing.assert_array_equal(int8, plain)
             continue
-        want = moe(x, logits, np.concatenate([gate_f, up_f], axis=1), down_f, top_k, True)
+        want = moe(x, logits, gate_up_f, down_f, top_k, True)
         scale = np.abs(want).max()
         assert not np.array_equal(int8, plain)
         if exact_x:  # gate/up on int8 (x exact in it): no worse than the 16-bit path (down, Q8_0, rounds on both)
@@ -431,16 +428,10 @@ def test_engine_decode_activations_int8(hf_model_dir, tmp_path, monkeypatch) -> 
     """EngineArgs.decode_activations = "int8" on a Q4_0 GGUF: decode steps take the int8 path (their logprobs move,
     the prompt step's do not), speculation stays token for token and logprob for logprob the output without it
     (verification rows run decode's per-row arithmetic), and the knob is refused where it cannot apply."""
-    import argparse
-    import dataclasses
-
     from test_spec_decode_engine import ReferenceDrafts
 
     from octavo import LLM, SamplingParams
-    from octavo.commands.serve import add_engine_arguments, engine_args
-    from octavo.errors import InvalidRequestError
     from octavo.export.gguf_writer import write_gguf
-    from octavo.runtime.engine_args import EngineArgs
 
     monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
     path = write_gguf(hf_model_dir("llama"), tmp_path / "m.Q4_0.gguf", tensor_type="Q4_0")
@@ -467,14 +458,7 @@ def test_engine_decode_activations_int8(hf_model_dir, tmp_path, monkeypatch) -> 
         assert pp8 == pp16  # the prompt's step (30+ rows) keeps the float32 path
         assert lp8[0] == lp16[0] and t8[0] == t16[0]  # the first token comes from that step too
         assert t8 != t16 or np.abs(np.array(lp8) - np.array(lp16)).max() > 1e-4  # decode steps: int8's numbers
-    with pytest.raises(InvalidRequestError, match="decode_activations must be one of"):
-        EngineArgs(model=str(path), decode_activations="int4").validate()
-    with pytest.raises(InvalidRequestError, match="onnxruntime backend"):
-        dataclasses.replace(EngineArgs(model=str(path)), backend="tensorrt", decode_activations="int8").validate()
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    parser.add_argument("model")
-    add_engine_arguments(parser)
-    assert engine_args(parser.parse_args(["m", "--decode-activations", "int8"])).decode_activations == "int8"
+    _check_knob(str(path), "decode_activations", "int4")
 
 
 def test_smollm2_int8_decode_against_int16() -> None:

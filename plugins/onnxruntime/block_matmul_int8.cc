@@ -75,6 +75,22 @@ inline void group_sums(const uint8_t* codes, const int8_t* const* x, int64_t k0,
   }
 }
 
+// Rows [r0, r0 + R) of panel p's outputs: columns 0-7 in lo[r], 8-15 in hi[r], plus the bias.
+template <int R>
+void store_rows(const BlockWeights& w, const Outputs& y, int64_t p, int64_t r0, const __m256* lo, const __m256* hi) {
+  const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
+  alignas(32) float bias[kPanel] = {};
+  if (w.bias != nullptr) std::memcpy(bias, w.bias + p * kPanel, valid * sizeof(float));
+  int64_t stride = 0;
+  float* const out = y.panel(p, stride);
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float row[kPanel];
+    _mm256_store_ps(row, _mm256_add_ps(lo[r], _mm256_load_ps(bias)));
+    _mm256_store_ps(row + 8, _mm256_add_ps(hi[r], _mm256_load_ps(bias + 8)));
+    std::memcpy(out + (r0 + r) * stride, row, valid * sizeof(float));
+  }
+}
+
 // Rows [r0, r0 + R) of panel p.
 template <int R>
 void int8_tile(const BlockWeights& w, const Activations& a, const Outputs& y, int64_t p, int64_t r0) {
@@ -117,17 +133,7 @@ void int8_tile(const BlockWeights& w, const Activations& a, const Outputs& y, in
       y_hi[r] = _mm256_fmadd_ps(offset.hi, sum, _mm256_fmadd_ps(b_hi[r], scale.hi, y_hi[r]));
     }
   }
-  const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
-  alignas(32) float bias[kPanel] = {};
-  if (w.bias != nullptr) std::memcpy(bias, w.bias + p * kPanel, valid * sizeof(float));
-  int64_t stride = 0;
-  float* const out = y.panel(p, stride);
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float row[kPanel];
-    _mm256_store_ps(row, _mm256_add_ps(y_lo[r], _mm256_load_ps(bias)));
-    _mm256_store_ps(row + 8, _mm256_add_ps(y_hi[r], _mm256_load_ps(bias + 8)));
-    std::memcpy(out + (r0 + r) * stride, row, valid * sizeof(float));
-  }
+  store_rows<R>(w, y, p, r0, y_lo, y_hi);
 }
 
 // 8-bit codes below 64 (w.small_codes: Q6_K, Q5_0, Q5_1, Q5_K), rows [r0, r0 + R) of panel p. x is in natural
@@ -184,17 +190,12 @@ void int8_tile8(const BlockWeights& w, const Activations& a, const Outputs& y, i
       y_b[r] = _mm256_fmadd_ps(offset_b, sum, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_b[r]), _mm256_mul_ps(s, scale_b), y_b[r]));
     }
   }
-  const int64_t valid = std::min<int64_t>(kPanel, w.n - p * kPanel);
-  alignas(32) float bias[kPanel] = {};
-  if (w.bias != nullptr) std::memcpy(bias, w.bias + p * kPanel, valid * sizeof(float));
-  int64_t stride = 0;
-  float* const out = y.panel(p, stride);
+  __m256 y_lo[R], y_hi[R];  // back in column order
   for (int r = 0; r < R; ++r) {
-    alignas(32) float row[kPanel];
-    _mm256_store_ps(row, _mm256_add_ps(_mm256_permute2f128_ps(y_a[r], y_b[r], 0x20), _mm256_load_ps(bias)));
-    _mm256_store_ps(row + 8, _mm256_add_ps(_mm256_permute2f128_ps(y_a[r], y_b[r], 0x31), _mm256_load_ps(bias + 8)));
-    std::memcpy(out + (r0 + r) * stride, row, valid * sizeof(float));
+    y_lo[r] = _mm256_permute2f128_ps(y_a[r], y_b[r], 0x20);
+    y_hi[r] = _mm256_permute2f128_ps(y_a[r], y_b[r], 0x31);
   }
+  store_rows<R>(w, y, p, r0, y_lo, y_hi);
 }
 
 }  // namespace
