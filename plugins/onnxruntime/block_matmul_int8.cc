@@ -1,5 +1,6 @@
-// octavo.BlockMatMul's int8 path, for 4-bit codes in blocks of a multiple of 32, with x rounded to int8 per row and
-// 32 values, as llama.cpp multiplies a quantized file (its Q8 activations). Which steps take it is the node's:
+// octavo.BlockMatMul's int8 path, for 4-bit codes in blocks of a multiple of 32 (and, on decode_int8 steps, 8-bit
+// codes below 64 in blocks of 16 or 32: int8_tile8 below), with x rounded to int8 per row and 32 values, as
+// llama.cpp multiplies a quantized file (its Q8 activations). Which steps take it is the node's:
 //   prompt_int8 = 1 (EngineArgs.prompt_activations "int8"): the steps the float32 path would take (a prompt's, a
 //                   mixed step's past 8 rows);
 //   decode_int8 = 1 (EngineArgs.decode_activations "int8"): the steps the 16-bit path would take (decode, decode
