@@ -70,9 +70,9 @@ HELP: dict[str, str] = {
     "prompt_activations": "onnxruntime, a GGUF's 4-bit blocks: a prompt step's activations in float32 (exact "
                           "weights x float32) or int8 (rounded per 32 values, as llama.cpp: faster prefill on AVX2; "
                           "decode steps unchanged)",
-    "decode_activations": "onnxruntime, a GGUF's 4-bit blocks: the activations of decode, decode batches and "
-                          "speculative verification rounded to int16 per block (default) or int8 per 32 values "
-                          "(as llama.cpp: faster decode on AVX2)",
+    "decode_activations": "onnxruntime, a GGUF's 4-bit, Q6_K and Q5_x blocks: the activations of decode, decode "
+                          "batches and speculative verification rounded to int16 per block (default) or int8 per "
+                          "32 values (as llama.cpp: faster decode on AVX2)",
     "amx": "the op library's AMX tiles where the CPU has them (off: what a CPU without AMX computes; one switch "
            "per process)",
 }

@@ -32,6 +32,17 @@ ENVIRONMENT_DEFAULTS = {"ort_fusions": "OCTAVO_ORT_FUSIONS", "ort_spinning": "OC
 
 PROMPT_ACTIVATIONS = ("float32", "int8")  # EngineArgs.prompt_activations
 DECODE_ACTIVATIONS = ("int16", "int8")  # EngineArgs.decode_activations
+ACTIVATIONS = {"prompt_activations": PROMPT_ACTIVATIONS, "decode_activations": DECODE_ACTIVATIONS}  # first: default
+
+
+def check_activations(field: str, value: str, backend: str = "onnxruntime") -> None:
+    """FIELD (a key of ACTIVATIONS) = VALUE is one of its choices, and other than its default only on onnxruntime."""
+    choices = ACTIVATIONS[field]
+    if value not in choices:
+        raise InvalidRequestError(f"{field} must be one of {choices}, got {value!r}")
+    if value != choices[0] and backend != "onnxruntime":
+        raise InvalidRequestError(f"{field} applies to the onnxruntime backend's octavo.BlockMatMul only, not to "
+                                  f"backend {backend!r}")
 
 @dataclass(slots=True)
 class EngineArgs:
@@ -132,18 +143,8 @@ class EngineArgs:
         if self.weights not in (None, "fp32", "int8", "int4", "gguf"):
             raise InvalidRequestError(f"weights must be 'fp32', 'int8', 'int4' or 'gguf', got {self.weights!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.prompt_activations not in PROMPT_ACTIVATIONS:
-            raise InvalidRequestError(f"prompt_activations must be one of {PROMPT_ACTIVATIONS}, got "
-                                      f"{self.prompt_activations!r}")
-        if self.prompt_activations != "float32" and self.backend != "onnxruntime":
-            raise InvalidRequestError("prompt_activations applies to the onnxruntime backend's octavo.BlockMatMul "
-                                      f"only, not to backend {self.backend!r}")
-        if self.decode_activations not in DECODE_ACTIVATIONS:
-            raise InvalidRequestError(f"decode_activations must be one of {DECODE_ACTIVATIONS}, got "
-                                      f"{self.decode_activations!r}")
-        if self.decode_activations != "int16" and self.backend != "onnxruntime":
-            raise InvalidRequestError("decode_activations applies to the onnxruntime backend's octavo.BlockMatMul "
-                                      f"only, not to backend {self.backend!r}")
+        for field in ACTIVATIONS:
+            check_activations(field, getattr(self, field), self.backend)
         self.constraint_limits().validate()
         if isinstance(self.max_prompt_logprob_entries, bool) or not isinstance(self.max_prompt_logprob_entries, int) \
                 or self.max_prompt_logprob_entries < 1:

@@ -82,7 +82,7 @@ class OnnxRuntimeBackend:
         max_model_len: the engine's context; a longrope model gets the factor set it calls for (longrope_table).
         lora: (max_loras, max_lora_rank): the graph gets LoRA branches (ort_lora.py) and `load_lora` fills slots."""
         from octavo.runtime.backends.oplib import set_amx
-        from octavo.runtime.engine_args import DECODE_ACTIVATIONS, ORT_SPINNING_MODES, PROMPT_ACTIVATIONS
+        from octavo.runtime.engine_args import ORT_SPINNING_MODES, check_activations
 
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
@@ -93,13 +93,9 @@ class OnnxRuntimeBackend:
         self.vocab_size = manifest.vocab_size
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, manifest)
         self.ort_fusions = ort_fusions
-        if prompt_activations not in PROMPT_ACTIVATIONS:
-            raise InvalidRequestError(f"prompt_activations must be one of {PROMPT_ACTIVATIONS}, got "
-                                      f"{prompt_activations!r}")
+        check_activations("prompt_activations", prompt_activations)
+        check_activations("decode_activations", decode_activations)
         self.prompt_activations = prompt_activations
-        if decode_activations not in DECODE_ACTIVATIONS:
-            raise InvalidRequestError(f"decode_activations must be one of {DECODE_ACTIVATIONS}, got "
-                                      f"{decode_activations!r}")
         self.decode_activations = decode_activations
         self.max_model_len = max_model_len or manifest.max_context
         pool_type = pool_dtype(self.kv_cache_dtype)  # fails early for a dtype these pools cannot hold
@@ -197,8 +193,9 @@ class OnnxRuntimeBackend:
                 continue
             marked = set_int8_activations(model, steps)
             if marked == 0:
-                log.warning("%s='int8' changes nothing for %s: it has no BlockMatMul node on 4-bit blocks of 32 "
-                            "(a Q4_0 / Q4_1 / Q4_K GGUF's own blocks)", knob, self.model_dir)
+                log.warning("%s='int8' changes nothing for %s: it has no BlockMatMul / MoE node on blocks the int8 "
+                            "path takes (a Q4_0 / Q4_1 / Q4_K GGUF's own blocks; on decode steps Q6_K / Q5_x too)",
+                            knob, self.model_dir)
             log.info("int8 %s activations on %d BlockMatMul / MoE nodes", steps, marked)
         if self._lora_config is not None:  # after the fusions, which match the export's own pattern
             self._lora_sites = add_lora_branches(model, *self._lora_config)
