@@ -59,6 +59,10 @@ CASES = {
     # Odd GQA groups: a triple of rows shares each key load (then pairs); 40 = 32 vector dims + a scalar tail.
     "decode_gqa3_hd40": ([(past, 1) for past in (0, 4, 5, 63, 64, 65, 130)], 9, 3, 40, 16, 0, 0.0),
     "decode_gqa5_window_softcap": ([(past, 1) for past in (1, 70, 200)], 10, 2, 64, 16, 50, 4.0),
+    # Wide GQA groups (>= 7 query heads a kv head): on 8-lane builds every item takes the GEMM path, decode too.
+    "decode_gqa8": ([(past, 1) for past in (0, 1, 63, 64, 65, 200)] + [(30, 4)], 32, 4, 64, 16, 0, 0.0),
+    "decode_gqa7_hd40_window": ([(past, 1) for past in (3, 64, 150)] + [(0, 12)], 14, 2, 40, 16, 70, 0.0),
+    "split_long_decode_gqa8": ([(1500, 1)], 16, 2, 64, 16, 0, 0.0),
 }
 
 
@@ -220,6 +224,35 @@ def test_sequence_result_is_bit_identical_alone_or_in_any_batch(library: str, ba
                      slot_mapping=batch.slot_mapping[rows])
         (alone_out, *_) = session.run(None, alone)
         np.testing.assert_array_equal(alone_out, batch_out[rows], err_msg=f"sequence {b}")
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (16, 2), (14, 2)])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_token_rows_of_a_multi_token_step_equal_its_decode(library: str, heads: int, kv_heads: int,
+                                                         kv_dtype: str) -> None:
+    """Speculative verification scores 1 + k tokens of a sequence in one step; each token's output must be the
+    bits a one-token decode step at its position gives (the engine promises that speculation changes no greedy
+    token). Items of up to 8 tokens take the path their decode takes (dot products for narrow GQA groups, the
+    GEMM for groups of >= 7 heads, also past 8 tokens), and long key ranges split at fixed offsets (512 keys), so
+    the later tokens only add keys a row does not see. Contexts below, across and past the first split."""
+    head_dim, block_size = 64, 16
+    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.125)
+    session = make_session(library, kv_dtype, **attrs)
+    rng = np.random.default_rng(heads * 10 + kv_heads)
+    wide = heads // kv_heads >= 7
+    for past in (181, 250, 510, 1020):
+        for new in (2, 5, 8, 12) if wide else (2, 5, 8):
+            step = random_step(rng, [(past, new)], num_heads=heads, kv_num_heads=kv_heads, head_dim=head_dim,
+                               block_size=block_size)
+            feeds = step.feeds() if kv_dtype == "float32" else half_pools(step.feeds())
+            multi, key_pool, value_pool = session.run(None, feeds)
+            for i in range(new):
+                one = dict(feeds, query=step.query[i:i + 1], key=step.key[i:i + 1], value=step.value[i:i + 1],
+                           key_cache=key_pool.copy(), value_cache=value_pool.copy(),
+                           cumulative_sequence_length=np.array([0, 1], np.int32),
+                           past_seqlens=np.array([past + i], np.int32), slot_mapping=step.slot_mapping[i:i + 1])
+                (alone, *_) = session.run(None, one)
+                np.testing.assert_array_equal(alone[0], multi[i], err_msg=f"past {past}, {new} new, token {i}")
 
 
 @pytest.mark.parametrize("seqs", [[(300, 1)], [(1000, 1)], [(260, 40)], [(0, 9), (300, 1)]],

@@ -119,6 +119,39 @@ def test_accepted_runs_are_exact_under_preemption(folder, caching) -> None:  # n
     assert st.spec_decode_num_accepted_tokens_per_pos[0] >= st.spec_decode_num_accepted_tokens_per_pos[-1]
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1)])  # the attention's dot products; its GEMM (group 8)
+def test_logprobs_are_bit_for_bit_across_long_contexts(hf_model_dir, tmp_path, monkeypatch, heads: int,
+                                                       kv_heads: int) -> None:  # noqa: ANN001
+    """A Q4_0 GGUF (BlockMatMul keeps decode's arithmetic on steps of <= 8 rows), one request at a time, 1 + 4
+    tokens verified a step: every token and logprob with speculation is the float the engine gives without it,
+    while the context grows across the attention's 512-key parts (docs/op.md) and for a GQA group of 8 (the GEMM
+    path, decode included)."""
+    from models import make_random_model
+
+    from octavo.export.gguf_writer import write_gguf
+
+    monkeypatch.setenv("OCTAVO_CACHE", str(tmp_path / "cache"))
+    hf = make_random_model(tmp_path / "hf", "llama", num_attention_heads=heads, num_key_value_heads=kv_heads)
+    path = write_gguf(hf, tmp_path / "m.Q4_0.gguf", tensor_type="Q4_0")
+    prompts = [p for p, _ in random_requests(2, seed=7, max_prompt=2)]
+    prompts = [(p * 600)[:n] for p, n in zip(prompts, (490, 1000))]  # decode crosses keys 512 and 1024
+    params = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True, logprobs=1)
+    runs = {}
+    for name in ("plain", "spec"):
+        llm = LLM(str(path), num_threads=2, max_model_len=1024,
+                  speculative_config=NGRAM if name == "spec" else None)
+        if name == "spec":  # drafts of the plain output, every 5th wrong: runs accepted, some cut short
+            llm.engine.scheduler.proposer = ReferenceDrafts({tuple(p): r[0] for p, r in zip(prompts, runs["plain"])})
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        runs[name] = [(list(o.outputs[0].token_ids),
+                       [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs]) for o in outs]
+        if name == "spec":
+            st = llm.engine.stats()
+            assert 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
+        llm.close()
+    assert runs["spec"] == runs["plain"]
+
+
 def test_stop_strings_max_tokens_logprobs_and_n_are_as_without_speculation(folder) -> None:  # noqa: ANN001
     base = LLM(str(folder), block_size=4)
     tok = base.get_tokenizer()

@@ -25,9 +25,14 @@ constexpr int64_t kRowsPerItem = 192;
 // 1.06-1.12x on one). Results are the same bits either way: each head is computed on its own.
 constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kMinItemsFloor = 8;
-// Key ranges of single-tile sequences (decode, short chunks) are split into parts of at least
-// this many keys (a multiple of the kernel's key chunk).
-constexpr int64_t kMinKeysPerPart = 256;
+// Key ranges of single-tile sequences (decode, short chunks) are split into parts of this many keys (a multiple
+// of the kernel's key chunk), at fixed offsets from the first key: [lo, lo + 512), [lo + 512, lo + 1024), ... The
+// parts a token sees are then the same whether it is decoded alone or with later tokens of its sequence (a
+// speculative verification): those tokens only add parts it sees no key of, which combine_split skips, so its
+// output keeps the bits of its one-token decode (parts sized by the key count moved their bounds with it).
+// 512 rather than 256: as fast for one sequence of 700-4,096 keys (8 parts at 4,096 keep both threads busy) and
+// no extra part for a decode batch at 257-511 keys (2-core AVX2 EPYC, float16 pools; 256 cost 2-4 % there).
+constexpr int64_t kKeysPerPart = 512;
 
 int64_t min_items() {
   static const int64_t n = std::max<int64_t>(kMinItemsFloor, kItemsPerThread * std::thread::hardware_concurrency());
@@ -135,7 +140,8 @@ WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
       // depends only on the sequence itself, never on the rest of the batch, so a sequence's
       // result is bit-identical whatever batch it runs in.
       const bool single_tile = tile_begin == begin && tile_end == end;
-      const int64_t parts = single_tile ? std::max<int64_t>(1, (key_hi - key_lo) / kMinKeysPerPart) : 1;
+      const int64_t parts = single_tile ? std::max<int64_t>(1, (key_hi - key_lo + kKeysPerPart - 1) / kKeysPerPart)
+                                        : 1;
       tiles.push_back({static_cast<int32_t>(b), tile_begin, tile_end, key_lo, key_hi,
                        (key_hi - key_lo) * (tile_end - tile_begin), parts});
     }
@@ -153,9 +159,7 @@ WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   WorkPlan plan;
   for (const Tile& tl : tiles) {
-    const int64_t keys = tl.key_hi - tl.key_lo;
     const int64_t parts = tl.parts;
-    const int64_t step = ((keys + parts - 1) / parts + 63) / 64 * 64;  // part length, chunk-aligned
     for (int64_t g = 0; g < p.kv_num_heads; g += heads_per_item) {
       const WorkItem whole{tl.seq, tl.begin, tl.end, static_cast<int32_t>(g), static_cast<int32_t>(g + heads_per_item),
                            0, std::numeric_limits<int64_t>::max(), -1};
@@ -164,10 +168,10 @@ WorkPlan plan_work(const StepTensors& t, const AttentionParams& p) {
         continue;
       }
       SplitGroup split{whole, static_cast<int32_t>(plan.num_partials), 0};
-      for (int64_t k = tl.key_lo; k < tl.key_hi; k += step) {
+      for (int64_t k = tl.key_lo; k < tl.key_hi; k += kKeysPerPart) {
         WorkItem part = whole;
         part.key_begin = k;
-        part.key_end = std::min(tl.key_hi, k + step);
+        part.key_end = std::min(tl.key_hi, k + kKeysPerPart);
         part.partial = static_cast<int32_t>(plan.num_partials++);
         plan.items.push_back(part);
         ++split.parts;
