@@ -46,8 +46,9 @@ constexpr int64_t kKeyChunk = 64;
 // Each path sums a row the same way whatever the item's other rows, so a token's output is the bits its one-token
 // decode gives wherever both take one path: a speculative verification of up to kExactTokens tokens (1 + 7
 // drafts) always, a wide group always. A wide group's token fills (most of) a vector of GEMM rows: measured
-// (decode, float16 pools, 2-core AVX2 EPYC) groups of 8 1.29x and of 7 1.09x the dot products' speed at batch 48 /
-// 300 keys, 1.3x for one sequence of 4096 keys; groups of 3 and 4 (half-empty vectors) ran 0.7-0.9x on the GEMM.
+// (decode, float16 pools, 2-core AVX2 EPYC) groups of 8 1.26-1.38x and of 7 1.16x the dot products' speed at
+// batch 48 / 200-300 keys, 1.3x for one sequence of 4096 keys; groups of 3 and 4 (half-empty vectors) ran 0.7-0.9x
+// on the GEMM.
 constexpr int64_t kGemmRows = 16;
 constexpr int64_t kGemmGroup = 7;
 constexpr int64_t kExactTokens = 8;
