@@ -1303,10 +1303,11 @@ OCTAVO_AMX_TARGET void run_amx_item(const StepTensors& t, const AttentionParams&
 void run_work_item(const StepTensors& t, const AttentionParams& p, const WorkItem& item, const PartialResults& partials,
                    const WorkItem* next) {
   const ItemShape g = item_shape(t, p, item);
-  const bool gemm = gemm_item(g.rows / g.group, g.group);
+  const int64_t tokens = g.rows / g.group;
+  const bool gemm = gemm_item(tokens, g.group);
 #if defined(OCTAVO_AMX)
   // bfloat16 for prompt items only (> kExactTokens tokens), never for a decode item that kGemmGroup sends to the GEMM
-  if (p.prompt_bf16 && gemm && g.rows / g.group > kExactTokens && g.D % 32 == 0 && !g.q8) {  // int8 pools: float32
+  if (p.prompt_bf16 && gemm && tokens > kExactTokens && g.D % 32 == 0 && !g.q8) {  // int8 pools: float32
     if (amx_bf16_usable()) {
       if (g.f16) return run_amx_item<uint16_t, true>(t, p, item, partials);
       return run_amx_item<float, true>(t, p, item, partials);
